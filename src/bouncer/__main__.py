@@ -1,0 +1,3 @@
+from bouncer.cli import main
+
+main()

@@ -1,0 +1,118 @@
+"""The `bouncer` command."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+
+
+def _run(coro) -> None:
+    try:
+        import uvloop
+        uvloop.install()
+    except ImportError:  # uvloop is optional off Linux/macOS
+        pass
+    try:
+        asyncio.run(coro)
+    except KeyboardInterrupt:
+        pass
+
+
+def _engine_model_from_args(args):
+    from bouncer.sim.engine import EngineModel
+    from bouncer.sim.profiles import get_profile
+
+    profile = get_profile(args.profile)
+    return EngineModel(profile, num_blocks=args.kv_blocks, block_size=args.block_size,
+                       max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                       max_model_len=args.max_model_len, policy=args.scheduling_policy,
+                       max_num_queued_reqs=args.max_num_queued_reqs,
+                       max_num_queued_tokens=args.max_num_queued_tokens)
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    from bouncer.sim.profiles import DEFAULT_PROFILE, PROFILES
+
+    p.add_argument("--profile", default=DEFAULT_PROFILE, choices=sorted(PROFILES),
+                   help="model/GPU pair whose step times and KV size are modelled")
+    p.add_argument("--kv-blocks", type=int, help="KV blocks in the pool (default: the profile's)")
+    p.add_argument("--block-size", type=int, help="tokens per KV block (default: the profile's, 16)")
+    p.add_argument("--max-num-seqs", type=int, help="most requests in one batch")
+    p.add_argument("--max-num-batched-tokens", type=int, help="token budget of one step")
+    p.add_argument("--max-model-len", type=int, help="context length")
+    p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
+    p.add_argument("--max-num-queued-reqs", type=int, help="refuse with 503 beyond this many requests")
+    p.add_argument("--max-num-queued-tokens", type=int, help="refuse with 503 beyond this many queued prompt tokens")
+
+
+def cmd_engine(args) -> None:
+    from bouncer.engine_server import EngineServer, serve_engine
+    from bouncer.tokenizer import PromptTokenizer
+
+    engine = _engine_model_from_args(args)
+    server = EngineServer(engine, model_name=args.model, speed=args.speed,
+                          tokenizer=PromptTokenizer(args.tokenizer), seed=args.seed)
+    print(f"bouncer engine: model {args.model!r} ({args.profile}, {engine.pool.num_blocks} KV blocks of "
+          f"{engine.block_size}, max_num_seqs {engine.max_num_seqs}, speed x{args.speed}) on "
+          f"http://{args.host}:{args.port}", flush=True)
+    _run(serve_engine(server, args.host, args.port))
+
+
+def cmd_bench_engine(args) -> None:
+    from bouncer.sim.engine_replay import replay
+    from bouncer.sim.traces import load_azure
+
+    trace = load_azure(args.trace)
+    engine = _engine_model_from_args(args)
+    s = replay(engine, trace, args.duration)
+    print(f"trace {args.trace}: {s.requests} requests over {s.sim_seconds:.0f} simulated seconds, "
+          f"profile {args.profile}")
+    print(f"  completed {s.completed}, refused {s.refused}, preemptions {s.preemptions}, "
+          f"max waiting {s.max_waiting}, max KV usage {s.max_kv_usage:.2f}")
+    print(f"  TTFT p50 {s.ttft_p50 * 1e3:.1f} ms, p99 {s.ttft_p99 * 1e3:.1f} ms; TPOT p50 "
+          f"{s.tpot_p50 * 1e3:.2f} ms; e2e p99 {s.e2e_p99:.2f} s")
+    print(f"  {s.steps} engine steps in {s.wall_seconds:.2f} s wall: "
+          f"{s.speedup:.0f} simulated seconds per wall second")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({**{k: getattr(s, k) for k in s.__slots__}, "speedup": s.speedup,
+                       "profile": args.profile, "trace": args.trace}, f, indent=2)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="bouncer", description="Admission control for LLM inference fleets.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("engine", help="serve the simulated vLLM-like engine over HTTP (OpenAI API)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8100)
+    p.add_argument("--model", default="demo-llm", help="served model name")
+    p.add_argument("--speed", type=float, default=1.0, help="run the model clock this many times faster")
+    p.add_argument("--tokenizer", help="tokenizer.json (default: Bouncer's bundled one)")
+    p.add_argument("--seed", type=int, default=0)
+    _add_engine_args(p)
+    p.set_defaults(func=cmd_engine)
+
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
+    p = bench.add_parser("engine", help="replay a trace against one engine model in virtual time")
+    p.add_argument("--trace", default="../shared/traces/azure-2023/AzureLLMInferenceTrace_conv.csv")
+    p.add_argument("--duration", type=float, help="only arrivals in the first N seconds")
+    p.add_argument("--out", help="write the summary as JSON")
+    _add_engine_args(p)
+    p.set_defaults(func=cmd_bench_engine)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except ValueError as exc:
+        print(f"bouncer: {exc}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,362 @@
+"""`bouncer engine`: the engine model served over HTTP in real time, speaking OpenAI and vLLM.
+
+A single asyncio task drives the model: it runs one step, sleeps for the step's modelled duration
+(divided by `speed`), then hands each request its new tokens. Handlers only enqueue requests and
+relay tokens, so one process carries hundreds of concurrent streams on one core.
+
+Times reported in `/metrics` histograms are model time (equal to wall time at speed 1).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+import random
+import time
+import zlib
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from bouncer.core.blocks import chain_block_hashes
+from bouncer.openai_wire import (
+    SSE_DONE,
+    ApiError,
+    dumps,
+    full_response,
+    models_list,
+    parse_json_object,
+    sse,
+    stream_chunk,
+    usage,
+    usage_chunk,
+)
+from bouncer.sim.engine import EngineModel, EngineRequest, QueueFull, RequestTooLong
+from bouncer.tokenizer import PromptTokenizer
+
+# vLLM's histogram buckets (vllm/v1/metrics/loggers.py), so dashboards built for vLLM work as is.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+               10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+               120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+# Output length when the client does not ask for exactly max_tokens (ignore_eos): a log-normal
+# around a typical chat answer, capped by max_tokens. Seeded by the request so runs repeat.
+SAMPLED_OUTPUT_MEDIAN = 150
+SAMPLED_OUTPUT_SIGMA = 0.8
+DEFAULT_MAX_TOKENS = 256
+
+
+@dataclass(slots=True)
+class _Stream:
+    """Tokens the step loop has produced for one request and not yet sent."""
+
+    request: EngineRequest
+    seed: int
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    last_token_at: float | None = None
+
+
+class _EngineCollector:
+    """Gauges and counters read from the model at scrape time, so /metrics always agrees with
+    the model's state."""
+
+    def __init__(self, server: EngineServer) -> None:
+        self.server = server
+
+    def collect(self):
+        s = self.server
+        e = s.engine
+        c = e.counters
+        labels = ["model_name", "engine"]
+        lv = [s.model_name, "0"]
+
+        def gauge(name, doc, value):
+            g = GaugeMetricFamily(name, doc, labels=labels)
+            g.add_metric(lv, value)
+            return g
+
+        def counter(name, doc, value):
+            m = CounterMetricFamily(name, doc, labels=labels)
+            m.add_metric(lv, value)
+            return m
+
+        yield gauge("vllm:num_requests_running", "Number of requests in model execution batches.", e.num_running)
+        yield gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", e.num_waiting)
+        yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", e.kv_usage)
+        yield counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
+                      c.prefix_cache_queries)
+        yield counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
+                      c.prefix_cache_hits)
+        yield counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.", c.num_preemptions)
+        yield counter("vllm:prompt_tokens", "Number of prefill tokens processed.", c.prompt_tokens)
+        yield counter("vllm:generation_tokens", "Number of generation tokens processed.", c.generation_tokens)
+        success = CounterMetricFamily("vllm:request_success", "Count of successfully processed requests.",
+                                      labels=[*labels, "finished_reason"])
+        for reason, n in c.request_success.items():
+            success.add_metric([*lv, reason], n)
+        yield success
+        rejections = CounterMetricFamily("vllm:admission_rejections", "Requests refused by the queue caps.",
+                                         labels=[*labels, "reason"])
+        for reason, n in c.admission_rejections.items():
+            rejections.add_metric([*lv, reason], n)
+        yield rejections
+        info = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
+                                 labels=["block_size", "num_gpu_blocks", "enable_prefix_caching"])
+        info.add_metric([str(e.block_size), str(e.pool.num_blocks), str(e.pool.enable_prefix_caching)], 1.0)
+        yield info
+
+
+class EngineServer:
+    def __init__(self, engine: EngineModel, *, model_name: str = "demo-llm", speed: float = 1.0,
+                 tokenizer: PromptTokenizer | None = None, seed: int = 0) -> None:
+        if speed <= 0:
+            raise ValueError("speed must be positive")
+        self.engine = engine
+        self.model_name = model_name
+        self.speed = speed
+        self.tokenizer = tokenizer or PromptTokenizer()
+        self.seed = seed
+        self._streams: dict[str, _Stream] = {}
+        self._ids = itertools.count()
+        self._wake = asyncio.Event()
+        self._loop_task: asyncio.Task | None = None
+        self._t0 = 0.0
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineCollector(self))
+        hist_labels = ["model_name", "engine"]
+        self.h_ttft = Histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                                hist_labels, buckets=TTFT_BUCKETS, registry=self.registry).labels(model_name, "0")
+        self.h_itl = Histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                               hist_labels, buckets=ITL_BUCKETS, registry=self.registry).labels(model_name, "0")
+        self.h_e2e = Histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+                               hist_labels, buckets=E2E_BUCKETS, registry=self.registry).labels(model_name, "0")
+        self.h_queue = Histogram("vllm:request_queue_time_seconds",
+                                 "Histogram of time spent in WAITING phase for request.",
+                                 hist_labels, buckets=E2E_BUCKETS, registry=self.registry).labels(model_name, "0")
+
+    # -- clock ---------------------------------------------------------------------------------
+    def now(self) -> float:
+        """Model time: seconds since start, scaled by speed."""
+        return (time.monotonic() - self._t0) * self.speed
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app.router.add_post("/v1/completions", self.handle_completions)
+        app.router.add_post("/v1/chat/completions", self.handle_chat)
+        app.router.add_get("/v1/models", self.handle_models)
+        app.router.add_get("/metrics", self.handle_metrics)
+        app.router.add_get("/health", self.handle_health)
+        app.on_startup.append(self._start)
+        app.on_cleanup.append(self._stop)
+        return app
+
+    async def _start(self, _app: web.Application) -> None:
+        self._t0 = time.monotonic()
+        self._loop_task = asyncio.get_running_loop().create_task(self._step_loop())
+
+    async def _stop(self, _app: web.Application) -> None:
+        if self._loop_task:
+            self._loop_task.cancel()
+            try:
+                await self._loop_task
+            except asyncio.CancelledError:
+                pass
+
+    # -- the step loop ----------------------------------------------------------------------------
+    async def _step_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            if not self.engine.has_work:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            start = self.now()
+            result = self.engine.step(start)
+            if result is None:  # waiting requests that cannot run until something is aborted
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            # Sleep until the step's modelled end, measured from the wall clock so error does not
+            # accumulate over thousands of steps.
+            deadline = self._t0 + result.end / self.speed
+            delay = deadline - loop.time()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            end = result.end
+            for req, n in result.tokens:
+                stream = self._streams.get(req.request_id)
+                if stream is None:
+                    continue
+                if req.num_output == n:  # first tokens of this request
+                    self.h_ttft.observe(end - req.arrival)
+                    if req.scheduled_at is not None:
+                        self.h_queue.observe(req.scheduled_at - req.arrival)
+                elif stream.last_token_at is not None:
+                    self.h_itl.observe((end - stream.last_token_at) / n)
+                stream.last_token_at = end
+                stream.queue.put_nowait(n)
+            for req in result.finished:
+                self.h_e2e.observe(end - req.arrival)
+                stream = self._streams.get(req.request_id)
+                if stream is not None:
+                    stream.queue.put_nowait(None)
+
+    # -- request handling -------------------------------------------------------------------------
+    def _output_len(self, body: dict[str, Any], rid_seed: int) -> tuple[int, int]:
+        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+        if max_tokens is None:
+            max_tokens = DEFAULT_MAX_TOKENS
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+            raise ApiError(400, "max_tokens must be a positive integer", param="max_tokens")
+        if body.get("ignore_eos"):
+            return max_tokens, max_tokens
+        rng = random.Random(rid_seed)
+        sampled = int(math.exp(rng.gauss(math.log(SAMPLED_OUTPUT_MEDIAN), SAMPLED_OUTPUT_SIGMA)))
+        return max(1, min(max_tokens, sampled)), max_tokens
+
+    def _prompt_ids(self, kind: str, body: dict[str, Any]) -> list[int]:
+        if kind == "chat":
+            messages = body.get("messages")
+            if not isinstance(messages, list) or not messages:
+                raise ApiError(400, "messages must be a non-empty list", param="messages")
+            try:
+                return self.tokenizer.encode_chat(messages)
+            except (TypeError, AttributeError) as exc:
+                raise ApiError(400, f"invalid messages: {exc}", param="messages") from None
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            return prompt
+        raise ApiError(400, "prompt must be a string or a list of token ids (one prompt per request)",
+                       param="prompt")
+
+    async def handle_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "completion")
+
+    async def handle_chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "chat")
+
+    async def _generate(self, request: web.Request, kind: str) -> web.StreamResponse:
+        try:
+            body = parse_json_object(await request.read())
+            model = body.get("model")
+            if model != self.model_name:
+                raise ApiError(404, f"The model `{model}` does not exist.", type_="NotFoundError", code=404,
+                               param="model")
+            if body.get("n", 1) != 1:
+                raise ApiError(400, "only n=1 is supported", param="n")
+            prompt_ids = self._prompt_ids(kind, body)
+            n = next(self._ids)
+            rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{n}"
+            seed = zlib.crc32(rid.encode()) ^ self.seed
+            target, _ = self._output_len(body, seed)
+            digests = chain_block_hashes(prompt_ids, self.engine.block_size)
+            priority = body.get("priority", 0)
+            if not isinstance(priority, int):
+                raise ApiError(400, "priority must be an integer", param="priority")
+            req = EngineRequest(rid, len(prompt_ids), target, digests, self.now(), priority)
+            try:
+                self.engine.add_request(req)
+            except QueueFull as exc:
+                raise ApiError(503, f"engine queue is full ({exc.reason})", type_="ServiceUnavailableError",
+                               code=503) from None
+            except RequestTooLong as exc:
+                raise ApiError(400, str(exc), type_="BadRequestError", code=400) from None
+        except ApiError as err:
+            return web.json_response(err.body(), status=err.status, dumps=lambda o: dumps(o).decode())
+        stream = _Stream(req, seed)
+        self._streams[rid] = stream
+        self._wake.set()
+        created = int(time.time())
+        try:
+            if body.get("stream"):
+                include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+                return await self._stream_response(request, kind, stream, created, include_usage)
+            return await self._full_response(kind, stream, created)
+        finally:
+            self._streams.pop(rid, None)
+            if req.finished_at is None:  # client went away: free its KV at once
+                self.engine.abort(rid, self.now())
+                self._wake.set()
+
+    def _texts(self, stream: _Stream, start: int, count: int) -> list[str]:
+        ids = self.tokenizer.output_token_ids
+        rng = random.Random(stream.seed * 1_000_003 + start)
+        return [self.tokenizer.token_text(ids[rng.randrange(len(ids))]) for _ in range(count)]
+
+    async def _stream_response(self, request: web.Request, kind: str, stream: _Stream, created: int,
+                               include_usage: bool) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        req = stream.request
+        sent = 0
+        while True:
+            n = await stream.queue.get()
+            if n is None:
+                break
+            parts = []
+            for text in self._texts(stream, sent, n):
+                parts.append(sse(stream_chunk(kind, req.request_id, self.model_name, created, text,
+                                              first=sent == 0)))
+                sent += 1
+            await resp.write(b"".join(parts))
+        finish = stream_chunk(kind, req.request_id, self.model_name, created, None if kind == "chat" else "",
+                              finish_reason=req.finish_reason or "length")
+        out = [sse(finish)]
+        if include_usage:
+            out.append(sse(usage_chunk(kind, req.request_id, self.model_name, created,
+                                       usage(req.prompt_len, req.num_output, req.num_cached_tokens))))
+        out.append(SSE_DONE)
+        await resp.write(b"".join(out))
+        await resp.write_eof()
+        return resp
+
+    async def _full_response(self, kind: str, stream: _Stream, created: int) -> web.Response:
+        req = stream.request
+        sent = 0
+        texts: list[str] = []
+        while True:
+            n = await stream.queue.get()
+            if n is None:
+                break
+            texts.extend(self._texts(stream, sent, n))
+            sent += n
+        body = full_response(kind, req.request_id, self.model_name, created, "".join(texts),
+                             req.finish_reason or "length",
+                             usage(req.prompt_len, req.num_output, req.num_cached_tokens))
+        return web.Response(body=dumps(body), content_type="application/json")
+
+    async def handle_models(self, _request: web.Request) -> web.Response:
+        return web.Response(body=dumps(models_list([self.model_name], owned_by="vllm")),
+                            content_type="application/json")
+
+    async def handle_metrics(self, _request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(self.registry),
+                            headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+    async def handle_health(self, _request: web.Request) -> web.Response:
+        return web.Response(text="")
+
+
+async def serve_engine(server: EngineServer, host: str, port: int) -> None:
+    """Run until cancelled. Handler cancellation is on so a client that disconnects aborts its
+    request (and frees its KV) even while it waits for a non-streaming answer."""
+    runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await runner.cleanup()

@@ -1,0 +1,118 @@
+"""Engine profiles: step-time coefficients and KV geometry for real model/GPU pairs.
+
+One engine step (a forward pass over the continuous batch) is modelled as
+
+    step_time = a + b * batched_tokens + c * context_tokens
+
+- `a`: fixed cost of a step. Decode is memory-bound, so at small batch the step is dominated by
+  streaming the weights once from HBM, plus scheduler/sampler overhead.
+- `b`: cost per token processed in the step (prefill chunk tokens + one per decoding request),
+  compute-bound: 2 x parameters FLOPs per token at an achievable fraction of peak (MFU).
+- `c`: cost per token of context the batch's attention reads (sum over scheduled requests of
+  the tokens in their KV cache), memory-bound: KV bytes per token at achievable bandwidth.
+
+Roofline constants used below (datasheet figures, dense BF16):
+  H100 SXM: 989 TFLOP/s, 3.35 TB/s HBM3, 80 GB.     H200: 989 TFLOP/s, 4.8 TB/s HBM3e, 141 GB.
+Achievable fractions: 80% of HBM bandwidth, 60% MFU for one GPU, 50% under tensor parallelism
+(all-reduce per layer). KV capacity follows vLLM's sizing: gpu_memory_utilization 0.9 of the
+card, minus weights, minus ~4 GB for activations and CUDA graphs, divided by KV bytes per token.
+
+Model geometry from the models' config.json (Llama-3.1-8B: 32 layers, 8 KV heads, head dim 128;
+Llama-3.1-70B: 80 layers, 8 KV heads, head dim 128; Qwen3-32B: 64 layers, 8 KV heads, head dim
+128), BF16 weights and KV. Cross-check: vLLM's published Llama-3.1-8B H100 decode ITL at batch 1
+is ~6-7 ms, and the 70B on 4xH100 ~15-20 ms, which `a` reproduces within ~15%.
+
+`vllm-cpu-tiny` is measured, not derived: see docs/engine-model.md for the calibration run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GB = 1e9
+
+
+@dataclass(frozen=True, slots=True)
+class KVGeometry:
+    layers: int
+    kv_heads: int
+    head_dim: int
+    dtype_bytes: int = 2
+
+    @property
+    def bytes_per_token(self) -> int:
+        """K and V for every layer and KV head (GQA: KV heads, not attention heads)."""
+        return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class EngineProfile:
+    name: str
+    model: str
+    hardware: str
+    a: float  # s per step
+    b: float  # s per batched token
+    c: float  # s per context token read by attention
+    kv: KVGeometry
+    num_blocks: int
+    block_size: int = 16
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 256
+    max_model_len: int = 131072
+
+    def step_time(self, batched_tokens: int, context_tokens: int) -> float:
+        return self.a + self.b * batched_tokens + self.c * context_tokens
+
+    @property
+    def kv_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+
+def _kv_blocks(card_gb: float, weights_gb_per_gpu: float, kv_bytes_per_token_per_gpu: float,
+               block_size: int = 16) -> int:
+    kv_bytes = (card_gb * 0.9 - weights_gb_per_gpu - 4.0) * GB
+    return int(kv_bytes / kv_bytes_per_token_per_gpu) // block_size
+
+
+_H100_BW, _H200_BW, _PEAK = 3.35e12 * 0.8, 4.8e12 * 0.8, 989e12
+
+_LLAMA8 = KVGeometry(layers=32, kv_heads=8, head_dim=128)
+_LLAMA70 = KVGeometry(layers=80, kv_heads=8, head_dim=128)
+_QWEN32 = KVGeometry(layers=64, kv_heads=8, head_dim=128)
+
+PROFILES: dict[str, EngineProfile] = {
+    p.name: p
+    for p in (
+        EngineProfile(
+            name="llama-3.1-8b-h100", model="meta-llama/Llama-3.1-8B-Instruct", hardware="1xH100-80GB",
+            # 16.06 GB of weights per step + ~1 ms of scheduling and sampling
+            a=16.06 * GB / _H100_BW + 0.001,
+            b=2 * 8.03e9 / (_PEAK * 0.6),
+            c=_LLAMA8.bytes_per_token / _H100_BW,
+            kv=_LLAMA8, num_blocks=_kv_blocks(80, 16.06, _LLAMA8.bytes_per_token)),
+        EngineProfile(
+            name="llama-3.1-70b-4xh100", model="meta-llama/Llama-3.1-70B-Instruct",
+            hardware="4xH100-80GB, tensor parallel 4",
+            # 35.3 GB of weights per GPU per step + ~2.5 ms of all-reduces (2 per layer)
+            a=141.2 / 4 * GB / _H100_BW + 0.0025,
+            b=2 * 70.6e9 / (4 * _PEAK * 0.5),
+            c=_LLAMA70.bytes_per_token / 4 / _H100_BW,
+            kv=_LLAMA70, num_blocks=_kv_blocks(80, 141.2 / 4, _LLAMA70.bytes_per_token / 4)),
+        EngineProfile(
+            name="qwen3-32b-h200", model="Qwen/Qwen3-32B", hardware="1xH200-141GB",
+            a=65.5 * GB / _H200_BW + 0.001,
+            b=2 * 32.8e9 / (_PEAK * 0.6),
+            c=_QWEN32.bytes_per_token / _H200_BW,
+            kv=_QWEN32, num_blocks=_kv_blocks(141, 65.5, _QWEN32.bytes_per_token),
+            max_model_len=40960),
+    )
+}
+
+DEFAULT_PROFILE = "llama-3.1-8b-h100"
+
+
+def get_profile(name: str) -> EngineProfile:
+    try:
+        return PROFILES[name]
+    except KeyError:
+        raise ValueError(f"unknown engine profile {name!r}; known: {', '.join(sorted(PROFILES))}") from None

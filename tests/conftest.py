@@ -1,0 +1,41 @@
+import pytest
+from aiohttp import web
+
+from bouncer.engine_server import EngineServer
+from bouncer.sim.engine import EngineModel
+from bouncer.sim.profiles import get_profile
+from servers import BackgroundLoop, free_port, wait_http_ok
+
+
+@pytest.fixture
+def bg_loop():
+    loop = BackgroundLoop()
+    yield loop
+    loop.close()
+
+
+def start_engine(bg_loop: BackgroundLoop, *, speed: float = 1.0, **engine_kwargs):
+    """A real `bouncer engine` HTTP server on loopback; returns (base_url, EngineServer, cleanup)."""
+    port = free_port()
+    server_holder = {}
+
+    async def start():
+        engine = EngineModel(get_profile("llama-3.1-8b-h100"), **engine_kwargs)
+        server = EngineServer(engine, model_name="demo-llm", speed=speed)
+        runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        server_holder["server"] = server
+        return runner
+
+    runner = bg_loop.run(start())
+    base = f"http://127.0.0.1:{port}"
+    wait_http_ok(base + "/health")
+    return base, server_holder["server"], lambda: bg_loop.run(runner.cleanup())
+
+
+@pytest.fixture
+def engine_server(bg_loop):
+    base, server, cleanup = start_engine(bg_loop, num_blocks=2048, max_num_seqs=32)
+    yield base, server
+    cleanup()

@@ -1,0 +1,230 @@
+"""The engine model against vLLM v1's behaviour, with explicit virtual time."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from bouncer.core.blocks import chain_block_hashes
+from bouncer.sim.engine import EngineModel, EngineRequest, QueueFull, RequestTooLong, Status
+from bouncer.sim.profiles import PROFILES, EngineProfile, KVGeometry
+
+# A small, round profile so expected step times are easy to write down.
+TOY = EngineProfile(name="toy", model="toy", hardware="none", a=0.010, b=0.001, c=0.0001,
+                    kv=KVGeometry(layers=2, kv_heads=2, head_dim=8), num_blocks=64, block_size=16,
+                    max_num_batched_tokens=512, max_num_seqs=8, max_model_len=4096)
+
+
+def req(rid: str, prompt: list[int] | int, out: int, at: float = 0.0, priority: int = 0) -> EngineRequest:
+    tokens = list(range(prompt)) if isinstance(prompt, int) else prompt
+    return EngineRequest(rid, len(tokens), out, chain_block_hashes(tokens, 16), at, priority)
+
+
+def run_to_idle(engine: EngineModel, now: float = 0.0, horizon: float | None = None, limit: int = 100000):
+    """Step until nothing is left; return (end time, finished requests in order, step results)."""
+    finished, results = [], []
+    for _ in range(limit):
+        res = engine.step(now, horizon)
+        if res is None:
+            return now, finished, results
+        results.append(res)
+        finished.extend(res.finished)
+        now = res.end
+    raise AssertionError("engine did not go idle")
+
+
+def test_step_time_follows_profile():
+    engine = EngineModel(TOY)
+    engine.add_request(req("a", 100, 3))
+    res = engine.step(0.0)
+    # prefill: 100 tokens batched, 100 tokens of context
+    assert res.batched_tokens == 100
+    assert res.end == pytest.approx(0.010 + 0.001 * 100 + 0.0001 * 100)
+    assert res.tokens == [(engine.running[0], 1)]  # the first token is sampled at prefill's end
+    res2 = engine.step(res.end)
+    # decode: 1 batched token, context 101 (100 prompt + the first output token)
+    assert res2.end - res.end == pytest.approx(0.010 + 0.001 * 1 + 0.0001 * 101)
+
+
+def test_chunked_prefill_splits_long_prompt_over_budget():
+    engine = EngineModel(dataclasses.replace(TOY, num_blocks=128))
+    engine.add_request(req("long", 1200, 2))
+    budgets = []
+    now = 0.0
+    while True:
+        res = engine.step(now)
+        budgets.append(res.batched_tokens)
+        now = res.end
+        if res.tokens:
+            break
+    assert budgets == [512, 512, 176]
+
+
+def test_shared_prefix_is_prefilled_once_then_hit():
+    engine = EngineModel(TOY)
+    shared = list(range(1000, 1000 + 160))  # 10 full blocks
+    engine.add_request(req("first", shared + [1, 2, 3], 2))
+    now, _, _ = run_to_idle(engine)
+    assert engine.counters.prefix_cache_hits == 0
+    engine.add_request(req("second", shared + [7, 8, 9, 10], 2, at=now))
+    res = engine.step(now)
+    # 160 tokens come from the cache: only the 4-token tail is computed
+    assert res.batched_tokens == 4
+    assert engine.counters.prefix_cache_hits == 160
+    assert engine.counters.prefix_cache_queries == 163 + 164
+
+
+def test_prefix_hit_needs_contiguous_blocks_from_the_start():
+    engine = EngineModel(TOY)
+    engine.add_request(req("a", list(range(64)), 1))
+    run_to_idle(engine)
+    # same tokens in blocks 1..3 but a different block 0: chained digests differ, no hit
+    engine.add_request(req("b", [9999] * 16 + list(range(16, 64)), 1))
+    res = engine.step(0.0)
+    assert res.batched_tokens == 64
+    assert engine.counters.prefix_cache_hits == 0
+
+
+def test_cached_blocks_are_evicted_lru_tail_first_when_memory_is_needed():
+    profile = dataclasses.replace(TOY, num_blocks=8)
+    engine = EngineModel(profile)
+    engine.add_request(req("a", list(range(64)), 1))  # 4 blocks, cached after finishing
+    run_to_idle(engine)
+    assert engine.pool.num_cached == 4 and engine.kv_usage == 0.0
+    engine.add_request(req("b", list(range(500, 612)), 1))  # 7 blocks
+    run_to_idle(engine)
+    # b took the 4 never-used blocks, then 3 of a's: a's blocks were freed tail first, so its
+    # last blocks went and its first block (the most shareable prefix) is still cached.
+    engine.add_request(req("c", list(range(64)), 1))
+    engine.step(0.0)
+    assert engine.counters.prefix_cache_hits == 16
+
+
+def test_kv_exhaustion_preempts_last_admitted_and_recomputes():
+    profile = dataclasses.replace(TOY, num_blocks=12, max_num_seqs=8)
+    engine = EngineModel(profile)
+    for i in range(3):  # 3 x (64 prompt tokens = 4 blocks) = 12 blocks: pool full after prefill
+        engine.add_request(req(f"r{i}", list(range(i * 100, i * 100 + 64)), 40))
+    res = engine.step(0.0)
+    assert engine.kv_usage == 1.0 and not res.preempted
+    res = engine.step(res.end)  # every request needs a 5th block for token 65: someone must go
+    assert [r.request_id for r in res.preempted] == ["r2"]  # FCFS: the last admitted
+    victim = res.preempted[0]
+    assert victim.status is Status.PREEMPTED and victim.num_computed == 0 and victim.blocks == []
+    assert victim.num_output == 1  # its output so far is kept
+    assert engine.counters.num_preemptions == 1
+    assert engine.num_waiting == 1
+    now, finished, _ = run_to_idle(engine, res.end)
+    assert {r.request_id for r in finished} == {"r0", "r1", "r2"}
+    assert all(r.num_output == 40 for r in finished)
+    # r2 recomputed prompt + kept output: more prompt-side work than its 64 tokens
+    assert engine.counters.prompt_tokens == 3 * 64
+    assert engine.kv_usage == 0.0
+
+
+def test_priority_policy_preempts_lowest_priority():
+    profile = dataclasses.replace(TOY, num_blocks=12)
+    engine = EngineModel(profile, policy="priority")
+    engine.add_request(req("low", list(range(0, 64)), 40, priority=5))
+    engine.add_request(req("high", list(range(100, 164)), 40, priority=0))
+    engine.add_request(req("mid", list(range(200, 264)), 40, priority=1))
+    res = engine.step(0.0)
+    res = engine.step(res.end)
+    assert [r.request_id for r in res.preempted] == ["low"]
+
+
+def test_waiting_queue_grows_when_blocks_run_out_and_drains():
+    profile = dataclasses.replace(TOY, num_blocks=20, max_num_seqs=64)
+    engine = EngineModel(profile)
+    for i in range(12):
+        engine.add_request(req(f"r{i}", list(range(i * 1000, i * 1000 + 60)), 30))
+    res = engine.step(0.0)
+    assert engine.num_running < 12 and engine.num_waiting > 0
+    peak_waiting = engine.num_waiting
+    now, finished, _ = run_to_idle(engine, res.end)
+    assert peak_waiting >= 6
+    assert len(finished) == 12 and engine.num_waiting == 0 and engine.num_running == 0
+
+
+def test_max_num_seqs_caps_the_batch():
+    engine = EngineModel(dataclasses.replace(TOY, max_num_seqs=3))
+    for i in range(5):
+        engine.add_request(req(f"r{i}", list(range(i * 100, i * 100 + 20)), 5))
+    engine.step(0.0)
+    assert engine.num_running == 3 and engine.num_waiting == 2
+
+
+def test_queue_caps_refuse_like_vllm():
+    engine = EngineModel(TOY, max_num_queued_reqs=2, max_num_queued_tokens=150)
+    engine.add_request(req("a", 100, 5))
+    with pytest.raises(QueueFull) as excinfo:
+        engine.add_request(req("b", 100, 5))  # 200 queued prompt tokens > 150
+    assert excinfo.value.reason == "max_num_queued_tokens"
+    engine.add_request(req("c", 20, 5))
+    with pytest.raises(QueueFull) as excinfo:
+        engine.add_request(req("d", 10, 5))  # running + waiting already 2
+    assert excinfo.value.reason == "max_num_queued_reqs"
+    assert engine.counters.admission_rejections == {"max_num_queued_reqs": 1, "max_num_queued_tokens": 1}
+
+
+def test_too_long_requests_are_refused():
+    engine = EngineModel(TOY)
+    with pytest.raises(RequestTooLong):
+        engine.add_request(req("big", 4000, 200))
+    with pytest.raises(RequestTooLong):
+        EngineModel(dataclasses.replace(TOY, num_blocks=4)).add_request(req("kv", 100, 10))
+
+
+def test_abort_frees_blocks_wherever_the_request_is():
+    engine = EngineModel(dataclasses.replace(TOY, max_num_seqs=1))
+    engine.add_request(req("run", 100, 50))
+    engine.add_request(req("wait", 100, 50))
+    engine.step(0.0)
+    assert engine.kv_usage > 0
+    engine.abort("wait", 0.1)
+    engine.abort("run", 0.1)
+    assert engine.kv_usage == 0.0 and not engine.has_work
+    assert engine.counters.request_success["abort"] == 2
+    assert engine.abort("run", 0.2) is None  # idempotent
+
+
+def _trace_run(horizon: bool):
+    profile = dataclasses.replace(TOY, num_blocks=40, max_num_seqs=6)
+    engine = EngineModel(profile)
+    arrivals = [(i * 0.05, req(f"r{i}", list(range(i * 50, i * 50 + 30 + 7 * i)), 20 + 3 * i, at=i * 0.05))
+                for i in range(25)]
+    now, done = 0.0, {}
+    pending = list(arrivals)
+    while pending or engine.has_work:
+        while pending and pending[0][0] <= now:
+            engine.add_request(pending.pop(0)[1])
+        res = engine.step(now, pending[0][0] if (horizon and pending) else (float("inf") if horizon else None))
+        if res is None:
+            now = pending[0][0]
+            continue
+        for r in res.finished:
+            done[r.request_id] = (r.first_token_at, r.finished_at, r.num_preemptions)
+        now = res.end
+    return done, engine.counters
+
+
+def test_extended_decode_steps_match_single_steps():
+    single, c1 = _trace_run(horizon=False)
+    extended, c2 = _trace_run(horizon=True)
+    assert single.keys() == extended.keys() and len(single) == 25
+    for rid in single:
+        assert extended[rid][0] == pytest.approx(single[rid][0], abs=1e-9)
+        assert extended[rid][1] == pytest.approx(single[rid][1], abs=1e-9)
+        assert extended[rid][2] == single[rid][2]
+    assert c1.generation_tokens == c2.generation_tokens
+    assert c1.num_preemptions == c2.num_preemptions
+    assert c2.steps == c1.steps  # extension counts every step it covers
+
+
+def test_published_profiles_are_sane():
+    for profile in PROFILES.values():
+        assert 0.003 < profile.a < 0.05
+        assert profile.kv_tokens > 100_000
+        # a 4k-token prefill chunk should take longer than a decode step, and far less than a second
+        assert profile.a < profile.step_time(4096, 4096) < 1.0
