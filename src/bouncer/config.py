@@ -1,0 +1,286 @@
+"""Bouncer's configuration: one YAML file, validated once, with errors that name the bad field.
+
+Polarity is the same everywhere: a higher integer priority is more important; below zero is
+sheddable. Times are seconds, sizes are tokens unless a name says otherwise.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import pathlib
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+EngineKind = Literal["vllm", "sglang", "tgi", "llamacpp", "openai"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def key_digest(api_key: str) -> str:
+    """API keys are stored and compared as SHA-256 hex digests, never in clear."""
+    return hashlib.sha256(api_key.encode()).hexdigest()
+
+
+class RateLimit(_Strict):
+    requests_per_s: float | None = Field(None, gt=0, description="sustained request rate")
+    request_burst: int | None = Field(None, ge=1, description="bucket size; default 2 s of rate")
+    tokens_per_min: float | None = Field(None, gt=0, description="prompt + max_tokens per minute")
+    token_burst: int | None = Field(None, ge=1, description="default 10 s worth of tokens_per_min")
+
+
+class SLO(_Strict):
+    ttft_s: float | None = Field(None, gt=0)
+    tpot_s: float | None = Field(None, gt=0)
+
+
+class Tenant(_Strict):
+    name: str = Field(min_length=1)
+    api_keys_sha256: list[str] = Field(min_length=1)
+    priority: int = 0
+    weight: float = Field(1.0, gt=0, description="fair share inside its band")
+    rate_limit: RateLimit = RateLimit()
+    max_tokens_default: int = Field(512, ge=1)
+    max_tokens_cap: int = Field(4096, ge=1)
+    context_cap: int | None = Field(None, ge=1, description="prompt + max_tokens ceiling")
+    kv_share: float = Field(0.0, ge=0, le=1, description="fraction of the pool reserved for this tenant")
+    slo: SLO = SLO()
+    queue_ttl_s: float | None = Field(None, gt=0, description="default: policy.default_ttl_s")
+    models: list[str] = Field(default_factory=list, description="allowed models; empty means all")
+
+    @field_validator("api_keys_sha256")
+    @classmethod
+    def _hex_digests(cls, keys: list[str]) -> list[str]:
+        for k in keys:
+            if len(k) != 64 or any(c not in "0123456789abcdef" for c in k):
+                raise ValueError("each key must be a lowercase SHA-256 hex digest (64 chars); "
+                                 "see `bouncer config hash-key`")
+        return keys
+
+    @model_validator(mode="after")
+    def _default_within_cap(self) -> Tenant:
+        if self.max_tokens_default > self.max_tokens_cap:
+            raise ValueError("max_tokens_default must not exceed max_tokens_cap")
+        return self
+
+
+class KVGeometryConfig(_Strict):
+    layers: int = Field(ge=1)
+    kv_heads: int = Field(ge=1)
+    head_dim: int = Field(ge=1)
+    dtype_bytes: int = Field(2, ge=1)
+
+    @property
+    def bytes_per_token(self) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype_bytes
+
+
+class Backend(_Strict):
+    url: str
+    name: str | None = None
+    kv_blocks: int | None = Field(None, ge=1, description="KV blocks; else scraped or from kv_cache_gb")
+    kv_cache_gb: float | None = Field(None, gt=0, description="KV memory; blocks = bytes / (geometry x block)")
+
+    @field_validator("url")
+    @classmethod
+    def _http(cls, url: str) -> str:
+        if not url.startswith(("http://", "https://")):
+            raise ValueError("backend url must start with http:// or https://")
+        return url.rstrip("/")
+
+
+class ModelConfig(_Strict):
+    name: str = Field(min_length=1, description="served model name clients ask for")
+    engine: EngineKind = "vllm"
+    backends: list[Backend] = Field(min_length=1)
+    tokenizer: str | None = Field(None, description="tokenizer.json path; default: a stated estimate")
+    max_model_len: int = Field(8192, ge=16)
+    block_size: int = Field(16, ge=1)
+    kv: KVGeometryConfig | None = None
+    upstream_model: str | None = Field(None, description="name the backends serve it under; default: name")
+
+
+class Queues(_Strict):
+    max_requests: int = Field(2000, ge=0, description="whole waiting room")
+    max_tokens: int = Field(4_000_000, ge=0, description="queued prefill tokens, whole waiting room")
+    band_max_requests: int = Field(1000, ge=0)
+    tenant_max_requests: int = Field(256, ge=0)
+    tenant_max_tokens: int = Field(1_000_000, ge=0)
+
+
+class Telemetry(_Strict):
+    scrape_interval_s: float = Field(0.25, gt=0)
+    staleness_s: float = Field(2.0, gt=0, description="older telemetry makes a replica count as on_stale says")
+    on_stale: Literal["fail-closed", "fail-open"] = "fail-closed"
+
+
+class Breaker(_Strict):
+    failures: int = Field(5, ge=1, description="failures within window_s that open the breaker")
+    window_s: float = Field(30.0, gt=0)
+    open_s: float = Field(15.0, gt=0, description="time open before one probe is let through")
+
+
+class Saturation(_Strict):
+    # llm-d's utilization detector defaults: queueDepthThreshold 5, kvCacheUtilThreshold 0.8
+    queue_depth_threshold: float = Field(5.0, gt=0)
+    kv_threshold: float = Field(0.8, gt=0, le=1)
+
+
+class Policy(_Strict):
+    kv_reservation: Literal["overcommit", "reserve"] = "overcommit"
+    kv_busy_threshold: float = Field(0.92, gt=0, le=1, description="projected KV usage that marks a replica busy")
+    kv_resume_threshold: float = Field(0.85, gt=0, le=1, description="busy replica is usable again below this")
+    prefill_busy_tokens: int = Field(16384, ge=1, description="queued prefill tokens that mark a replica busy")
+    max_inflight_per_replica: int = Field(512, ge=1)
+    fairness: Literal["round-robin", "wdrr"] = "wdrr"
+    wdrr_quantum_tokens: int = Field(4096, ge=1)
+    ordering: Literal["fcfs", "edf"] = "fcfs"
+    default_ttl_s: float = Field(30.0, gt=0)
+    band_ceilings: dict[int, float] = Field(default_factory=dict,
+                                            description="saturation ceiling per priority band")
+    default_ceiling: float = Field(1.0, gt=0)
+    sheddable_ceiling: float = Field(0.8, gt=0, description="ceiling for bands below zero")
+    context_pressure_start: float = Field(0.8, ge=0, le=1, description="pool usage where context caps tighten")
+    context_pressure_min_fraction: float = Field(0.25, gt=0, le=1)
+    drain_queue_cap: int = Field(64, ge=0, description="requests held per model while draining")
+    expected_output_default: int = Field(256, ge=1, description="before any request has finished")
+    queues: Queues = Queues()
+    telemetry: Telemetry = Telemetry()
+    breaker: Breaker = Breaker()
+    saturation: Saturation = Saturation()
+
+    @model_validator(mode="after")
+    def _hysteresis(self) -> Policy:
+        if self.kv_resume_threshold > self.kv_busy_threshold:
+            raise ValueError("kv_resume_threshold must not exceed kv_busy_threshold")
+        return self
+
+
+class Limits(_Strict):
+    max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
+    max_n: int = Field(1, ge=1)
+    max_best_of: int = Field(1, ge=1)
+    max_stop: int = Field(4, ge=0)
+    max_tokens_min: int = Field(1, ge=1)
+
+
+class Listen(_Strict):
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+
+
+class BouncerConfig(_Strict):
+    listen: Listen = Listen()
+    admin_keys_sha256: list[str] = Field(default_factory=list)
+    tenants: list[Tenant] = Field(min_length=1)
+    models: list[ModelConfig] = Field(min_length=1)
+    policy: Policy = Policy()
+    limits: Limits = Limits()
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> BouncerConfig:
+        names = [t.name for t in self.tenants]
+        if len(set(names)) != len(names):
+            raise ValueError("tenant names must be unique")
+        keys = [k for t in self.tenants for k in t.api_keys_sha256]
+        if len(set(keys)) != len(keys):
+            raise ValueError("an API key is listed for more than one tenant")
+        models = {m.name for m in self.models}
+        if len(models) != len(self.models):
+            raise ValueError("model names must be unique")
+        for t in self.tenants:
+            for m in t.models:
+                if m not in models:
+                    raise ValueError(f"tenant {t.name!r} allows unknown model {m!r}")
+        if sum(t.kv_share for t in self.tenants) > 1.0:
+            raise ValueError("tenant kv_share values add up to more than 1")
+        return self
+
+    def tenant_by_key(self) -> dict[str, Tenant]:
+        return {k: t for t in self.tenants for k in t.api_keys_sha256}
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def _format_errors(source: str, exc: ValidationError) -> str:
+    lines = [f"{source}: invalid configuration"]
+    for err in exc.errors():
+        where = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        lines.append(f"  {where}: {err['msg']}")
+    return "\n".join(lines)
+
+
+def parse_config(data: dict, source: str = "config") -> BouncerConfig:
+    try:
+        return BouncerConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_format_errors(source, exc)) from None
+
+
+def load_config(path: str | pathlib.Path) -> BouncerConfig:
+    text = pathlib.Path(path).read_text()
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping")
+    return parse_config(data, str(path))
+
+
+EXAMPLE_CONFIG = """\
+# Bouncer configuration. Validate with `bouncer config check FILE`.
+# Priorities: higher is more important; below 0 is sheddable (refused first under load).
+
+listen: {host: 127.0.0.1, port: 8000}
+
+# SHA-256 of the key that may call /admin/* (`bouncer config hash-key KEY`).
+admin_keys_sha256: []
+
+tenants:
+  - name: interactive
+    api_keys_sha256: ["<sha256 of the tenant's API key>"]
+    priority: 10             # band; dispatched before lower bands
+    weight: 1.0              # fair share among tenants of the same band (tokens, WDRR)
+    rate_limit: {requests_per_s: 50, tokens_per_min: 2000000}
+    max_tokens_default: 512  # when the request sets none
+    max_tokens_cap: 2048     # larger asks are clamped to this
+    context_cap: 8192        # prompt + max_tokens; tightens when the pool is under pressure
+    kv_share: 0.3            # 30% of the pool's KV reserved for it; lent to others while idle
+    slo: {ttft_s: 1.0, tpot_s: 0.1}
+    queue_ttl_s: 10          # queued longer than this: 503 with Retry-After
+  - name: batch
+    api_keys_sha256: ["<sha256 of another key>"]
+    priority: -1             # sheddable
+    slo: {ttft_s: 30}
+
+models:
+  - name: llama-3.1-8b
+    engine: vllm             # vllm | sglang | tgi | llamacpp | openai (which metrics to scrape)
+    upstream_model: meta-llama/Llama-3.1-8B-Instruct
+    tokenizer: /models/llama-3.1-8b/tokenizer.json
+    max_model_len: 8192
+    block_size: 16
+    kv: {layers: 32, kv_heads: 8, head_dim: 128, dtype_bytes: 2}   # GQA: KV heads, not attention heads
+    backends:
+      - url: http://10.0.0.11:8000   # KV blocks are scraped from vllm:cache_config_info
+      - url: http://10.0.0.12:8000
+        kv_cache_gb: 52              # or stated: blocks = bytes / (kv bytes per token x block_size)
+
+policy:
+  kv_reservation: overcommit   # overcommit: reserve the learned expected output; reserve: max_tokens
+  kv_busy_threshold: 0.92      # projected KV usage that marks a replica busy...
+  kv_resume_threshold: 0.85    # ...until it falls below this (hysteresis)
+  fairness: wdrr               # wdrr (tokens) | round-robin
+  ordering: fcfs               # fcfs | edf (earliest deadline)
+  default_ttl_s: 30
+  sheddable_ceiling: 0.8       # bands below 0 dispatch only while fleet saturation < 0.8
+  band_ceilings: {10: 1.2}     # the top band may run the pool hotter
+  telemetry: {scrape_interval_s: 0.25, staleness_s: 2.0, on_stale: fail-closed}
+  queues: {max_requests: 2000, tenant_max_requests: 256}
+"""

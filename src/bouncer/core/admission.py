@@ -1,0 +1,588 @@
+"""The admission core: for each request, admit it now, hold it, or shed it.
+
+Pure and synchronous: every entry point takes `now` (seconds, any monotonic origin) and returns
+the decisions it made as events. No IO, no clock, no sleeping; the asyncio gateway and the
+virtual-time simulator drive the very same object.
+
+Entry points (all return `list[Event]`):
+- `offer(info, now)`: a new request. Refused at the first layer that refuses it, else queued;
+  it may be dispatched at once (a `Dispatch` event for it) or later.
+- `tick(now)`: expire queued requests past their TTL and dispatch what now fits. Call it at
+  `next_wakeup()` at the latest.
+- `started(id, now)`: first token seen. `finished(id, now, terminal, ...)`: the request is over
+  (completed, failed upstream, or cancelled mid-stream); its permit returns and room may open.
+- `cancel(id, now)`: the client left while queued. `observe(replica, telemetry, now)`: a scrape.
+- `drain(model)` / `undrain(model)`: model swaps.
+
+Concurrency model: one writer. The shell calls these from one thread (the event loop).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections import Counter, deque
+from dataclasses import dataclass, field
+
+from bouncer.config import BouncerConfig, ModelConfig, Tenant
+from bouncer.core.blocks import num_blocks
+from bouncer.core.breaker import CircuitBreaker
+from bouncer.core.fleet import ReplicaState, Telemetry
+from bouncer.core.flow import (
+    FCFS,
+    EarliestDeadline,
+    FairnessPolicy,
+    FlowQueues,
+    OrderingPolicy,
+    RoundRobin,
+    WeightedDeficitRoundRobin,
+)
+from bouncer.core.outcomes import Layer, Refusal, Terminal
+from bouncer.core.output_length import OutputLengthModel
+from bouncer.core.rate_limit import TenantRateLimiter
+from bouncer.core.requests import Admission, RequestInfo
+from bouncer.core.routing import LeastLoadedRouter, Router
+
+RETRY_AFTER_MIN_S = 1.0
+RETRY_AFTER_MAX_S = 60.0
+SERVICE_RATE_WINDOW_S = 30.0  # completions used to estimate how fast the fleet drains a backlog
+UNKNOWN_TENANT = "-"
+
+
+@dataclass(slots=True)
+class Dispatch:
+    """Send this request to `adm.replica` now."""
+
+    adm: Admission
+
+
+@dataclass(slots=True)
+class Reject:
+    """This request ends here with an error (refused, expired in the queue, or evicted)."""
+
+    request_id: str
+    refusal: Refusal
+    terminal: Terminal
+    tenant: str
+    priority: int | None
+
+
+Event = Dispatch | Reject
+
+
+@dataclass(slots=True)
+class CoreStats:
+    offered: int = 0
+    outcomes: Counter = field(default_factory=Counter)  # Terminal -> count
+    # (outcome, layer, reason, tenant, band) -> count; outcome "admitted" counts dispatches
+    decisions: Counter = field(default_factory=Counter)
+    slo_met: Counter = field(default_factory=Counter)  # tenant -> completed within SLO
+    slo_total: Counter = field(default_factory=Counter)  # tenant -> completed with an SLO
+    served_tokens: Counter = field(default_factory=Counter)  # tenant -> prompt + output tokens
+
+
+class _TenantState:
+    def __init__(self, cfg: Tenant, policy_cfg, now: float) -> None:
+        self.apply(cfg, policy_cfg, now)
+        self.inflight_blocks = 0
+        self.output_models: dict[str, OutputLengthModel] = {}
+
+    def apply(self, cfg: Tenant, policy_cfg, now: float) -> None:
+        rl = cfg.rate_limit
+        self.cfg = cfg
+        self.limiter = TenantRateLimiter(rl.requests_per_s, rl.request_burst, rl.tokens_per_min,
+                                         rl.token_burst, now)
+        b = policy_cfg.breaker
+        self.breaker = CircuitBreaker(b.failures, b.window_s, b.open_s)
+
+
+class _ModelState:
+    def __init__(self, cfg: ModelConfig, flow: FlowQueues) -> None:
+        self.cfg = cfg
+        self.flow = flow
+        self.draining = False
+        self.replicas: dict[str, ReplicaState] = {}
+
+
+def backend_name(model: str, index: int, explicit: str | None) -> str:
+    return explicit or f"{model}/{index}"
+
+
+def _backend_blocks(model: ModelConfig, backend) -> int | None:
+    if backend.kv_blocks:
+        return backend.kv_blocks
+    if backend.kv_cache_gb and model.kv:
+        return int(backend.kv_cache_gb * 1e9 / model.kv.bytes_per_token) // model.block_size
+    return None
+
+
+class AdmissionCore:
+    def __init__(self, config: BouncerConfig, now: float, router: Router | None = None) -> None:
+        self.router = router or LeastLoadedRouter()
+        self.stats = CoreStats()
+        self.inflight: dict[str, Admission] = {}
+        self._seq = itertools.count()
+        self._completions: deque[tuple[float, int]] = deque()  # (time, tokens) for the drain rate
+        self._completion_tokens_in_window = 0
+        self.models: dict[str, _ModelState] = {}
+        self.tenants: dict[str, _TenantState] = {}
+        self.replicas: dict[str, ReplicaState] = {}
+        self.reload(config, now)
+
+    # -- configuration ------------------------------------------------------------------------
+    def reload(self, config: BouncerConfig, now: float) -> list[Event]:
+        """Apply a new config without touching queued or in-flight requests. Rate-limit and
+        breaker state restart for changed tenants; replicas no longer listed finish their work
+        and get nothing new."""
+        self.config = config
+        self.policy = config.policy
+        self._key_to_tenant = config.tenant_by_key()
+        for t in config.tenants:
+            state = self.tenants.get(t.name)
+            if state is None:
+                self.tenants[t.name] = _TenantState(t, self.policy, now)
+            elif state.cfg != t:
+                state.apply(t, self.policy, now)
+        self._fairness: FairnessPolicy = (WeightedDeficitRoundRobin(self.policy.wdrr_quantum_tokens)
+                                          if self.policy.fairness == "wdrr" else RoundRobin())
+        self._ordering: OrderingPolicy = EarliestDeadline() if self.policy.ordering == "edf" else FCFS()
+        for m in config.models:
+            ms = self.models.get(m.name)
+            if ms is None:
+                ms = self.models[m.name] = _ModelState(m, FlowQueues(self._fairness, self._ordering))
+            ms.cfg = m
+            ms.flow.fairness = self._fairness  # queued requests keep their order keys
+            listed = set()
+            for i, b in enumerate(m.backends):
+                name = backend_name(m.name, i, b.name)
+                listed.add(name)
+                r = ms.replicas.get(name)
+                if r is None:
+                    r = ms.replicas[name] = ReplicaState(name, m.name, b.url, _backend_blocks(m, b), m.block_size)
+                    self.replicas[name] = r
+                r.url, r.configured_blocks, r.removed = b.url, _backend_blocks(m, b), False
+            for name, r in ms.replicas.items():
+                if name not in listed:
+                    r.removed = True
+        return self.tick(now)
+
+    # -- the layers -------------------------------------------------------------------------------
+    def offer(self, info: RequestInfo, now: float) -> list[Event]:
+        self.stats.offered += 1
+        tenant_state = self._key_to_tenant.get(info.key_digest) if info.key_digest else None
+        if tenant_state is None:
+            return [self._refuse(info.request_id, UNKNOWN_TENANT, None, Layer.VALIDATION, "unauthenticated",
+                                 "invalid or missing API key")]
+        tenant = self.tenants[tenant_state.name]
+        t = tenant.cfg
+        band = t.priority
+
+        def refuse(layer: Layer, reason: str, message: str, retry_after: float | None = None,
+                   param: str | None = None) -> list[Event]:
+            return [self._refuse(info.request_id, t.name, band, layer, reason, message, retry_after, param)]
+
+        # layer 1: validation
+        ms = self.models.get(info.model)
+        if ms is None:
+            return refuse(Layer.VALIDATION, "model_not_found", f"The model `{info.model}` does not exist.",
+                          param="model")
+        if t.models and info.model not in t.models:
+            return refuse(Layer.VALIDATION, "model_not_allowed",
+                          f"tenant {t.name!r} may not use model `{info.model}`", param="model")
+        lim = self.config.limits
+        if info.prompt_tokens < 1:
+            return refuse(Layer.VALIDATION, "invalid_parameter", "the prompt is empty", param="prompt")
+        if info.n < 1 or info.n > lim.max_n:
+            return refuse(Layer.VALIDATION, "invalid_parameter", f"n must be between 1 and {lim.max_n}",
+                          param="n")
+        if info.best_of is not None and (info.best_of < 1 or info.best_of > lim.max_best_of):
+            return refuse(Layer.VALIDATION, "invalid_parameter",
+                          f"best_of must be between 1 and {lim.max_best_of}", param="best_of")
+        if info.num_stop > lim.max_stop:
+            return refuse(Layer.VALIDATION, "invalid_parameter", f"at most {lim.max_stop} stop sequences",
+                          param="stop")
+        if info.max_tokens is not None and info.max_tokens < lim.max_tokens_min:
+            return refuse(Layer.VALIDATION, "invalid_parameter",
+                          f"max_tokens must be at least {lim.max_tokens_min}", param="max_tokens")
+
+        # layer 2: context budget; max_tokens defaulted and clamped
+        max_tokens = t.max_tokens_default if info.max_tokens is None else min(info.max_tokens, t.max_tokens_cap)
+        limit = min(ms.cfg.max_model_len, t.context_cap or ms.cfg.max_model_len)
+        if info.prompt_tokens >= limit:
+            return refuse(Layer.CONTEXT, "context_length_exceeded",
+                          f"This model's maximum context length is {limit} tokens; the prompt has "
+                          f"{info.prompt_tokens}.", param="messages")
+        if info.prompt_tokens + max_tokens > limit:
+            if info.max_tokens is not None and info.max_tokens <= t.max_tokens_cap:
+                return refuse(Layer.CONTEXT, "context_length_exceeded",
+                              f"This model's maximum context length is {limit} tokens. However, you requested "
+                              f"{info.prompt_tokens + max_tokens} tokens ({info.prompt_tokens} in the prompt, "
+                              f"{max_tokens} for the completion).", param="max_tokens")
+            max_tokens = limit - info.prompt_tokens
+
+        # rate limits and circuit breaker
+        wait = tenant.breaker.allow(now)
+        if wait is not None:
+            return refuse(Layer.RATE, "circuit_open",
+                          f"tenant {t.name!r} is paused after repeated upstream failures", wait)
+        limited = tenant.limiter.check(info.prompt_tokens + max_tokens, now)
+        if limited is not None:
+            reason, wait = limited
+            return refuse(Layer.RATE, reason, f"tenant {t.name!r} is over its {reason.split('_')[-1]} rate limit",
+                          wait)
+
+        ttl = t.queue_ttl_s or self.policy.default_ttl_s
+        if info.ttl_s is not None:
+            ttl = min(ttl, info.ttl_s)
+        ttft_slo = info.ttft_slo_s or t.slo.ttft_s
+        adm = Admission(info=info, tenant=t.name, priority=band, max_tokens=max_tokens,
+                        expected_output=self._expected_output(tenant, info.model, max_tokens),
+                        arrival=now, deadline=now + ttl,
+                        ttft_deadline=now + ttft_slo if ttft_slo else None, seq=next(self._seq))
+
+        # layers 4/5 at arrival: drain, usable backends, shedding, waiting-room bounds
+        flow = ms.flow
+        if ms.draining:
+            if len(flow) >= self.policy.drain_queue_cap:
+                return refuse(Layer.FLOW, "draining", f"model `{info.model}` is draining for a swap",
+                              self._retry_after(ms, band, now))
+        else:
+            fresh = self._freshness(ms, now)
+            if not any(self._usable(r, fresh) for r in ms.replicas.values()):
+                return refuse(Layer.QUEUE, "no_backend", f"no usable backend for model `{info.model}`",
+                              self._retry_after(ms, band, now))
+            if band < 0 and self._saturation(ms, now, fresh) >= self._ceiling(band):
+                return refuse(Layer.FLOW, "saturated", "the fleet is saturated; sheddable traffic is refused",
+                              self._retry_after(ms, band, now))
+        events: list[Event] = []
+        q = flow.tenant_queue(adm)
+        qc = self.policy.queues
+        if q is not None and (q.count >= qc.tenant_max_requests
+                              or q.tokens + info.prompt_tokens > qc.tenant_max_tokens):
+            return refuse(Layer.QUEUE, "tenant_queue_full", f"tenant {t.name!r} has too many queued requests",
+                          self._retry_after(ms, band, now))
+        band_state = flow.bands.get(band)
+        while (len(flow) >= qc.max_requests or flow.tokens + info.prompt_tokens > qc.max_tokens
+               or (band_state is not None and band_state.count >= qc.band_max_requests)):
+            victim = flow.lowest_sheddable(below=band)
+            if victim is None:
+                return refuse(Layer.QUEUE, "queue_full", "the waiting room is full",
+                              self._retry_after(ms, band, now))
+            flow.remove(victim)
+            events.append(self._refuse(victim.request_id, victim.tenant, victim.priority, Layer.FLOW, "evicted",
+                                       "evicted from the queue by higher-priority traffic",
+                                       self._retry_after(ms, victim.priority, now), terminal=Terminal.EVICTED))
+        flow.push(adm, t.weight)
+        events.extend(self._dispatch(ms, now))
+        return events
+
+    # -- lifecycle of admitted requests -------------------------------------------------------
+    def started(self, request_id: str, now: float) -> None:
+        adm = self.inflight.get(request_id)
+        if adm is None or adm.first_token_at is not None:
+            return
+        adm.first_token_at = now
+        self.replicas[adm.replica].mark_started(adm.prefill_tokens)
+
+    def finished(self, request_id: str, now: float, terminal: Terminal, completion_tokens: int = 0,
+                 reason: str | None = None) -> list[Event]:
+        """The admitted request is over. `reason` for FAILED names the failure (a key of
+        outcomes.STATUS_BY_REASON, e.g. "upstream_timeout"). Unknown ids are ignored, so a
+        shell may call this from every exit path."""
+        adm = self.inflight.pop(request_id, None)
+        if adm is None:
+            return []
+        replica = self.replicas[adm.replica]
+        if adm.first_token_at is None:
+            replica.mark_started(adm.prefill_tokens)
+        replica.remove(request_id, adm.blocks)
+        tenant = self.tenants.get(adm.tenant)
+        if tenant is not None:
+            tenant.inflight_blocks -= adm.blocks
+        self.stats.outcomes[terminal] += 1
+        layer = Layer.UPSTREAM.value if terminal is Terminal.FAILED else "-"
+        self.stats.decisions[(terminal.value, layer, reason or "-", adm.tenant, adm.priority)] += 1
+        ms = self.models[adm.info.model]
+        if terminal is Terminal.COMPLETED:
+            self._on_completed(adm, tenant, ms, now, completion_tokens)
+        elif terminal is Terminal.FAILED and tenant is not None and reason == "upstream_timeout":
+            tenant.breaker.record_failure(now)
+        return self._dispatch(ms, now)
+
+    def _on_completed(self, adm: Admission, tenant: _TenantState | None, ms: _ModelState, now: float,
+                      completion_tokens: int) -> None:
+        tokens = adm.info.prompt_tokens + completion_tokens
+        self.stats.served_tokens[adm.tenant] += tokens
+        self._completions.append((now, tokens))
+        self._completion_tokens_in_window += tokens
+        if tenant is None:
+            return
+        tenant.output_models.setdefault(adm.info.model, OutputLengthModel(self.policy.expected_output_default)) \
+            .observe(completion_tokens)
+        # A sequence that ran into the context limit is a runaway: it counts against the breaker.
+        if adm.info.prompt_tokens + completion_tokens >= ms.cfg.max_model_len:
+            tenant.breaker.record_failure(now)
+        else:
+            tenant.breaker.record_success(now)
+        ttft_slo = adm.info.ttft_slo_s or tenant.cfg.slo.ttft_s
+        tpot_slo = adm.info.tpot_slo_s or tenant.cfg.slo.tpot_s
+        if ttft_slo is None and tpot_slo is None:
+            return
+        self.stats.slo_total[adm.tenant] += 1
+        first = adm.first_token_at if adm.first_token_at is not None else now
+        ok = ttft_slo is None or first - adm.arrival <= ttft_slo
+        if ok and tpot_slo is not None and completion_tokens > 1:
+            ok = (now - first) / (completion_tokens - 1) <= tpot_slo
+        if ok:
+            self.stats.slo_met[adm.tenant] += 1
+
+    def cancel(self, request_id: str, now: float) -> list[Event]:
+        """The client went away while its request was queued: it leaves the queue at once."""
+        for ms in self.models.values():
+            adm = ms.flow.get(request_id)
+            if adm is not None:
+                ms.flow.remove(adm)
+                self.stats.outcomes[Terminal.CANCELLED] += 1
+                self.stats.decisions[("cancelled", Layer.FLOW.value, "client_disconnected", adm.tenant,
+                                      adm.priority)] += 1
+                return self._dispatch(ms, now)
+        return []
+
+    def observe(self, replica: str, telemetry: Telemetry | None, now: float) -> list[Event]:
+        """A scrape result; None when the scrape failed (the replica counts as unhealthy)."""
+        r = self.replicas.get(replica)
+        if r is None:
+            return []
+        if telemetry is None:
+            r.healthy = False
+        else:
+            r.healthy = True
+            r.telemetry = telemetry
+        return self._dispatch(self.models[r.model], now)
+
+    def tick(self, now: float) -> list[Event]:
+        events: list[Event] = []
+        for ms in self.models.values():
+            for adm in ms.flow.expired(now):
+                ms.flow.remove(adm)
+                events.append(self._refuse(adm.request_id, adm.tenant, adm.priority, Layer.FLOW, "ttl_expired",
+                                           "queued longer than its TTL", self._retry_after(ms, adm.priority, now),
+                                           terminal=Terminal.EXPIRED))
+            events.extend(self._dispatch(ms, now))
+        return events
+
+    def next_wakeup(self) -> float | None:
+        deadlines = [d for ms in self.models.values() if (d := ms.flow.next_deadline()) is not None]
+        return min(deadlines) if deadlines else None
+
+    def drain(self, model: str) -> None:
+        self._model(model).draining = True
+
+    def undrain(self, model: str, now: float) -> list[Event]:
+        ms = self._model(model)
+        ms.draining = False
+        return self._dispatch(ms, now)
+
+    def _model(self, model: str) -> _ModelState:
+        try:
+            return self.models[model]
+        except KeyError:
+            raise ValueError(f"unknown model {model!r}") from None
+
+    # -- dispatch -----------------------------------------------------------------------------------
+    def _dispatch(self, ms: _ModelState, now: float) -> list[Event]:
+        """Dispatch queued requests, highest band first, while they fit. A band that still has
+        queued work blocks the bands below it: their requests would take the room it waits for."""
+        events: list[Event] = []
+        flow = ms.flow
+        if ms.draining or not len(flow):
+            return events
+        fresh = self._freshness(ms, now)
+        for band in flow.bands_desc():
+            if not band.count:
+                continue
+            ceiling = self._ceiling(band.priority)
+            skip: set[str] = set()
+            while band.count:
+                if self._saturation(ms, now, fresh) >= ceiling:
+                    break
+                q = self._fairness.pick(band, skip)
+                if q is None:
+                    break
+                adm = q.head()
+                replica = self._place(ms, adm, now, fresh)
+                if replica is None:
+                    skip.add(q.tenant)  # its head waits; other tenants may still fit
+                    continue
+                self._fairness.charge(band, q, adm)
+                flow.remove(adm)
+                self._assign(adm, replica, now)
+                events.append(Dispatch(adm))
+            if band.count:
+                break
+        return events
+
+    def _assign(self, adm: Admission, replica: ReplicaState, now: float) -> None:
+        adm.replica = replica.name
+        adm.dispatched_at = now
+        adm.blocks = num_blocks(adm.info.prompt_tokens + adm.expected_output, replica.block_size)
+        adm.prefill_tokens = adm.info.prompt_tokens
+        replica.add(adm.request_id, adm, adm.blocks, adm.prefill_tokens)
+        self.tenants[adm.tenant].inflight_blocks += adm.blocks
+        self.inflight[adm.request_id] = adm
+        self.stats.decisions[("admitted", "-", "-", adm.tenant, adm.priority)] += 1
+
+    def _place(self, ms: _ModelState, adm: Admission, now: float, fresh: dict[str, bool]) -> ReplicaState | None:
+        """Layer 3: a replica with room for this request's KV, or None (hold it)."""
+        p = self.policy
+        total = adm.info.prompt_tokens + adm.max_tokens
+        pressure = self._pool_usage(ms, now, fresh)
+        if pressure > p.context_pressure_start:
+            t = self.tenants[adm.tenant].cfg
+            cap = t.context_cap or ms.cfg.max_model_len
+            squeeze = min(1.0, (pressure - p.context_pressure_start) / max(1e-9, 1 - p.context_pressure_start))
+            if total > cap * (1 - (1 - p.context_pressure_min_fraction) * squeeze):
+                return None  # long requests wait while the pool is under pressure
+        if not self._within_kv_share(ms, adm, now, fresh):
+            return None
+        candidates = []
+        for r in ms.replicas.values():
+            if not self._usable(r, fresh):
+                continue
+            usage = r.projected_usage(now, fresh[r.name])
+            if r.busy and usage < p.kv_resume_threshold:
+                r.busy = False
+            elif not r.busy and usage >= p.kv_busy_threshold:
+                r.busy = True
+            if r.busy or len(r.inflight) >= p.max_inflight_per_replica:
+                continue
+            cap = r.capacity_blocks
+            need = num_blocks(adm.info.prompt_tokens + adm.expected_output, r.block_size) / cap if cap else 0.0
+            if r.inflight and usage + need > p.kv_busy_threshold:
+                continue
+            if r.queued_prefill_tokens and r.queued_prefill_tokens + adm.info.prompt_tokens > p.prefill_busy_tokens:
+                continue
+            candidates.append(r)
+        if not candidates:
+            return None
+        return self.router.choose(adm, candidates, now, fresh, p.prefill_busy_tokens)
+
+    def _within_kv_share(self, ms: _ModelState, adm: Admission, now: float, fresh: dict[str, bool]) -> bool:
+        """Tenants' KV shares reserve part of the pool; what a tenant does not use is lent out,
+        but a borrower may not take the part other tenants have reserved and not yet used."""
+        shares = [(name, s.cfg.kv_share) for name, s in self.tenants.items() if s.cfg.kv_share > 0]
+        if not shares:
+            return True
+        caps = [r.capacity_blocks for r in ms.replicas.values() if self._usable(r, fresh)]
+        if not caps or not all(caps):
+            return True
+        pool = sum(caps)
+        used = sum(r.inflight_blocks for r in ms.replicas.values())
+        reserved_idle = sum(max(0.0, share * pool - self.tenants[name].inflight_blocks)
+                            for name, share in shares if name != adm.tenant)
+        need = num_blocks(adm.info.prompt_tokens + adm.expected_output, ms.cfg.block_size)
+        return used + need <= pool * self.policy.kv_busy_threshold - reserved_idle or used == 0
+
+    # -- fleet signals -----------------------------------------------------------------------------
+    def _freshness(self, ms: _ModelState, now: float) -> dict[str, bool]:
+        staleness = self.policy.telemetry.staleness_s
+        return {name: not r.is_stale(now, staleness) for name, r in ms.replicas.items()}
+
+    def _usable(self, r: ReplicaState, fresh: dict[str, bool]) -> bool:
+        if r.removed or not r.healthy:
+            return False
+        return fresh[r.name] or self.policy.telemetry.on_stale == "fail-open"
+
+    def _saturation(self, ms: _ModelState, now: float, fresh: dict[str, bool]) -> float:
+        """llm-d's utilization detector: per replica max(queue / queue threshold, KV / KV
+        threshold), averaged over the pool. A stale replica counts as fully saturated when
+        failing closed, and by our own accounting alone when failing open; an unhealthy one
+        (failed scrape) is saturated. >= 1.0 means saturated."""
+        s = self.policy.saturation
+        values = []
+        for r in ms.replicas.values():
+            if r.removed:
+                continue
+            is_fresh = r.healthy and fresh[r.name]
+            if not is_fresh and (not r.healthy or self.policy.telemetry.on_stale == "fail-closed"):
+                values.append(1.0)
+                continue
+            values.append(max(r.queue_depth(is_fresh) / s.queue_depth_threshold,
+                              r.projected_usage(now, is_fresh) / s.kv_threshold))
+        return sum(values) / len(values) if values else 1.0
+
+    def _pool_usage(self, ms: _ModelState, now: float, fresh: dict[str, bool]) -> float:
+        usages = [r.projected_usage(now, fresh[r.name]) for r in ms.replicas.values() if self._usable(r, fresh)]
+        return sum(usages) / len(usages) if usages else 1.0
+
+    def _ceiling(self, priority: int) -> float:
+        p = self.policy
+        if priority in p.band_ceilings:
+            return p.band_ceilings[priority]
+        return p.sheddable_ceiling if priority < 0 else p.default_ceiling
+
+    def _expected_output(self, tenant: _TenantState, model: str, max_tokens: int) -> int:
+        if self.policy.kv_reservation == "reserve":
+            return max_tokens
+        m = tenant.output_models.get(model)
+        return m.expected(max_tokens) if m else min(max_tokens, self.policy.expected_output_default)
+
+    # -- refusals ---------------------------------------------------------------------------------
+    def _retry_after(self, ms: _ModelState, priority: int, now: float) -> float:
+        """Estimated time to drain the backlog ahead of a request of this priority, from the
+        rate the fleet has been completing tokens. Grows with the backlog."""
+        window_start = now - SERVICE_RATE_WINDOW_S
+        while self._completions and self._completions[0][0] < window_start:
+            self._completion_tokens_in_window -= self._completions.popleft()[1]
+        backlog = ms.flow.tokens_ahead(priority) + sum(a.info.prompt_tokens + a.expected_output
+                                                       for a in self.inflight.values()
+                                                       if a.info.model == ms.cfg.name and a.first_token_at is None)
+        rate = self._completion_tokens_in_window / SERVICE_RATE_WINDOW_S
+        if rate <= 0:
+            estimate = RETRY_AFTER_MIN_S + len(ms.flow) * 0.05
+        else:
+            estimate = backlog / rate
+        return min(RETRY_AFTER_MAX_S, max(RETRY_AFTER_MIN_S, estimate))
+
+    def _refuse(self, request_id: str, tenant: str, priority: int | None, layer: Layer, reason: str,
+                message: str, retry_after: float | None = None, param: str | None = None,
+                terminal: Terminal = Terminal.REFUSED) -> Reject:
+        if retry_after is not None:
+            retry_after = math.ceil(retry_after)
+        refusal = Refusal(layer, reason, message, retry_after, param)
+        self.stats.outcomes[terminal] += 1
+        self.stats.decisions[(terminal.value, layer.value, reason, tenant, priority)] += 1
+        return Reject(request_id, refusal, terminal, tenant, priority)
+
+    def record_refusal(self, request_id: str, refusal: Refusal, tenant: str = UNKNOWN_TENANT) -> Reject:
+        """Count a refusal the shell made before the core could see the request (a body too
+        large or not JSON), so every offered request is accounted in one place."""
+        self.stats.offered += 1
+        return self._refuse(request_id, tenant, None, refusal.layer, refusal.reason, refusal.message,
+                            refusal.retry_after, refusal.param)
+
+    # -- introspection -----------------------------------------------------------------------------
+    @property
+    def queued(self) -> int:
+        return sum(len(ms.flow) for ms in self.models.values())
+
+    def snapshot(self, now: float) -> dict:
+        out = {"inflight": len(self.inflight), "queued": self.queued, "models": {}}
+        for name, ms in self.models.items():
+            fresh = self._freshness(ms, now)
+            out["models"][name] = {
+                "draining": ms.draining,
+                "saturation": round(self._saturation(ms, now, fresh), 4),
+                "queued": len(ms.flow),
+                "bands": {b.priority: {"queued": b.count, "tenants": {q.tenant: q.count for q in b.queues.values()
+                                                                       if q.count}}
+                          for b in ms.flow.bands_desc()},
+                "replicas": {
+                    r.name: {"url": r.url, "healthy": r.healthy, "fresh": fresh[r.name], "busy": r.busy,
+                             "removed": r.removed, "inflight": len(r.inflight),
+                             "capacity_blocks": r.capacity_blocks,
+                             "projected_kv_usage": round(r.projected_usage(now, fresh[r.name]), 4),
+                             "telemetry_age_s": None if r.telemetry is None else round(r.telemetry_age(now), 3)}
+                    for r in ms.replicas.values()},
+            }
+        return out

@@ -1,0 +1,92 @@
+"""The fleet as the core sees it: scraped telemetry blended with the gateway's own accounting.
+
+Scraped engine metrics are hundreds of milliseconds old by the time they arrive, and the
+gateway knows things the engine has not reported yet (what it just sent there). So each replica
+keeps both, and every load figure the policies read takes the worse of the two.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Telemetry:
+    """One scrape of a replica, stamped with the time it was *sampled* (not received)."""
+
+    at: float
+    kv_usage: float  # 0..1
+    running: int
+    waiting: int
+    num_blocks: int | None = None  # KV pool size, where the engine reports it
+    block_size: int | None = None
+    prefix_queries: float | None = None  # cumulative tokens looked up
+    prefix_hits: float | None = None  # cumulative tokens hit
+    preemptions: float | None = None
+
+
+class ReplicaState:
+    def __init__(self, name: str, model: str, url: str | None, capacity_blocks: int | None,
+                 block_size: int) -> None:
+        self.name = name
+        self.model = model
+        self.url = url
+        self.configured_blocks = capacity_blocks
+        self.block_size = block_size
+        self.telemetry: Telemetry | None = None
+        self.healthy = True  # last scrape answered
+        self.removed = False  # dropped by a config reload: finishes in-flight work, gets no new
+        self.busy = False  # hysteresis state
+        # own accounting of what was dispatched here and not finished
+        self.inflight: dict[str, object] = {}
+        self.inflight_blocks = 0
+        self.unstarted = 0  # dispatched, no first token yet
+        self.queued_prefill_tokens = 0  # uncached prompt tokens of those
+
+    @property
+    def capacity_blocks(self) -> int | None:
+        if self.configured_blocks:
+            return self.configured_blocks
+        t = self.telemetry
+        return t.num_blocks if t is not None and t.num_blocks else None
+
+    def telemetry_age(self, now: float) -> float:
+        return now - self.telemetry.at if self.telemetry is not None else float("inf")
+
+    def is_stale(self, now: float, staleness_s: float) -> bool:
+        return not self.healthy or self.telemetry_age(now) > staleness_s
+
+    def projected_usage(self, now: float, fresh: bool) -> float:
+        """KV usage the replica is heading for: the scraped figure plus what was sent after the
+        sample, or our own reservations if those are larger."""
+        cap = self.capacity_blocks
+        own = self.inflight_blocks / cap if cap else 0.0
+        t = self.telemetry
+        if t is None or not fresh:
+            return own
+        since = 0
+        if cap:
+            for adm in self.inflight.values():
+                if adm.dispatched_at is not None and adm.dispatched_at > t.at:  # type: ignore[attr-defined]
+                    since += adm.blocks  # type: ignore[attr-defined]
+        return max(own, t.kv_usage + (since / cap if cap else 0.0))
+
+    def queue_depth(self, fresh: bool) -> int:
+        """Requests waiting at the engine, as last scraped (0 when the scrape is stale: then
+        only our own KV accounting speaks)."""
+        t = self.telemetry
+        return t.waiting if t is not None and fresh else 0
+
+    def add(self, request_id: str, adm: object, blocks: int, prefill_tokens: int) -> None:
+        self.inflight[request_id] = adm
+        self.inflight_blocks += blocks
+        self.unstarted += 1
+        self.queued_prefill_tokens += prefill_tokens
+
+    def mark_started(self, prefill_tokens: int) -> None:
+        self.unstarted -= 1
+        self.queued_prefill_tokens -= prefill_tokens
+
+    def remove(self, request_id: str, blocks: int) -> None:
+        self.inflight.pop(request_id, None)
+        self.inflight_blocks -= blocks

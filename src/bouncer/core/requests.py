@@ -1,0 +1,53 @@
+"""A request as the core sees it: sizes, identity and deadlines, no bytes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class RequestInfo:
+    """What the gateway (or the simulator) knows of a request before admission."""
+
+    request_id: str
+    key_digest: str | None  # SHA-256 of the presented API key, None if none was sent
+    model: str
+    prompt_tokens: int
+    max_tokens: int | None  # as asked; None: the tenant default applies
+    block_digests: list[int] = field(default_factory=list)
+    n: int = 1
+    best_of: int | None = None
+    num_stop: int = 0
+    ttl_s: float | None = None  # client's shorter TTL (x-bouncer-ttl-ms)
+    ttft_slo_s: float | None = None  # client's own SLOs (x-bouncer-ttft-ms / -tpot-ms)
+    tpot_slo_s: float | None = None
+    session_id: str | None = None
+
+
+@dataclass(slots=True, eq=False)
+class Admission:
+    """A request that passed the cheap layers: its tenant, band and sizes are fixed."""
+
+    info: RequestInfo
+    tenant: str
+    priority: int
+    max_tokens: int  # after defaults and clamping
+    expected_output: int  # what KV is reserved for (learned, capped by max_tokens)
+    arrival: float
+    deadline: float  # TTL: leaves the queue at this time
+    ttft_deadline: float | None  # arrival + TTFT SLO
+    replica: str | None = None  # set when dispatched
+    dispatched_at: float | None = None
+    first_token_at: float | None = None
+    blocks: int = 0  # projected KV blocks reserved on its replica
+    prefill_tokens: int = 0  # uncached prompt tokens it adds to its replica's prefill queue
+    seq: int = 0  # arrival order, for FCFS ties
+
+    @property
+    def request_id(self) -> str:
+        return self.info.request_id
+
+    @property
+    def cost_tokens(self) -> int:
+        """What fairness charges: prompt plus expected output, in tokens."""
+        return self.info.prompt_tokens + self.expected_output

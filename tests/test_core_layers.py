@@ -1,0 +1,268 @@
+"""Each admission layer's decisions, with explicit `now`."""
+
+from __future__ import annotations
+
+import pytest
+
+from bouncer.config import parse_config
+from bouncer.core.admission import AdmissionCore
+from bouncer.core.fleet import Telemetry
+from bouncer.core.outcomes import Layer, Terminal
+
+from core_helpers import dispatched, info, make_config, make_core, observe_idle, rejected, tenant
+
+
+def only_reject(events):
+    assert len(events) == 1 and not dispatched(events), events
+    return events[0].refusal
+
+
+# -- layer 1 ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kwargs,status,reason,param", [
+    ({"tenant_name": "nobody"}, 401, "unauthenticated", None),
+    ({"model": "gpt-9"}, 404, "model_not_found", "model"),
+    ({"n": 3}, 400, "invalid_parameter", "n"),
+    ({"best_of": 4}, 400, "invalid_parameter", "best_of"),
+    ({"num_stop": 9}, 400, "invalid_parameter", "stop"),
+    ({"max_tokens": 0}, 400, "invalid_parameter", "max_tokens"),
+    ({"prompt": 0}, 400, "invalid_parameter", "prompt"),
+])
+def test_validation_refusals(kwargs, status, reason, param):
+    core = make_core()
+    r = only_reject(core.offer(info(**kwargs), 0.0))
+    assert (r.status, r.reason, r.layer, r.param) == (status, reason, Layer.VALIDATION, param)
+    assert r.retry_after is None  # not an overload: do not retry
+
+
+def test_model_not_allowed_for_tenant():
+    core = AdmissionCore(parse_config(make_config(tenants=[tenant("a", models=["m"])])), 0.0)
+    cfg = make_config(tenants=[tenant("a", models=["m"])])
+    cfg["models"].append({"name": "other", "backends": [{"url": "http://127.0.0.1:9100"}]})
+    core = AdmissionCore(parse_config(cfg), 0.0)
+    observe_idle(core, 0.0)
+    r = only_reject(core.offer(info(model="other"), 0.0))
+    assert (r.status, r.reason) == (403, "model_not_allowed")
+
+
+# -- layer 2 ----------------------------------------------------------------------------------------
+def test_context_budget_refuses_and_clamps():
+    core = make_core(tenants=[tenant("a", max_tokens_default=300, max_tokens_cap=1000)], max_model_len=2048)
+    r = only_reject(core.offer(info(prompt=2048, max_tokens=None), 0.0))
+    assert (r.status, r.reason, r.layer) == (400, "context_length_exceeded", Layer.CONTEXT)
+    r = only_reject(core.offer(info(prompt=1500, max_tokens=800), 0.0))
+    assert r.reason == "context_length_exceeded" and r.param == "max_tokens"
+    # default max_tokens is clamped to what the context leaves
+    (d,) = dispatched(core.offer(info(prompt=1900, max_tokens=None), 0.0))
+    assert d.adm.max_tokens == 148
+    # an ask above the tenant cap is clamped to the cap, not refused
+    (d,) = dispatched(core.offer(info(prompt=10, max_tokens=5000), 0.0))
+    assert d.adm.max_tokens == 1000
+    (d,) = dispatched(core.offer(info(prompt=10, max_tokens=None), 0.0))
+    assert d.adm.max_tokens == 300
+
+
+# -- rate limits and breaker ---------------------------------------------------------------------------
+def test_request_rate_limit_refuses_with_retry_after():
+    core = make_core(tenants=[tenant("a", rate_limit={"requests_per_s": 2, "request_burst": 2})])
+    assert dispatched(core.offer(info(), 0.0)) and dispatched(core.offer(info(), 0.0))
+    r = only_reject(core.offer(info(), 0.0))
+    assert (r.status, r.reason, r.layer) == (429, "rate_limited_requests", Layer.RATE)
+    assert r.retry_after == 1  # 0.5 s to refill one request, rounded up to whole seconds
+    assert dispatched(core.offer(info(), 0.5))
+
+
+def test_token_rate_limit():
+    core = make_core(tenants=[tenant("a", rate_limit={"tokens_per_min": 6000, "token_burst": 1000})])
+    assert dispatched(core.offer(info(prompt=400, max_tokens=400), 0.0))
+    r = only_reject(core.offer(info(prompt=400, max_tokens=400), 0.0))
+    assert r.reason == "rate_limited_tokens"
+    assert r.retry_after == 6  # needs 600 more tokens at 100/s
+
+
+def test_breaker_opens_on_timeouts_then_probes():
+    core = make_core(policy={"breaker": {"failures": 2, "window_s": 10, "open_s": 5}})
+    for t in (0.0, 1.0):
+        (d,) = dispatched(core.offer(info(), t))
+        core.finished(d.adm.request_id, t + 0.5, Terminal.FAILED, reason="upstream_timeout")
+    r = only_reject(core.offer(info(), 2.0))
+    assert (r.status, r.reason) == (429, "circuit_open") and r.retry_after == 5
+    observe_idle(core, 7.0)
+    (probe,) = dispatched(core.offer(info(), 7.0))  # half-open: one probe goes through
+    assert only_reject(core.offer(info(), 7.1)).reason == "circuit_open"
+    core.finished(probe.adm.request_id, 7.5, Terminal.COMPLETED, completion_tokens=10)
+    assert dispatched(core.offer(info(), 7.6))  # closed again
+
+
+# -- layer 3: KV holds -------------------------------------------------------------------------------
+def test_kv_full_replica_holds_then_dispatches_on_finish():
+    # 1 replica of 100 blocks; each request reserves (100 + 100)/16 = 13 blocks
+    core = make_core(replicas=1, kv_blocks=100, policy={"kv_busy_threshold": 0.9, "kv_resume_threshold": 0.5,
+                                                        "saturation": {"kv_threshold": 1.0}})
+    admitted = []
+    for i in range(10):
+        admitted += dispatched(core.offer(info(), 0.0))
+    assert len(admitted) == 6  # 6 x 13 = 78 blocks; a 7th would pass 90
+    assert core.queued == 4
+    # one finishing is not enough: hysteresis keeps the replica busy until usage < 0.5
+    core.finished(admitted[0].adm.request_id, 1.0, Terminal.COMPLETED, completion_tokens=100)
+    ev = []
+    for a in admitted[1:3]:
+        ev += core.finished(a.adm.request_id, 1.0, Terminal.COMPLETED, completion_tokens=100)
+    assert dispatched(ev)
+
+
+def test_scraped_usage_counts_even_when_own_accounting_is_low():
+    core = make_core(replicas=1, kv_blocks=1000)
+    core.observe("m/0", Telemetry(at=0.0, kv_usage=0.95, running=10, waiting=0), 0.0)
+    assert dispatched(core.offer(info(), 0.0)) == []  # held: the engine says it is full
+    ev = core.observe("m/0", Telemetry(at=1.0, kv_usage=0.3, running=5, waiting=0), 1.0)
+    assert len(dispatched(ev)) == 1
+
+
+def test_reserve_policy_reserves_max_tokens():
+    core = make_core(replicas=1, kv_blocks=1000, policy={"kv_reservation": "reserve"})
+    (d,) = dispatched(core.offer(info(prompt=100, max_tokens=1500), 0.0))
+    assert d.adm.expected_output == 1500 and d.adm.blocks == 100
+    core2 = make_core(replicas=1, kv_blocks=1000, policy={"expected_output_default": 200})
+    (d,) = dispatched(core2.offer(info(prompt=100, max_tokens=1500), 0.0))
+    assert d.adm.expected_output == 200
+
+
+def test_expected_output_is_learned():
+    core = make_core(replicas=1, kv_blocks=100000)
+    for _ in range(20):
+        (d,) = dispatched(core.offer(info(max_tokens=2000), 0.0))
+        core.finished(d.adm.request_id, 1.0, Terminal.COMPLETED, completion_tokens=50)
+    (d,) = dispatched(core.offer(info(max_tokens=2000), 2.0))
+    assert 50 <= d.adm.expected_output < 60
+
+
+def test_tenant_kv_share_is_reserved_but_lent_when_idle():
+    tenants = [tenant("vip", priority=0, kv_share=0.5), tenant("bulk", priority=0)]
+    core = make_core(tenants=tenants, replicas=1, kv_blocks=160,
+                     policy={"kv_busy_threshold": 1.0, "kv_resume_threshold": 1.0, "saturation": {"kv_threshold": 1.0}})
+    # bulk may use only the unreserved half while vip is idle: 160*1.0 - 80 = 80 blocks = 6 x 13
+    bulk = []
+    for _ in range(10):
+        bulk += dispatched(core.offer(info("bulk"), 0.0))
+    assert len(bulk) == 6
+    # vip gets its reserved half at once
+    vip = []
+    for _ in range(6):
+        vip += dispatched(core.offer(info("vip"), 0.0))
+    assert len(vip) == 6
+
+
+def test_context_cap_tightens_under_pressure():
+    core = make_core(tenants=[tenant("a", context_cap=4000, max_tokens_cap=4000)], replicas=1, kv_blocks=1000,
+                     policy={"context_pressure_start": 0.5, "context_pressure_min_fraction": 0.25})
+    core.observe("m/0", Telemetry(at=0.0, kv_usage=0.75, running=10, waiting=0), 0.0)
+    # pressure 0.75 is halfway from 0.5 to 1.0: cap = 4000 x (1 - 0.75 x 0.5) = 2500
+    assert dispatched(core.offer(info(prompt=2000, max_tokens=400), 0.0))
+    assert not dispatched(core.offer(info(prompt=2000, max_tokens=1000), 0.0))
+    assert core.queued == 1
+
+
+# -- layers 4 and 5 -----------------------------------------------------------------------------------
+def _full_core(**policy):
+    # a replica that is full: everything queues
+    core = make_core(replicas=1, kv_blocks=1000, policy=policy,
+                     tenants=[tenant("a"), tenant("b"), tenant("free", priority=-1), tenant("vip", priority=5)])
+    core.observe("m/0", Telemetry(at=0.0, kv_usage=0.99, running=50, waiting=0), 0.0)
+    return core
+
+
+def test_tenant_queue_bound_is_tenant_caused_429():
+    core = _full_core(queues={"tenant_max_requests": 2})
+    assert core.offer(info("a"), 0.0) == [] and core.offer(info("a"), 0.0) == []
+    r = only_reject(core.offer(info("a"), 0.0))
+    assert (r.status, r.reason, r.layer) == (429, "tenant_queue_full", Layer.QUEUE)
+    assert r.retry_after >= 1
+    assert core.offer(info("b"), 0.0) == []  # other tenants still queue
+
+
+def test_full_waiting_room_is_529_and_evicts_sheddable_for_higher_priority():
+    core = _full_core(queues={"max_requests": 3}, sheddable_ceiling=2.0)
+    for _ in range(2):
+        assert core.offer(info("free"), 0.0) == []
+    assert core.offer(info("a"), 0.0) == []
+    ev = core.offer(info("b"), 0.0)  # room is full: the newest sheddable request is evicted
+    (ev,) = ev
+    assert ev.terminal is Terminal.EVICTED and ev.refusal.status == 529 and ev.tenant == "free"
+    assert core.queued == 3
+    core.offer(info("free"), 0.0)  # a sheddable newcomer cannot evict its own band
+    r = only_reject(core.offer(info("free"), 0.0))
+    assert (r.status, r.reason) == (529, "queue_full")
+
+
+def test_sheddable_refused_at_once_when_saturated():
+    core = _full_core()
+    r = only_reject(core.offer(info("free"), 0.0))
+    assert (r.status, r.reason, r.layer) == (529, "saturated", Layer.FLOW)
+    assert core.offer(info("a"), 0.0) == []  # non-sheddable traffic waits instead
+
+
+def test_ttl_expiry_and_client_ttl():
+    core = _full_core(default_ttl_s=10)
+    assert core.offer(info("a"), 0.0) == []
+    assert core.offer(info("b", ttl_s=2.0), 0.0) == []
+    assert core.next_wakeup() == 2.0
+    (e,) = core.tick(2.0)
+    assert e.terminal is Terminal.EXPIRED and e.refusal.status == 503 and e.refusal.reason == "ttl_expired"
+    assert e.refusal.retry_after >= 1
+    assert core.tick(9.9) == []
+    (e,) = core.tick(10.0)
+    assert e.tenant == "a"
+
+
+def test_higher_band_dispatches_first():
+    core = _full_core()
+    core.offer(info("a"), 0.0)
+    core.offer(info("vip"), 0.0)
+    ev = core.observe("m/0", Telemetry(at=1.0, kv_usage=0.0, running=0, waiting=0), 1.0)
+    assert [d.adm.tenant for d in dispatched(ev)] == ["vip", "a"]
+
+
+def test_stale_telemetry_fail_closed_vs_fail_open():
+    closed = make_core(fresh=False, policy={"telemetry": {"staleness_s": 2.0, "on_stale": "fail-closed"}})
+    r = only_reject(closed.offer(info(), 0.0))
+    assert (r.status, r.reason) == (503, "no_backend")
+    opened = make_core(fresh=False, policy={"telemetry": {"staleness_s": 2.0, "on_stale": "fail-open"}})
+    assert dispatched(opened.offer(info(), 0.0))
+    # fresh then stale: fail-closed holds queued work instead of sending it blind
+    core = make_core(replicas=1)
+    assert dispatched(core.offer(info(), 0.0))
+    assert only_reject(core.offer(info(), 5.0)).reason == "no_backend"
+
+
+def test_failed_scrape_makes_replica_unusable():
+    core = make_core(replicas=2)
+    core.observe("m/0", None, 0.0)
+    for _ in range(4):
+        (d,) = dispatched(core.offer(info(), 0.0))
+        assert d.adm.replica == "m/1"
+
+
+def test_drain_queues_up_to_cap_then_503_and_undrain_dispatches():
+    core = make_core(policy={"drain_queue_cap": 2})
+    core.drain("m")
+    assert core.offer(info(), 0.0) == [] and core.offer(info(), 0.0) == []
+    r = only_reject(core.offer(info(), 0.0))
+    assert (r.status, r.reason) == (503, "draining")
+    assert len(dispatched(core.undrain("m", 1.0))) == 2
+
+
+def test_retry_after_grows_with_backlog():
+    core = _full_core(queues={"tenant_max_requests": 1000})
+    # a measured service rate: 30 s window, 30 x 1000 tokens completed -> 1000 tokens/s
+    core.observe("m/0", Telemetry(at=0.0, kv_usage=0.0, running=0, waiting=0), 0.0)
+    for _ in range(30):
+        for d in dispatched(core.offer(info("a", prompt=500, max_tokens=500), 0.0)):
+            core.finished(d.adm.request_id, 0.5, Terminal.COMPLETED, completion_tokens=500)
+    core.observe("m/0", Telemetry(at=1.0, kv_usage=0.99, running=50, waiting=0), 1.0)
+    retry = []
+    for n in range(4):
+        for _ in range(50):
+            core.offer(info("a", prompt=200, max_tokens=10), 1.0)
+        retry.append(core._retry_after(core.models["m"], 0, 1.0))
+    assert retry == sorted(retry) and retry[-1] > retry[0] * 3
