@@ -42,7 +42,8 @@ def observe_idle(core: AdmissionCore, now: float, kv_usage: float = 0.0, waiting
     return events
 
 
-def info(tenant_name: str = "a", prompt: int = 100, max_tokens: int | None = 100, model: str = "m", **kw) -> RequestInfo:
+def info(tenant_name: str = "a", prompt: int = 100, max_tokens: int | None = 100, model: str = "m",
+         **kw) -> RequestInfo:
     return RequestInfo(request_id=f"r{next(_ids)}", key_digest=key_digest(f"key-{tenant_name}"), model=model,
                        prompt_tokens=prompt, max_tokens=max_tokens, **kw)
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 
 from bouncer.core.outcomes import Terminal
-
 from core_helpers import dispatched, info, make_core, tenant
 
 

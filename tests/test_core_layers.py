@@ -8,8 +8,7 @@ from bouncer.config import parse_config
 from bouncer.core.admission import AdmissionCore
 from bouncer.core.fleet import Telemetry
 from bouncer.core.outcomes import Layer, Terminal
-
-from core_helpers import dispatched, info, make_config, make_core, observe_idle, rejected, tenant
+from core_helpers import dispatched, info, make_config, make_core, observe_idle, tenant
 
 
 def only_reject(events):
@@ -99,7 +98,7 @@ def test_kv_full_replica_holds_then_dispatches_on_finish():
     core = make_core(replicas=1, kv_blocks=100, policy={"kv_busy_threshold": 0.9, "kv_resume_threshold": 0.5,
                                                         "saturation": {"kv_threshold": 1.0}})
     admitted = []
-    for i in range(10):
+    for _i in range(10):
         admitted += dispatched(core.offer(info(), 0.0))
     assert len(admitted) == 6  # 6 x 13 = 78 blocks; a 7th would pass 90
     assert core.queued == 4
@@ -261,8 +260,8 @@ def test_retry_after_grows_with_backlog():
             core.finished(d.adm.request_id, 0.5, Terminal.COMPLETED, completion_tokens=500)
     core.observe("m/0", Telemetry(at=1.0, kv_usage=0.99, running=50, waiting=0), 1.0)
     retry = []
-    for n in range(4):
+    for _n in range(4):
         for _ in range(50):
             core.offer(info("a", prompt=200, max_tokens=10), 1.0)
-        retry.append(core._retry_after(core.models["m"], 0, 1.0))
+        retry.append(core.retry_after(core.models["m"], 0, 1.0))
     assert retry == sorted(retry) and retry[-1] > retry[0] * 3

@@ -9,7 +9,6 @@ from hypothesis import strategies as st
 from bouncer.core.admission import Dispatch, Reject
 from bouncer.core.fleet import Telemetry
 from bouncer.core.outcomes import Terminal
-
 from core_helpers import info, make_core, tenant
 
 TENANTS = ["gold", "std", "free"]

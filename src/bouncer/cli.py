@@ -81,6 +81,43 @@ def cmd_bench_engine(args) -> None:
                        "profile": args.profile, "trace": args.trace}, f, indent=2)
 
 
+def cmd_serve(args) -> None:
+    if args.config is None:
+        from bouncer.demo import run_demo
+
+        _run(run_demo(args.host or "127.0.0.1", args.port or 8000))
+        return
+    from bouncer.config import load_config
+    from bouncer.gateway.server import Gateway, serve_gateway
+
+    config = load_config(args.config)
+    host = args.host or config.listen.host
+    port = args.port or config.listen.port
+    print(f"bouncer: gateway on http://{host}:{port} for models "
+          f"{', '.join(m.name for m in config.models)}", flush=True)
+    _run(serve_gateway(Gateway(config, config_path=args.config), host, port))
+
+
+def cmd_config_example(args) -> None:
+    from bouncer.config import EXAMPLE_CONFIG
+
+    print(EXAMPLE_CONFIG, end="")
+
+
+def cmd_config_check(args) -> None:
+    from bouncer.config import load_config
+
+    config = load_config(args.file)
+    print(f"{args.file}: OK ({len(config.tenants)} tenants, {len(config.models)} models, "
+          f"{sum(len(m.backends) for m in config.models)} backends)")
+
+
+def cmd_config_hash_key(args) -> None:
+    from bouncer.config import key_digest
+
+    print(key_digest(args.key))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="bouncer", description="Admission control for LLM inference fleets.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -94,6 +131,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     _add_engine_args(p)
     p.set_defaults(func=cmd_engine)
+
+    p = sub.add_parser("serve", help="run the gateway (no --config: the embedded demo)")
+    p.add_argument("--config", help="YAML config; without it the embedded demo starts")
+    p.add_argument("--host", help="listen address (default: the config's, or 127.0.0.1)")
+    p.add_argument("--port", type=int, help="listen port (default: the config's, or 8000)")
+    p.set_defaults(func=cmd_serve)
+
+    config = sub.add_parser("config", help="configuration helpers").add_subparsers(dest="config_cmd", required=True)
+    p = config.add_parser("example", help="print a commented example config")
+    p.set_defaults(func=cmd_config_example)
+    p = config.add_parser("check", help="validate a config file")
+    p.add_argument("file")
+    p.set_defaults(func=cmd_config_check)
+    p = config.add_parser("hash-key", help="SHA-256 digest of an API key, for api_keys_sha256")
+    p.add_argument("key")
+    p.set_defaults(func=cmd_config_hash_key)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     p = bench.add_parser("engine", help="replay a trace against one engine model in virtual time")

@@ -61,7 +61,8 @@ class PromptTokenizer:
         # Texts of ordinary tokens, for producing output text one token at a time.
         self._texts = [self._tok.decode([i]) for i in range(self.vocab_size)]
         self.output_token_ids = [i for i in range(self.vocab_size)
-                                 if self._tok.id_to_token(i) not in specials and self._texts[i].strip()]
+                                 if self._tok.id_to_token(i) not in specials and self._texts[i].strip()
+                                 and "\ufffd" not in self._texts[i]]
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids

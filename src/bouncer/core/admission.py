@@ -245,33 +245,33 @@ class AdmissionCore:
         if ms.draining:
             if len(flow) >= self.policy.drain_queue_cap:
                 return refuse(Layer.FLOW, "draining", f"model `{info.model}` is draining for a swap",
-                              self._retry_after(ms, band, now))
+                              self.retry_after(ms, band, now))
         else:
             fresh = self._freshness(ms, now)
             if not any(self._usable(r, fresh) for r in ms.replicas.values()):
                 return refuse(Layer.QUEUE, "no_backend", f"no usable backend for model `{info.model}`",
-                              self._retry_after(ms, band, now))
+                              self.retry_after(ms, band, now))
             if band < 0 and self._saturation(ms, now, fresh) >= self._ceiling(band):
                 return refuse(Layer.FLOW, "saturated", "the fleet is saturated; sheddable traffic is refused",
-                              self._retry_after(ms, band, now))
+                              self.retry_after(ms, band, now))
         events: list[Event] = []
         q = flow.tenant_queue(adm)
         qc = self.policy.queues
         if q is not None and (q.count >= qc.tenant_max_requests
                               or q.tokens + info.prompt_tokens > qc.tenant_max_tokens):
             return refuse(Layer.QUEUE, "tenant_queue_full", f"tenant {t.name!r} has too many queued requests",
-                          self._retry_after(ms, band, now))
+                          self.retry_after(ms, band, now))
         band_state = flow.bands.get(band)
         while (len(flow) >= qc.max_requests or flow.tokens + info.prompt_tokens > qc.max_tokens
                or (band_state is not None and band_state.count >= qc.band_max_requests)):
             victim = flow.lowest_sheddable(below=band)
             if victim is None:
                 return refuse(Layer.QUEUE, "queue_full", "the waiting room is full",
-                              self._retry_after(ms, band, now))
+                              self.retry_after(ms, band, now))
             flow.remove(victim)
             events.append(self._refuse(victim.request_id, victim.tenant, victim.priority, Layer.FLOW, "evicted",
                                        "evicted from the queue by higher-priority traffic",
-                                       self._retry_after(ms, victim.priority, now), terminal=Terminal.EVICTED))
+                                       self.retry_after(ms, victim.priority, now), terminal=Terminal.EVICTED))
         flow.push(adm, t.weight)
         events.extend(self._dispatch(ms, now))
         return events
@@ -366,7 +366,7 @@ class AdmissionCore:
             for adm in ms.flow.expired(now):
                 ms.flow.remove(adm)
                 events.append(self._refuse(adm.request_id, adm.tenant, adm.priority, Layer.FLOW, "ttl_expired",
-                                           "queued longer than its TTL", self._retry_after(ms, adm.priority, now),
+                                           "queued longer than its TTL", self.retry_after(ms, adm.priority, now),
                                            terminal=Terminal.EXPIRED))
             events.extend(self._dispatch(ms, now))
         return events
@@ -528,7 +528,7 @@ class AdmissionCore:
         return m.expected(max_tokens) if m else min(max_tokens, self.policy.expected_output_default)
 
     # -- refusals ---------------------------------------------------------------------------------
-    def _retry_after(self, ms: _ModelState, priority: int, now: float) -> float:
+    def retry_after(self, ms: _ModelState, priority: int, now: float) -> float:
         """Estimated time to drain the backlog ahead of a request of this priority, from the
         rate the fleet has been completing tokens. Grows with the backlog."""
         window_start = now - SERVICE_RATE_WINDOW_S

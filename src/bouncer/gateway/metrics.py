@@ -1,0 +1,99 @@
+"""The gateway's Prometheus metrics.
+
+Counters and gauges that mirror core state are read from the core at scrape time (one source
+of truth, nothing to keep in sync); latency histograms are observed by the shell as requests
+move. Goodput, the number operators alert on, is `bouncer_slo_met_total / bouncer_slo_requests_total`
+per tenant, also exported as `bouncer_slo_attainment_ratio`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from bouncer.core.admission import AdmissionCore
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0)
+
+
+class _CoreCollector:
+    def __init__(self, core_ref: Callable[[], AdmissionCore], clock: Callable[[], float]) -> None:
+        self.core_ref = core_ref
+        self.clock = clock
+
+    def collect(self):
+        core = self.core_ref()
+        now = self.clock()
+        decisions = CounterMetricFamily(
+            "bouncer_decisions", "Admission decisions and terminal outcomes by layer and reason.",
+            labels=["outcome", "layer", "reason", "tenant", "band"])
+        for (outcome, layer, reason, tenant, band), n in sorted(core.stats.decisions.items(), key=str):
+            decisions.add_metric([outcome, layer, reason, tenant, "-" if band is None else str(band)], n)
+        yield decisions
+        yield CounterMetricFamily("bouncer_offered_requests", "Requests offered to admission.",
+                                  value=core.stats.offered)
+        yield GaugeMetricFamily("bouncer_inflight_requests", "Admitted requests holding a permit.",
+                                value=len(core.inflight))
+        depth = GaugeMetricFamily("bouncer_queue_depth", "Queued requests.", labels=["model", "band"])
+        queued_tokens = GaugeMetricFamily("bouncer_queue_tokens", "Queued prompt tokens.", labels=["model", "band"])
+        sat = GaugeMetricFamily("bouncer_saturation", "Fleet saturation (>= 1 saturated).", labels=["model"])
+        draining = GaugeMetricFamily("bouncer_model_draining", "1 while a model is draining.", labels=["model"])
+        snap = core.snapshot(now)
+        for name, ms in core.models.items():
+            for band in ms.flow.bands_desc():
+                depth.add_metric([name, str(band.priority)], band.count)
+                queued_tokens.add_metric([name, str(band.priority)], band.tokens)
+            sat.add_metric([name], snap["models"][name]["saturation"])
+            draining.add_metric([name], 1.0 if ms.draining else 0.0)
+        yield depth
+        yield queued_tokens
+        yield sat
+        yield draining
+        age = GaugeMetricFamily("bouncer_replica_telemetry_age_seconds", "Age of the last good scrape.",
+                                labels=["replica"])
+        kv = GaugeMetricFamily("bouncer_replica_kv_usage", "Projected KV usage (scraped blended with own).",
+                               labels=["replica"])
+        busy = GaugeMetricFamily("bouncer_replica_busy", "1 while a replica is marked busy.", labels=["replica"])
+        inflight = GaugeMetricFamily("bouncer_replica_inflight_requests", "Requests in flight per replica.",
+                                     labels=["replica"])
+        for ms in snap["models"].values():
+            for rname, r in ms["replicas"].items():
+                age.add_metric([rname], -1.0 if r["telemetry_age_s"] is None else r["telemetry_age_s"])
+                kv.add_metric([rname], r["projected_kv_usage"])
+                busy.add_metric([rname], 1.0 if r["busy"] else 0.0)
+                inflight.add_metric([rname], r["inflight"])
+        yield age
+        yield kv
+        yield busy
+        yield inflight
+        met = CounterMetricFamily("bouncer_slo_met", "Completed requests within their TTFT and TPOT SLO (goodput).",
+                                  labels=["tenant"])
+        total = CounterMetricFamily("bouncer_slo_requests", "Completed requests that carry an SLO.",
+                                    labels=["tenant"])
+        ratio = GaugeMetricFamily("bouncer_slo_attainment_ratio", "Share of completed requests within SLO.",
+                                  labels=["tenant"])
+        for tenant, n in sorted(core.stats.slo_total.items()):
+            m = core.stats.slo_met[tenant]
+            met.add_metric([tenant], m)
+            total.add_metric([tenant], n)
+            ratio.add_metric([tenant], m / n if n else 1.0)
+        yield met
+        yield total
+        yield ratio
+
+
+class GatewayMetrics:
+    def __init__(self, core_ref: Callable[[], AdmissionCore], clock: Callable[[], float]) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(_CoreCollector(core_ref, clock))
+        self.queue_wait = Histogram("bouncer_queue_wait_seconds", "Time from arrival to dispatch.",
+                                    ["tenant", "band"], buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.ttft = Histogram("bouncer_ttft_seconds", "Time to first token seen by the gateway, from arrival.",
+                              ["tenant"], buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.tpot = Histogram("bouncer_tpot_seconds", "Mean time per output token after the first.",
+                              ["tenant"], buckets=TPOT_BUCKETS, registry=self.registry)
+        self.e2e = Histogram("bouncer_request_duration_seconds", "Arrival to last byte, admitted requests.",
+                             ["tenant"], buckets=LATENCY_BUCKETS, registry=self.registry)

@@ -1,0 +1,102 @@
+"""From an OpenAI request body to what the core needs: sizes, identity, deadlines.
+
+Prompt tokens come from the model's own `tokenizer.json` when one is configured. Without one,
+Bouncer falls back to a stated estimate: one token per 4 UTF-8 bytes (the usual rule of thumb
+for English BPE vocabularies), with pseudo-token ids made from those 4-byte groups so that equal
+prefixes still hash to equal blocks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+from bouncer.core.blocks import chain_block_hashes
+from bouncer.core.requests import RequestInfo
+from bouncer.openai_wire import ApiError
+from bouncer.tokenizer import PromptTokenizer, render_chat
+
+BYTES_PER_TOKEN_ESTIMATE = 4
+
+
+def key_digest_from_headers(headers) -> str | None:
+    auth = headers.get("Authorization", "")
+    key = auth[7:].strip() if auth[:7].lower() == "bearer " else headers.get("api-key", "").strip()
+    return hashlib.sha256(key.encode()).hexdigest() if key else None
+
+
+def _estimate_ids(text: str) -> list[int]:
+    raw = text.encode()
+    return [int.from_bytes(raw[i:i + BYTES_PER_TOKEN_ESTIMATE], "little")
+            for i in range(0, len(raw), BYTES_PER_TOKEN_ESTIMATE)]
+
+
+def prompt_token_ids(kind: str, body: dict[str, Any], tokenizer: PromptTokenizer | None) -> list[int]:
+    if kind == "chat":
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+            raise ApiError(400, "messages must be a non-empty list of message objects", param="messages",
+                           code="invalid_parameter")
+        try:
+            if tokenizer is not None:
+                return tokenizer.encode_chat(messages)
+            return _estimate_ids(render_chat(messages))
+        except TypeError as exc:
+            raise ApiError(400, f"invalid messages: {exc}", param="messages", code="invalid_parameter") from None
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return tokenizer.encode(prompt) if tokenizer is not None else _estimate_ids(prompt)
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return prompt
+    raise ApiError(400, "prompt must be a string or a list of token ids (one prompt per request)",
+                   param="prompt", code="invalid_parameter")
+
+
+def _int_field(body: dict[str, Any], name: str) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ApiError(400, f"{name} must be an integer", param=name, code="invalid_parameter")
+    return value
+
+
+def _header_ms(headers, name: str) -> float | None:
+    raw = headers.get(name)
+    if raw is None:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ApiError(400, f"header {name} must be a number of milliseconds", param=name,
+                       code="invalid_parameter") from None
+    if value <= 0:
+        raise ApiError(400, f"header {name} must be positive", param=name, code="invalid_parameter")
+    return value / 1000.0
+
+
+def request_info(request_id: str, kind: str, body: dict[str, Any], headers,
+                 tokenizer: PromptTokenizer | None, block_size: int) -> RequestInfo:
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise ApiError(400, "model is required", param="model", code="invalid_parameter")
+    ids = prompt_token_ids(kind, body, tokenizer)
+    max_tokens = _int_field(body, "max_completion_tokens")
+    if max_tokens is None:
+        max_tokens = _int_field(body, "max_tokens")
+    stop = body.get("stop")
+    num_stop = 0 if stop is None else 1 if isinstance(stop, str) else len(stop) if isinstance(stop, list) else -1
+    if num_stop < 0:
+        raise ApiError(400, "stop must be a string or a list of strings", param="stop", code="invalid_parameter")
+    user = body.get("user")
+    session = headers.get("x-session-id") or (user if isinstance(user, str) and user else None)
+    return RequestInfo(
+        request_id=request_id, key_digest=key_digest_from_headers(headers), model=model,
+        prompt_tokens=len(ids), max_tokens=max_tokens,
+        block_digests=chain_block_hashes(ids, block_size),
+        n=_int_field(body, "n") or 1, best_of=_int_field(body, "best_of"), num_stop=num_stop,
+        ttl_s=_header_ms(headers, "x-bouncer-ttl-ms"), ttft_slo_s=_header_ms(headers, "x-bouncer-ttft-ms"),
+        tpot_slo_s=_header_ms(headers, "x-bouncer-tpot-ms"), session_id=session)
+

@@ -1,0 +1,103 @@
+"""Reading each engine's Prometheus metrics into the core's `Telemetry`.
+
+One parser per engine kind, chosen by the model's `engine` setting. Each reads the few signals
+that run out (KV usage, running and waiting requests) and whatever extra the engine offers
+(KV pool size, prefix-cache counters, preemptions). Parsers are pure functions of the text.
+
+Names, as the engines export them:
+- vLLM v1: `vllm:kv_cache_usage_perc` (0..1; `vllm:gpu_cache_usage_perc` before 0.10),
+  `vllm:num_requests_running`, `vllm:num_requests_waiting`, `vllm:cache_config_info{num_gpu_blocks,
+  block_size}`, `vllm:prefix_cache_queries_total` / `_hits_total`, `vllm:num_preemptions_total`.
+- SGLang (`--enable-metrics`): `sglang:token_usage` (0..1), `sglang:num_running_reqs`,
+  `sglang:num_queue_reqs`, `sglang:cache_hit_rate`.
+- TGI: `tgi_batch_current_size` (running), `tgi_queue_size` (waiting); TGI exports no KV usage,
+  so `tgi_batch_current_max_tokens` over the configured pool is used when the pool is known.
+- llama.cpp server (`--metrics`): `llamacpp:kv_cache_usage_ratio`, `llamacpp:requests_processing`,
+  `llamacpp:requests_deferred`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from bouncer.core.fleet import Telemetry
+
+
+def _samples(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
+    out: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out.setdefault(s.name, []).append((s.labels, s.value))
+    return out
+
+
+def _sum(samples, *names: str) -> float | None:
+    """Sum over label sets (several engines / data-parallel ranks behind one endpoint)."""
+    for name in names:
+        if name in samples:
+            return sum(v for _, v in samples[name])
+    return None
+
+
+def _mean(samples, *names: str) -> float | None:
+    for name in names:
+        if name in samples and samples[name]:
+            return sum(v for _, v in samples[name]) / len(samples[name])
+    return None
+
+
+def parse_vllm(text: str, at: float, pool_blocks: int | None = None) -> Telemetry:
+    s = _samples(text)
+    usage = _mean(s, "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
+    if usage is None:
+        raise ValueError("no vllm:kv_cache_usage_perc in the scrape")
+    num_blocks = block_size = None
+    for labels, _ in s.get("vllm:cache_config_info", []):
+        if labels.get("num_gpu_blocks", "").isdigit():
+            num_blocks = int(labels["num_gpu_blocks"])
+        if labels.get("block_size", "").isdigit():
+            block_size = int(labels["block_size"])
+    return Telemetry(at=at, kv_usage=usage,
+                     running=int(_sum(s, "vllm:num_requests_running") or 0),
+                     waiting=int(_sum(s, "vllm:num_requests_waiting") or 0),
+                     num_blocks=num_blocks, block_size=block_size,
+                     prefix_queries=_sum(s, "vllm:prefix_cache_queries_total", "vllm:gpu_prefix_cache_queries_total"),
+                     prefix_hits=_sum(s, "vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total"),
+                     preemptions=_sum(s, "vllm:num_preemptions_total"))
+
+
+def parse_sglang(text: str, at: float, pool_blocks: int | None = None) -> Telemetry:
+    s = _samples(text)
+    usage = _mean(s, "sglang:token_usage")
+    if usage is None:
+        raise ValueError("no sglang:token_usage in the scrape (is --enable-metrics set?)")
+    return Telemetry(at=at, kv_usage=usage, running=int(_sum(s, "sglang:num_running_reqs") or 0),
+                     waiting=int(_sum(s, "sglang:num_queue_reqs") or 0))
+
+
+def parse_tgi(text: str, at: float, pool_blocks: int | None = None) -> Telemetry:
+    s = _samples(text)
+    running = _sum(s, "tgi_batch_current_size")
+    if running is None:
+        raise ValueError("no tgi_batch_current_size in the scrape")
+    tokens = _sum(s, "tgi_batch_current_max_tokens")
+    usage = min(1.0, tokens / (pool_blocks * 16)) if tokens is not None and pool_blocks else 0.0
+    return Telemetry(at=at, kv_usage=usage, running=int(running), waiting=int(_sum(s, "tgi_queue_size") or 0))
+
+
+def parse_llamacpp(text: str, at: float, pool_blocks: int | None = None) -> Telemetry:
+    s = _samples(text)
+    usage = _mean(s, "llamacpp:kv_cache_usage_ratio")
+    running = _sum(s, "llamacpp:requests_processing")
+    if usage is None and running is None:
+        raise ValueError("no llamacpp: metrics in the scrape (is --metrics set?)")
+    return Telemetry(at=at, kv_usage=usage or 0.0, running=int(running or 0),
+                     waiting=int(_sum(s, "llamacpp:requests_deferred") or 0))
+
+
+Parser = Callable[[str, float, "int | None"], Telemetry]
+
+PARSERS: dict[str, Parser] = {"vllm": parse_vllm, "sglang": parse_sglang, "tgi": parse_tgi,
+                              "llamacpp": parse_llamacpp}
