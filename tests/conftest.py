@@ -39,3 +39,26 @@ def engine_server(bg_loop):
     base, server, cleanup = start_engine(bg_loop, num_blocks=2048, max_num_seqs=32)
     yield base, server
     cleanup()
+
+
+def start_gateway(bg_loop: BackgroundLoop, config_dict: dict):
+    """A real gateway on loopback; returns (base_url, Gateway, cleanup)."""
+    from bouncer.config import parse_config
+    from bouncer.gateway.server import Gateway
+
+    port = free_port()
+    config_dict = {**config_dict, "listen": {"host": "127.0.0.1", "port": port}}
+    holder = {}
+
+    async def start():
+        gateway = Gateway(parse_config(config_dict))
+        runner = web.AppRunner(gateway.app(), handler_cancellation=True, access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        holder["gateway"] = gateway
+        return runner
+
+    runner = bg_loop.run(start())
+    base = f"http://127.0.0.1:{port}"
+    wait_http_ok(base + "/health")
+    return base, holder["gateway"], lambda: bg_loop.run(runner.cleanup())

@@ -22,6 +22,7 @@ op = st.one_of(
     st.tuples(st.just("finish"), st.integers(0, 10**6),
               st.sampled_from([Terminal.COMPLETED, Terminal.FAILED, Terminal.CANCELLED]), st.integers(0, 500)),
     st.tuples(st.just("cancel"), st.integers(0, 10**6)),
+    st.tuples(st.just("requeue"), st.integers(0, 10**6)),
     st.tuples(st.just("drain"), st.booleans()),
 )
 
@@ -75,6 +76,11 @@ def test_every_request_ends_once_and_permits_return(ops, fairness, ordering):
             terminal[rid] = terminal.get(rid, 0) + 1
             reason = "upstream_timeout" if o[2] is Terminal.FAILED else None
             apply(core.finished(rid, now, o[2], completion_tokens=o[3], reason=reason))
+        elif kind == "requeue" and inflight:
+            rid = inflight.pop(o[1] % len(inflight))
+            queued.add(rid)
+            last_offer = rid
+            apply(core.requeue(rid, now))
         elif kind == "cancel" and queued:
             rid = sorted(queued)[o[1] % len(queued)]
             queued.discard(rid)

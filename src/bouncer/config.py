@@ -146,6 +146,7 @@ class Policy(_Strict):
     context_pressure_start: float = Field(0.8, ge=0, le=1, description="pool usage where context caps tighten")
     context_pressure_min_fraction: float = Field(0.25, gt=0, le=1)
     drain_queue_cap: int = Field(64, ge=0, description="requests held per model while draining")
+    upstream_refusal_cooldown_s: float = Field(0.5, ge=0, description="rest a replica that refused a request")
     expected_output_default: int = Field(256, ge=1, description="before any request has finished")
     queues: Queues = Queues()
     telemetry: Telemetry = Telemetry()

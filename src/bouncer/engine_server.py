@@ -269,8 +269,13 @@ class EngineServer:
             try:
                 self.engine.add_request(req)
             except QueueFull as exc:
-                raise ApiError(503, f"engine queue is full ({exc.reason})", type_="ServiceUnavailableError",
-                               code=503) from None
+                err = ApiError(503, f"engine queue is full ({exc.reason})", type_="ServiceUnavailableError",
+                               code=503)
+                if body.get("stream"):
+                    # vLLM's quirk, kept on purpose: a refused *streaming* request gets HTTP 200
+                    # whose only event is the error, then [DONE].
+                    return await self._stream_error(request, err)
+                raise err from None
             except RequestTooLong as exc:
                 raise ApiError(400, str(exc), type_="BadRequestError", code=400) from None
         except ApiError as err:
@@ -289,6 +294,13 @@ class EngineServer:
             if req.finished_at is None:  # client went away: free its KV at once
                 self.engine.abort(rid, self.now())
                 self._wake.set()
+
+    async def _stream_error(self, request: web.Request, err: ApiError) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        await resp.write(sse(err.body()) + SSE_DONE)
+        await resp.write_eof()
+        return resp
 
     def _texts(self, stream: _Stream, start: int, count: int) -> list[str]:
         ids = self.tokenizer.output_token_ids

@@ -36,7 +36,7 @@ class ApiError(Exception):
 
 
 def dumps(obj: Any) -> bytes:
-    return orjson.dumps(obj)
+    return orjson.dumps(obj, option=orjson.OPT_NON_STR_KEYS)
 
 
 def sse(obj: Any) -> bytes:

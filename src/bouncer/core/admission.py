@@ -336,6 +336,28 @@ class AdmissionCore:
         if ok:
             self.stats.slo_met[adm.tenant] += 1
 
+    def requeue(self, request_id: str, now: float) -> list[Event]:
+        """The replica refused the dispatched request (its own queue cap, a 503 or 429): take
+        the permit back, rest that replica briefly, and hold the request again at the front of
+        its queue instead of passing the refusal on. It still leaves at its original TTL."""
+        adm = self.inflight.pop(request_id, None)
+        if adm is None:
+            return []
+        replica = self.replicas[adm.replica]
+        if adm.first_token_at is None:
+            replica.mark_started(adm.prefill_tokens)
+        replica.remove(request_id, adm.blocks)
+        replica.cooldown_until = now + self.policy.upstream_refusal_cooldown_s
+        self.tenants[adm.tenant].inflight_blocks -= adm.blocks
+        self.stats.decisions[("requeued", Layer.UPSTREAM.value, "upstream_refused", adm.tenant, adm.priority)] += 1
+        adm.replica = None
+        adm.dispatched_at = None
+        adm.blocks = 0
+        adm.prefill_tokens = 0
+        ms = self.models[adm.info.model]
+        ms.flow.push(adm, self.tenants[adm.tenant].cfg.weight)
+        return self.tick(now)
+
     def cancel(self, request_id: str, now: float) -> list[Event]:
         """The client went away while its request was queued: it leaves the queue at once."""
         for ms in self.models.values():
@@ -372,8 +394,12 @@ class AdmissionCore:
         return events
 
     def next_wakeup(self) -> float | None:
-        deadlines = [d for ms in self.models.values() if (d := ms.flow.next_deadline()) is not None]
-        return min(deadlines) if deadlines else None
+        """When `tick` must run next at the latest: the earliest queue TTL, or the end of a
+        replica's rest after a refusal while work is queued for it."""
+        times = [d for ms in self.models.values() if (d := ms.flow.next_deadline()) is not None]
+        times += [r.cooldown_until for r in self.replicas.values()
+                  if r.cooldown_until is not None and len(self.models[r.model].flow)]
+        return min(times) if times else None
 
     def drain(self, model: str) -> None:
         self._model(model).draining = True
@@ -449,6 +475,10 @@ class AdmissionCore:
         for r in ms.replicas.values():
             if not self._usable(r, fresh):
                 continue
+            if r.cooldown_until is not None:
+                if now < r.cooldown_until:
+                    continue
+                r.cooldown_until = None
             usage = r.projected_usage(now, fresh[r.name])
             if r.busy and usage < p.kv_resume_threshold:
                 r.busy = False

@@ -37,6 +37,7 @@ class ReplicaState:
         self.healthy = True  # last scrape answered
         self.removed = False  # dropped by a config reload: finishes in-flight work, gets no new
         self.busy = False  # hysteresis state
+        self.cooldown_until: float | None = None  # rested after refusing a request
         # own accounting of what was dispatched here and not finished
         self.inflight: dict[str, object] = {}
         self.inflight_blocks = 0

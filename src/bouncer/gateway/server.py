@@ -42,6 +42,9 @@ UPSTREAM_CONNECT_TIMEOUT_S = 5.0
 UPSTREAM_READ_TIMEOUT_S = 300.0  # silence on an upstream stream this long is a timeout
 
 
+_REQUEUED = web.Response(status=503)  # sentinel: the upstream refused, hold the request again
+
+
 class _Upstream(Exception):
     """The upstream refused or failed before the response to the client started."""
 
@@ -203,23 +206,35 @@ class Gateway:
         except ApiError as err:
             return self._refuse_early(rid, err, "invalid_request" if err.code == "invalid_json" else
                                       "invalid_parameter")
+        decision = await self._decision(rid, lambda: self.core.offer(info, self.clock()))
+        while True:
+            if isinstance(decision, Reject):
+                return _refusal_response(decision.refusal)
+            adm = decision.adm
+            self.metrics.queue_wait.labels(adm.tenant, str(adm.priority)).observe(adm.dispatched_at - adm.arrival)
+            result = await self._proxy(request, kind, path, body, decision)
+            if result is not _REQUEUED:
+                return result
+            # the replica refused it: the core holds it again until it fits elsewhere or expires
+            decision = await self._decision(rid, lambda: self.core.requeue(rid, self.clock()))
+
+    async def _decision(self, rid: str, call: Callable[[], list[Event]]) -> Event:
+        """Run a core call and wait for this request's decision; a client that goes away while
+        its request is queued takes it out of the queue."""
         fut = asyncio.get_running_loop().create_future()
         self._waiters[rid] = fut
-        self._apply(self.core.offer(info, self.clock()))
+        self._apply(call())
         try:
-            decision = await fut
-        except asyncio.CancelledError:  # the client went away while queued
+            return await fut
+        except asyncio.CancelledError:
             self._waiters.pop(rid, None)
             self._apply(self.core.cancel(rid, self.clock()))
             raise
-        if isinstance(decision, Reject):
-            return _refusal_response(decision.refusal)
-        adm = decision.adm
-        self.metrics.queue_wait.labels(adm.tenant, str(adm.priority)).observe(adm.dispatched_at - adm.arrival)
-        return await self._proxy(request, kind, path, body, decision)
 
     async def _proxy(self, request: web.Request, kind: str, path: str, body: dict[str, Any],
                      decision: Dispatch) -> web.StreamResponse:
+        """Send an admitted request upstream and relay the answer. Returns `_REQUEUED` when the
+        replica refused it before anything reached the client."""
         adm = decision.adm
         rid = adm.request_id
         model = self._models[adm.info.model]
@@ -231,7 +246,8 @@ class Gateway:
         client_wants_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         if streaming:
             upstream_body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
-        terminal, reason, completion = Terminal.FAILED, "upstream_error", 0
+        terminal: Terminal | None = Terminal.FAILED
+        reason, completion = "upstream_error", 0
         first_token_at: float | None = None
         resp: web.StreamResponse | None = None
         timeout = aiohttp.ClientTimeout(total=None, connect=UPSTREAM_CONNECT_TIMEOUT_S,
@@ -293,6 +309,9 @@ class Gateway:
                 return resp
         except _Upstream as exc:
             reason = exc.reason
+            if resp is None and exc.reason == "upstream_refused":
+                terminal = None  # not over: it goes back to the queue
+                return _REQUEUED
             if resp is None:
                 if exc.body is not None:
                     return web.Response(status=exc.status, body=exc.body, content_type="application/json")
@@ -323,7 +342,8 @@ class Gateway:
                     if completion > 1 and streaming:
                         self.metrics.tpot.labels(adm.tenant).observe((now - first_token_at) / (completion - 1))
                 self.metrics.e2e.labels(adm.tenant).observe(now - adm.arrival)
-            self._apply(self.core.finished(rid, now, terminal, completion, reason))
+            if terminal is not None:
+                self._apply(self.core.finished(rid, now, terminal, completion, reason))
 
     async def handle_models(self, _request: web.Request) -> web.Response:
         return web.Response(body=dumps(models_list(list(self._models))), content_type="application/json")
