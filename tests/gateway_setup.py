@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from bouncer.config import key_digest
 from bouncer.tokenizer import default_tokenizer_path
-
 from conftest import start_engine, start_gateway
 from servers import poll_until
 
