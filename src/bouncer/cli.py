@@ -118,6 +118,13 @@ def cmd_config_hash_key(args) -> None:
     print(key_digest(args.key))
 
 
+def cmd_bench_overhead(args) -> None:
+    from bouncer.bench.overhead import main as overhead
+    from bouncer.tokenizer import default_tokenizer_path
+
+    overhead(args.seconds, args.out, None if args.no_tokenizer else str(default_tokenizer_path()))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="bouncer", description="Admission control for LLM inference fleets.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -155,6 +162,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="write the summary as JSON")
     _add_engine_args(p)
     p.set_defaults(func=cmd_bench_engine)
+    p = bench.add_parser("overhead", help="gateway overhead against a fast upstream, direct vs through Bouncer")
+    p.add_argument("--seconds", type=int, default=5, help="per measurement")
+    p.add_argument("--out", help="write the runs as JSON")
+    p.add_argument("--no-tokenizer", action="store_true",
+                   help="estimate prompt tokens instead of running the bundled tokenizer")
+    p.set_defaults(func=cmd_bench_overhead)
     return parser
 
 

@@ -45,6 +45,10 @@ UPSTREAM_READ_TIMEOUT_S = 300.0  # silence on an upstream stream this long is a 
 _REQUEUED = web.Response(status=503)  # sentinel: the upstream refused, hold the request again
 
 
+class _ClientGone(Exception):
+    """Writing to the client failed: it disconnected."""
+
+
 class _Upstream(Exception):
     """The upstream refused or failed before the response to the client started."""
 
@@ -284,7 +288,10 @@ class Gateway:
                     raise _Upstream(502, "upstream_error", "the backend sent an error event",
                                     body=dumps(first_obj))
                 resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-                await resp.prepare(request)
+                try:
+                    await resp.prepare(request)
+                except ConnectionResetError:
+                    raise _ClientGone from None
                 content_chunks = 0
                 event: bytes | None = first
                 obj: Any = first_obj
@@ -300,13 +307,24 @@ class Gateway:
                                 first_token_at = self.clock()
                                 self.core.started(rid, first_token_at)
                     if forward:
-                        await resp.write(event)
+                        try:
+                            await resp.write(event)
+                        except ConnectionResetError:
+                            raise _ClientGone from None
                     event = await anext(events, None)
                     obj = _event_json(event) if event is not None else None
                 completion = completion or content_chunks
-                await resp.write_eof()
+                try:
+                    await resp.write_eof()
+                except ConnectionResetError:
+                    raise _ClientGone from None
                 terminal, reason = Terminal.COMPLETED, None
                 return resp
+        except _ClientGone:
+            # the client left mid-stream: leaving the `async with` closed the upstream
+            # connection, which makes the engine abort the request
+            terminal, reason = Terminal.CANCELLED, "client_disconnected"
+            return resp
         except _Upstream as exc:
             reason = exc.reason
             if resp is None and exc.reason == "upstream_refused":

@@ -1,0 +1,167 @@
+"""`bouncer bench overhead`: what the gateway costs, measured against going direct.
+
+One run starts a fast upstream (bouncer.bench.fast_upstream) and a real gateway in front of it,
+each in its own process (pinned to separate cores where `taskset` exists), then drives both
+with wrk at concurrency 1, 16 and 64, streaming and not, and prints requests/s and p50/p99
+latency direct and through Bouncer, with the ratios. Ratios are what to compare across
+machines: both sides are measured in the same run on the same (shared, noisy) machine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import asdict, dataclass
+
+from bouncer.config import key_digest
+
+BENCH_KEY = "bench-key"
+BODY = {"model": "fast", "messages": [{"role": "user", "content": "Say hello to the benchmark, briefly."}],
+        "max_tokens": 16}
+
+
+@dataclass
+class Run:
+    target: str  # direct | bouncer
+    stream: bool
+    concurrency: int
+    rps: float
+    p50_ms: float
+    p99_ms: float
+    errors: int
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_ok(url: str, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=1) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.1)
+    raise RuntimeError(f"{url} did not come up")
+
+
+def _pin(cpu: int) -> list[str]:
+    return ["taskset", "-c", str(cpu)] if shutil.which("taskset") and (os.cpu_count() or 1) > 1 else []
+
+
+_LUA = """wrk.method = "POST"
+wrk.body = {body}
+wrk.headers["Content-Type"] = "application/json"
+wrk.headers["Authorization"] = "Bearer {key}"
+"""
+
+
+def _latency_ms(text: str, pct: str) -> float:
+    m = re.search(rf"^\s+{pct}%\s+([\d.]+)(us|ms|s)\s*$", text, re.M)
+    if not m:
+        return float("nan")
+    value, unit = float(m.group(1)), m.group(2)
+    return value / 1000 if unit == "us" else value * 1000 if unit == "s" else value
+
+
+def _wrk(url: str, stream: bool, concurrency: int, seconds: int,
+         workdir: pathlib.Path) -> tuple[float, float, float, int]:
+    body = dict(BODY, stream=stream)
+    script = workdir / f"post-{int(stream)}.lua"
+    script.write_text(_LUA.format(body=json.dumps(json.dumps(body)), key=BENCH_KEY))
+    cmd = [*_pin(0), "wrk", "-t1", f"-c{concurrency}", f"-d{seconds}s", "--latency", "-s", str(script), url]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 30)
+    m = re.search(r"Requests/sec:\s+([\d.]+)", proc.stdout)
+    if m is None:
+        raise RuntimeError(f"wrk failed: {proc.stdout}{proc.stderr}")
+    out = proc.stdout
+    rps = float(m.group(1))
+    errors = 0
+    if m := re.search(r"Non-2xx or 3xx responses: (\d+)", out):
+        errors += int(m.group(1))
+    if m := re.search(r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)", out):
+        errors += sum(int(x) for x in m.groups())
+    return rps, _latency_ms(out, "50"), _latency_ms(out, "99"), errors
+
+
+def _gateway_config(upstream: str, port: int) -> str:
+    return json.dumps({
+        "listen": {"host": "127.0.0.1", "port": port},
+        "tenants": [{"name": "bench", "api_keys_sha256": [key_digest(BENCH_KEY)], "max_tokens_cap": 4096}],
+        "models": [{"name": "fast", "engine": "vllm", "tokenizer": None, "max_model_len": 32768,
+                    "backends": [{"url": upstream}]}],
+        "policy": {"max_inflight_per_replica": 100000,
+                   "queues": {"max_requests": 100000, "tenant_max_requests": 100000, "band_max_requests": 100000}},
+    })
+
+
+def run_overhead(seconds: int = 5, concurrencies: tuple[int, ...] = (1, 16, 64),
+                 tokenizer: str | None = None) -> list[Run]:
+    if not shutil.which("wrk"):
+        raise SystemExit("bouncer bench overhead needs wrk (Debian/Ubuntu: apt-get install wrk)")
+    up_port, gw_port = _free_port(), _free_port()
+    procs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        work = pathlib.Path(tmp)
+        cfg = json.loads(_gateway_config(f"http://127.0.0.1:{up_port}", gw_port))
+        if tokenizer:
+            cfg["models"][0]["tokenizer"] = tokenizer
+        (work / "gateway.yaml").write_text(json.dumps(cfg))
+        try:
+            procs.append(subprocess.Popen([*_pin(0), sys.executable, "-m", "bouncer.bench.fast_upstream",
+                                           "--port", str(up_port)]))
+            procs.append(subprocess.Popen([*_pin(1), sys.executable, "-m", "bouncer", "serve", "--config",
+                                           str(work / "gateway.yaml")], stdout=subprocess.DEVNULL))
+            _wait_ok(f"http://127.0.0.1:{up_port}/metrics")
+            _wait_ok(f"http://127.0.0.1:{gw_port}/ready")
+            runs = []
+            targets = {"direct": f"http://127.0.0.1:{up_port}/v1/chat/completions",
+                       "bouncer": f"http://127.0.0.1:{gw_port}/v1/chat/completions"}
+            for stream in (False, True):
+                for c in concurrencies:
+                    for target, url in targets.items():
+                        _wrk(url, stream, c, 1, work)  # warm-up
+                        rps, p50, p99, errors = _wrk(url, stream, c, seconds, work)
+                        runs.append(Run(target, stream, c, rps, p50, p99, errors))
+            return runs
+        finally:
+            for p in procs:
+                p.terminate()
+            for p in procs:
+                p.wait(10)
+
+
+def report(runs: list[Run]) -> str:
+    by = {(r.target, r.stream, r.concurrency): r for r in runs}
+    lines = ["| mode | conc. | direct req/s | Bouncer req/s | ratio | direct p50 / p99 ms | "
+             "Bouncer p50 / p99 ms | added p50 ms | errors |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for (target, stream, c), r in by.items():
+        if target != "direct":
+            continue
+        b = by[("bouncer", stream, c)]
+        lines.append(f"| {'stream' if stream else 'plain'} | {c} | {r.rps:,.0f} | {b.rps:,.0f} | "
+                     f"{b.rps / r.rps:.2f} | {r.p50_ms:.2f} / {r.p99_ms:.2f} | {b.p50_ms:.2f} / {b.p99_ms:.2f} | "
+                     f"{b.p50_ms - r.p50_ms:.2f} | {r.errors + b.errors} |")
+    return "\n".join(lines)
+
+
+def main(seconds: int, out: str | None, tokenizer: str | None) -> None:
+    runs = run_overhead(seconds, tokenizer=tokenizer)
+    print(report(runs))
+    if out:
+        pathlib.Path(out).write_text(json.dumps([asdict(r) for r in runs], indent=2))
+        print(f"saved {out}")
