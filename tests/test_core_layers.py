@@ -265,3 +265,19 @@ def test_retry_after_grows_with_backlog():
             core.offer(info("a", prompt=200, max_tokens=10), 1.0)
         retry.append(core.retry_after(core.models["m"], 0, 1.0))
     assert retry == sorted(retry) and retry[-1] > retry[0] * 3
+
+
+def test_eviction_takes_the_lowest_band_first_then_its_newest_request():
+    core = make_core(replicas=1, kv_blocks=1000, policy={"queues": {"max_requests": 4}, "sheddable_ceiling": 5.0},
+                     tenants=[tenant("a"), tenant("low", priority=-1), tenant("lowest", priority=-2)])
+    core.observe("m/0", Telemetry(at=0.0, kv_usage=0.99, running=50, waiting=0), 0.0)
+    low_old, low_new, lowest_old, lowest_new = (info("low"), info("low"), info("lowest"), info("lowest"))
+    for r in (low_old, lowest_old, low_new, lowest_new):
+        assert core.offer(r, 0.0) == []
+    order = []
+    for _ in range(4):
+        (e,) = core.offer(info("a"), 0.0)
+        order.append(e.request_id)
+    assert order == [lowest_new.request_id, lowest_old.request_id, low_new.request_id, low_old.request_id]
+    r = only_reject(core.offer(info("a"), 0.0))  # nothing sheddable left to evict
+    assert r.reason == "queue_full"

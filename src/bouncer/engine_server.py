@@ -96,6 +96,8 @@ class _EngineCollector:
                       c.prefix_cache_hits)
         yield counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.", c.num_preemptions)
         yield counter("vllm:prompt_tokens", "Number of prefill tokens processed.", c.prompt_tokens)
+        yield counter("vllm:prompt_tokens_cached", "Number of cached prompt tokens (prefix cache hits).",
+                      c.prompt_tokens_cached)
         yield counter("vllm:generation_tokens", "Number of generation tokens processed.", c.generation_tokens)
         success = CounterMetricFamily("vllm:request_success", "Count of successfully processed requests.",
                                       labels=[*labels, "finished_reason"])

@@ -108,6 +108,7 @@ class EngineCounters:
     """Monotonic counters, vLLM's metric families (without the `vllm:` prefix)."""
 
     prompt_tokens: int = 0  # counted once per request, at its first token (as vLLM)
+    prompt_tokens_cached: int = 0  # of those, found in the prefix cache
     generation_tokens: int = 0
     recomputed_tokens: int = 0  # KV recomputed after preemption (work done twice)
     prefix_cache_queries: int = 0  # tokens looked up
@@ -220,11 +221,14 @@ class EngineModel:
             raise ValueError(f"duplicate request id {req.request_id!r}")
         if req.prompt_len < 1 or req.max_output < 1:
             raise RequestTooLong("a request needs at least one prompt token and one output token")
-        if req.prompt_len + req.max_output > self.max_model_len:
-            raise RequestTooLong(
-                f"prompt ({req.prompt_len}) + max_tokens ({req.max_output}) exceeds max_model_len "
-                f"{self.max_model_len}")
-        if num_blocks(req.prompt_len + req.max_output, self.block_size) > self.pool.num_blocks:
+        # As vLLM 0.32: only a prompt longer than the context is refused; prompt + max_tokens may
+        # exceed it, and generation then stops at max_model_len (finish reason "length").
+        if req.prompt_len > self.max_model_len:
+            raise RequestTooLong(f"prompt ({req.prompt_len} tokens) exceeds max_model_len {self.max_model_len}")
+        # Not vLLM (which sizes max_model_len to fit its pool at start-up): with a pool shrunk by
+        # --kv-blocks a request could otherwise wait forever.
+        longest = min(req.prompt_len + req.max_output, self.max_model_len)
+        if num_blocks(longest, self.block_size) > self.pool.num_blocks:
             raise RequestTooLong(f"request needs more KV blocks than the pool has ({self.pool.num_blocks})")
         # vLLM checks the request cap first; both count running + waiting requests.
         if self.max_num_queued_reqs is not None and \
@@ -323,7 +327,7 @@ class EngineModel:
                     can_run = False
                     break
             if not can_run:
-                continue  # req left `running`; index i now points at the next one
+                break  # as vLLM: a running request that cannot be scheduled ends this pass
             scheduled.append((req, n_new))
             budget -= n_new
             i += 1
@@ -353,8 +357,9 @@ class EngineModel:
             req.num_computed = num_cached
             req.num_cached_tokens = num_cached
             req.num_registered = len(hit)
-            self.counters.prefix_cache_queries += req.num_tokens
-            self.counters.prefix_cache_hits += num_cached
+            if req.num_preemptions == 0:  # vLLM keeps re-prefills after preemption out of these
+                self.counters.prefix_cache_queries += req.num_tokens
+                self.counters.prefix_cache_hits += num_cached
             self.waiting.pop()
             req.status = Status.RUNNING
             if req.scheduled_at is None:
@@ -439,6 +444,7 @@ class EngineModel:
             if req.first_token_at is None:
                 req.first_token_at = end
                 counters.prompt_tokens += req.prompt_len
+                counters.prompt_tokens_cached += req.num_cached_tokens
             tokens.append((req, produced))
             if req.num_output >= req.max_output or req.num_tokens >= self.max_model_len:
                 finished.append(req)

@@ -56,8 +56,10 @@ class EngineProfile:
     kv: KVGeometry
     num_blocks: int
     block_size: int = 16
+    # vLLM 0.32's OpenAI-server defaults on >= 70 GB GPUs other than A100 (EngineArgs
+    # get_batch_defaults): 8,192 batched tokens, 1,024 sequences.
     max_num_batched_tokens: int = 8192
-    max_num_seqs: int = 256
+    max_num_seqs: int = 1024
     max_model_len: int = 131072
 
     def step_time(self, batched_tokens: int, context_tokens: int) -> float:
@@ -105,6 +107,17 @@ PROFILES: dict[str, EngineProfile] = {
             c=_QWEN32.bytes_per_token / _H200_BW,
             kv=_QWEN32, num_blocks=_kv_blocks(141, 65.5, _QWEN32.bytes_per_token),
             max_model_len=40960),
+        EngineProfile(
+            # Measured: real vLLM 0.32 CPU build on this project's 2-core machine, serving the tiny
+            # random Llama of scripts/make_tiny_model.py (2 layers, 4 KV heads x 32, float32).
+            # Least-squares fit of step times (scripts/fidelity/calibrate.py, two runs): a and b
+            # stable to ~5%; c poorly determined (0.7e-7 to 3.7e-7), the midpoint is used.
+            # The CPU backend uses 128-token blocks; 1 GiB of KV / 2,048 B per token = 4,096 blocks;
+            # CPU defaults: 2,048 batched tokens, 128 sequences.
+            name="vllm-cpu-tiny", model="tiny random Llama (local)", hardware="2-core x86 CPU, vLLM CPU build",
+            a=0.0051, b=2.2e-5, c=2.2e-7,
+            kv=KVGeometry(layers=2, kv_heads=4, head_dim=32, dtype_bytes=4), num_blocks=4096, block_size=128,
+            max_num_batched_tokens=2048, max_num_seqs=128, max_model_len=512),
     )
 }
 

@@ -1,0 +1,68 @@
+"""Build the tiny random Llama model that real vLLM (CPU build) serves in fidelity runs.
+
+No weights can be downloaded here, so the model is a 2-layer LlamaForCausalLM with random weights
+(torch.manual_seed(0)) and Bouncer's own tokenizer (src/bouncer/data/tokenizer.json), so that
+vLLM and Bouncer count prompt tokens identically. The chat template renders exactly what Bouncer
+renders:  <s>{role}\\n{content}</s>\\n ... <s>assistant\\n
+
+Run it with the vLLM venv (it needs torch + transformers):
+
+    .venv-vllm/bin/python scripts/make_tiny_model.py [OUT_DIR]   # default .cache/tiny-model
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+TOKENIZER_JSON = REPO / "src/bouncer/data/tokenizer.json"
+
+# Real newlines ("\n" in this Python literal) in the rendered string, as Bouncer renders them.
+CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<s>assistant\n{% endif %}")
+
+
+def build(out: pathlib.Path) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    out.mkdir(parents=True, exist_ok=True)
+    tok = PreTrainedTokenizerFast(tokenizer_file=str(TOKENIZER_JSON), bos_token="<s>",
+                                  eos_token="</s>", unk_token="<unk>", pad_token="<pad>")
+    tok.chat_template = CHAT_TEMPLATE
+    tok.model_max_length = 2048
+    tok.save_pretrained(str(out))
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=2048, hidden_size=128, intermediate_size=256,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                         max_position_embeddings=2048,
+                         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                         pad_token_id=tok.pad_token_id)
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(str(out))
+
+    # Self-check: the HF tokenizer must give the same ids as the raw tokenizers.Tokenizer.
+    from tokenizers import Tokenizer
+    raw = Tokenizer.from_file(str(TOKENIZER_JSON))
+    msgs = [{"role": "user", "content": "def f(x):\n    return x + 1"}]
+    text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    want = "<s>user\ndef f(x):\n    return x + 1</s>\n<s>assistant\n"
+    assert text == want, (text, want)
+    ids_hf = tok(text, add_special_tokens=True)["input_ids"]
+    ids_raw = raw.encode(text).ids
+    print(f"chat render ok; {len(ids_raw)} raw tokens; HF add_special_tokens=True gives "
+          f"{len(ids_hf)} ({'same' if ids_hf == ids_raw else 'DIFFERENT'})")
+    n = sum(p.numel() for p in model.parameters())
+    print(f"wrote {out} ({n} parameters, vocab {config.vocab_size})")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out", nargs="?", default=str(REPO / ".cache/tiny-model"))
+    build(pathlib.Path(ap.parse_args().out))
+
+
+if __name__ == "__main__":
+    main()

