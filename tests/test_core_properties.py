@@ -27,7 +27,7 @@ op = st.one_of(
 )
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(op, max_size=120), st.sampled_from(["wdrr", "round-robin"]), st.sampled_from(["fcfs", "edf"]))
 def test_every_request_ends_once_and_permits_return(ops, fairness, ordering):
     core = make_core(
@@ -111,6 +111,7 @@ def test_every_request_ends_once_and_permits_return(ops, fairness, ordering):
     assert core.queued == 0 and not core.inflight
     for r in core.replicas.values():
         assert r.inflight_blocks == 0 and not r.inflight and r.unstarted == 0 and r.queued_prefill_tokens == 0
+        assert r.blocks_since_sample == 0
     assert all(t.inflight_blocks == 0 for t in core.tenants.values())
     for ms in core.models.values():
         assert ms.flow.tokens == 0 and all(b.count == 0 and b.tokens == 0 for b in ms.flow.bands.values())

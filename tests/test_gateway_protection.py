@@ -65,8 +65,10 @@ def test_free_tier_flood_leaves_interactive_within_its_ttft_slo(bg_loop):
         ttfts = bg_loop.start_task(_flood_then_probe(f.url + "/v1", "demo-free", "demo-interactive")).result(120)
         assert max(ttfts) < 1.0, ttfts
         decisions = f.call(lambda: dict(f.gateway.core.stats.decisions))
-        shed = sum(n for k, n in decisions.items() if k[3] == "demo-free" and k[0] in ("refused", "evicted"))
-        assert shed > 0  # the flood was actually pushed back
+        # the flood was pushed back: refused, evicted, or still held in the queue when it gave up
+        held_back = sum(n for k, n in decisions.items() if k[3] == "demo-free"
+                        and (k[0] in ("refused", "evicted") or (k[0] == "cancelled" and k[1] == "flow")))
+        assert held_back > 0, decisions
         slo = f.call(lambda: (f.gateway.core.stats.slo_met["demo-interactive"],
                               f.gateway.core.stats.slo_total["demo-interactive"]))
         assert slo[0] == slo[1] == 8

@@ -38,6 +38,8 @@ class Run:
     p50_ms: float
     p99_ms: float
     errors: int
+    requests: int
+    server_cpu_us_per_request: float  # CPU time of the server process measured (gateway or upstream)
 
 
 def _free_port() -> int:
@@ -77,8 +79,14 @@ def _latency_ms(text: str, pct: str) -> float:
     return value / 1000 if unit == "us" else value * 1000 if unit == "s" else value
 
 
+def _cpu_seconds(pid: int) -> float:
+    """utime + stime of a process, from /proc (Linux)."""
+    fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _wrk(url: str, stream: bool, concurrency: int, seconds: int,
-         workdir: pathlib.Path) -> tuple[float, float, float, int]:
+         workdir: pathlib.Path) -> tuple[float, float, float, int, int]:
     body = dict(BODY, stream=stream)
     script = workdir / f"post-{int(stream)}.lua"
     script.write_text(_LUA.format(body=json.dumps(json.dumps(body)), key=BENCH_KEY))
@@ -94,7 +102,8 @@ def _wrk(url: str, stream: bool, concurrency: int, seconds: int,
         errors += int(m.group(1))
     if m := re.search(r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)", out):
         errors += sum(int(x) for x in m.groups())
-    return rps, _latency_ms(out, "50"), _latency_ms(out, "99"), errors
+    total = int(re.search(r"(\d+) requests in", out).group(1))
+    return rps, _latency_ms(out, "50"), _latency_ms(out, "99"), errors, total
 
 
 def _gateway_config(upstream: str, port: int) -> str:
@@ -121,6 +130,7 @@ def run_overhead(seconds: int = 5, concurrencies: tuple[int, ...] = (1, 16, 64),
             cfg["models"][0]["tokenizer"] = tokenizer
         (work / "gateway.yaml").write_text(json.dumps(cfg))
         try:
+            # taskset execs the server, so these pids are the servers' own (CPU time is read from them)
             procs.append(subprocess.Popen([*_pin(0), sys.executable, "-m", "bouncer.bench.fast_upstream",
                                            "--port", str(up_port)]))
             procs.append(subprocess.Popen([*_pin(1), sys.executable, "-m", "bouncer", "serve", "--config",
@@ -128,14 +138,16 @@ def run_overhead(seconds: int = 5, concurrencies: tuple[int, ...] = (1, 16, 64),
             _wait_ok(f"http://127.0.0.1:{up_port}/metrics")
             _wait_ok(f"http://127.0.0.1:{gw_port}/ready")
             runs = []
-            targets = {"direct": f"http://127.0.0.1:{up_port}/v1/chat/completions",
-                       "bouncer": f"http://127.0.0.1:{gw_port}/v1/chat/completions"}
+            targets = {"direct": (f"http://127.0.0.1:{up_port}/v1/chat/completions", procs[0].pid),
+                       "bouncer": (f"http://127.0.0.1:{gw_port}/v1/chat/completions", procs[1].pid)}
             for stream in (False, True):
                 for c in concurrencies:
-                    for target, url in targets.items():
+                    for target, (url, pid) in targets.items():
                         _wrk(url, stream, c, 1, work)  # warm-up
-                        rps, p50, p99, errors = _wrk(url, stream, c, seconds, work)
-                        runs.append(Run(target, stream, c, rps, p50, p99, errors))
+                        cpu0 = _cpu_seconds(pid)
+                        rps, p50, p99, errors, total = _wrk(url, stream, c, seconds, work)
+                        cpu_us = (_cpu_seconds(pid) - cpu0) / max(1, total) * 1e6
+                        runs.append(Run(target, stream, c, rps, p50, p99, errors, total, cpu_us))
             return runs
         finally:
             for p in procs:
@@ -147,15 +159,15 @@ def run_overhead(seconds: int = 5, concurrencies: tuple[int, ...] = (1, 16, 64),
 def report(runs: list[Run]) -> str:
     by = {(r.target, r.stream, r.concurrency): r for r in runs}
     lines = ["| mode | conc. | direct req/s | Bouncer req/s | ratio | direct p50 / p99 ms | "
-             "Bouncer p50 / p99 ms | added p50 ms | errors |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "Bouncer p50 / p99 ms | added p50 ms | Bouncer CPU us/req | errors |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for (target, stream, c), r in by.items():
         if target != "direct":
             continue
         b = by[("bouncer", stream, c)]
         lines.append(f"| {'stream' if stream else 'plain'} | {c} | {r.rps:,.0f} | {b.rps:,.0f} | "
                      f"{b.rps / r.rps:.2f} | {r.p50_ms:.2f} / {r.p99_ms:.2f} | {b.p50_ms:.2f} / {b.p99_ms:.2f} | "
-                     f"{b.p50_ms - r.p50_ms:.2f} | {r.errors + b.errors} |")
+                     f"{b.p50_ms - r.p50_ms:.2f} | {b.server_cpu_us_per_request:.0f} | {r.errors + b.errors} |")
     return "\n".join(lines)
 
 

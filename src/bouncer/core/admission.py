@@ -315,6 +315,7 @@ class AdmissionCore:
         self.stats.served_tokens[adm.tenant] += tokens
         self._completions.append((now, tokens))
         self._completion_tokens_in_window += tokens
+        self._trim_completions(now)
         if tenant is None:
             return
         tenant.output_models.setdefault(adm.info.model, OutputLengthModel(self.policy.expected_output_default)) \
@@ -352,6 +353,7 @@ class AdmissionCore:
         self.stats.decisions[("requeued", Layer.UPSTREAM.value, "upstream_refused", adm.tenant, adm.priority)] += 1
         adm.replica = None
         adm.dispatched_at = None
+        adm.first_token_at = None
         adm.blocks = 0
         adm.prefill_tokens = 0
         ms = self.models[adm.info.model]
@@ -379,7 +381,7 @@ class AdmissionCore:
             r.healthy = False
         else:
             r.healthy = True
-            r.telemetry = telemetry
+            r.observe(telemetry)
         return self._dispatch(self.models[r.model], now)
 
     def tick(self, now: float) -> list[Event]:
@@ -561,9 +563,7 @@ class AdmissionCore:
     def retry_after(self, ms: _ModelState, priority: int, now: float) -> float:
         """Estimated time to drain the backlog ahead of a request of this priority, from the
         rate the fleet has been completing tokens. Grows with the backlog."""
-        window_start = now - SERVICE_RATE_WINDOW_S
-        while self._completions and self._completions[0][0] < window_start:
-            self._completion_tokens_in_window -= self._completions.popleft()[1]
+        self._trim_completions(now)
         backlog = ms.flow.tokens_ahead(priority) + sum(a.info.prompt_tokens + a.expected_output
                                                        for a in self.inflight.values()
                                                        if a.info.model == ms.cfg.name and a.first_token_at is None)
@@ -573,6 +573,11 @@ class AdmissionCore:
         else:
             estimate = backlog / rate
         return min(RETRY_AFTER_MAX_S, max(RETRY_AFTER_MIN_S, estimate))
+
+    def _trim_completions(self, now: float) -> None:
+        window_start = now - SERVICE_RATE_WINDOW_S
+        while self._completions and self._completions[0][0] < window_start:
+            self._completion_tokens_in_window -= self._completions.popleft()[1]
 
     def _refuse(self, request_id: str, tenant: str, priority: int | None, layer: Layer, reason: str,
                 message: str, retry_after: float | None = None, param: str | None = None,

@@ -41,6 +41,7 @@ class ReplicaState:
         # own accounting of what was dispatched here and not finished
         self.inflight: dict[str, object] = {}
         self.inflight_blocks = 0
+        self.blocks_since_sample = 0  # blocks dispatched after the last telemetry sample
         self.unstarted = 0  # dispatched, no first token yet
         self.queued_prefill_tokens = 0  # uncached prompt tokens of those
 
@@ -59,18 +60,19 @@ class ReplicaState:
 
     def projected_usage(self, now: float, fresh: bool) -> float:
         """KV usage the replica is heading for: the scraped figure plus what was sent after the
-        sample, or our own reservations if those are larger."""
+        sample, or our own reservations if those are larger. O(1): called on every decision."""
         cap = self.capacity_blocks
         own = self.inflight_blocks / cap if cap else 0.0
         t = self.telemetry
         if t is None or not fresh:
             return own
-        since = 0
-        if cap:
-            for adm in self.inflight.values():
-                if adm.dispatched_at is not None and adm.dispatched_at > t.at:  # type: ignore[attr-defined]
-                    since += adm.blocks  # type: ignore[attr-defined]
-        return max(own, t.kv_usage + (since / cap if cap else 0.0))
+        return max(own, t.kv_usage + (self.blocks_since_sample / cap if cap else 0.0))
+
+    def observe(self, telemetry: Telemetry) -> None:
+        self.telemetry = telemetry
+        # what we sent after this sample was taken is not in its figures yet
+        self.blocks_since_sample = sum(adm.blocks for adm in self.inflight.values()  # type: ignore[attr-defined]
+                                       if self._after_sample(adm))
 
     def queue_depth(self, fresh: bool) -> int:
         """Requests waiting at the engine, as last scraped (0 when the scrape is stale: then
@@ -81,6 +83,8 @@ class ReplicaState:
     def add(self, request_id: str, adm: object, blocks: int, prefill_tokens: int) -> None:
         self.inflight[request_id] = adm
         self.inflight_blocks += blocks
+        if self._after_sample(adm):
+            self.blocks_since_sample += blocks
         self.unstarted += 1
         self.queued_prefill_tokens += prefill_tokens
 
@@ -89,5 +93,11 @@ class ReplicaState:
         self.queued_prefill_tokens -= prefill_tokens
 
     def remove(self, request_id: str, blocks: int) -> None:
-        self.inflight.pop(request_id, None)
+        adm = self.inflight.pop(request_id, None)
         self.inflight_blocks -= blocks
+        if adm is not None and self._after_sample(adm):
+            self.blocks_since_sample -= blocks
+
+    def _after_sample(self, adm: object) -> bool:
+        t = self.telemetry
+        return t is None or adm.dispatched_at > t.at  # type: ignore[attr-defined]

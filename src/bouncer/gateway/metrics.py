@@ -97,3 +97,23 @@ class GatewayMetrics:
                               ["tenant"], buckets=TPOT_BUCKETS, registry=self.registry)
         self.e2e = Histogram("bouncer_request_duration_seconds", "Arrival to last byte, admitted requests.",
                              ["tenant"], buckets=LATENCY_BUCKETS, registry=self.registry)
+        self._children: dict[tuple, object] = {}  # labelled children, looked up once
+
+    def observe_queue_wait(self, tenant: str, band: int, seconds: float) -> None:
+        child = self._children.get(("wait", tenant, band))
+        if child is None:
+            child = self._children[("wait", tenant, band)] = self.queue_wait.labels(tenant, str(band))
+        child.observe(seconds)
+
+    def observe_completed(self, tenant: str, arrival: float, first_token_at: float | None, tpot: float | None,
+                          now: float) -> None:
+        children = self._children.get(("done", tenant))
+        if children is None:
+            children = self._children[("done", tenant)] = (self.ttft.labels(tenant), self.tpot.labels(tenant),
+                                                           self.e2e.labels(tenant))
+        ttft, tpot_h, e2e = children
+        if first_token_at is not None:
+            ttft.observe(first_token_at - arrival)
+        if tpot is not None:
+            tpot_h.observe(tpot)
+        e2e.observe(now - arrival)

@@ -8,6 +8,7 @@ prefixes still hash to equal blocks.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from typing import Any
 
@@ -19,10 +20,17 @@ from bouncer.tokenizer import PromptTokenizer, render_chat
 BYTES_PER_TOKEN_ESTIMATE = 4
 
 
+@functools.lru_cache(maxsize=4096)
+def _digest(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
 def key_digest_from_headers(headers) -> str | None:
+    """SHA-256 of the presented API key (`Authorization: Bearer` or `api-key`). Digests of
+    recently seen keys are cached: a few tenants send most requests."""
     auth = headers.get("Authorization", "")
     key = auth[7:].strip() if auth[:7].lower() == "bearer " else headers.get("api-key", "").strip()
-    return hashlib.sha256(key.encode()).hexdigest() if key else None
+    return _digest(key) if key else None
 
 
 def _estimate_ids(text: str) -> list[int]:

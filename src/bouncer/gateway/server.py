@@ -15,12 +15,13 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import aiohttp
 import orjson
 import yaml
+import yarl
 from aiohttp import web
 from prometheus_client import generate_latest
 
@@ -31,6 +32,7 @@ from bouncer.core.outcomes import Layer, Refusal, Terminal
 from bouncer.gateway.metrics import GatewayMetrics
 from bouncer.gateway.request_parsing import request_info
 from bouncer.gateway.scrapers import PARSERS
+from bouncer.gateway.upstream import UpstreamError, UpstreamPool, UpstreamResponse, UpstreamTimeout
 from bouncer.openai_wire import ApiError, dumps, models_list, parse_json_object
 from bouncer.tokenizer import PromptTokenizer
 
@@ -40,6 +42,7 @@ TICK_MIN_S = 0.005
 TICK_MAX_S = 0.1  # the core's TTL deadlines are checked at least this often
 UPSTREAM_CONNECT_TIMEOUT_S = 5.0
 UPSTREAM_READ_TIMEOUT_S = 300.0  # silence on an upstream stream this long is a timeout
+TOKENIZE_IN_THREAD_BYTES = 32 * 1024  # bodies larger than this are tokenized off the event loop
 
 
 _REQUEUED = web.Response(status=503)  # sentinel: the upstream refused, hold the request again
@@ -84,7 +87,9 @@ class Gateway:
         self._waiters: dict[str, asyncio.Future] = {}
         self._tasks: list[asyncio.Task] = []
         self._scrapers: dict[str, asyncio.Task] = {}
-        self.session: aiohttp.ClientSession | None = None
+        self.session: aiohttp.ClientSession | None = None  # scrapes
+        self.upstream = UpstreamPool(UPSTREAM_CONNECT_TIMEOUT_S, UPSTREAM_READ_TIMEOUT_S)  # proxied requests
+        self._urls: dict[tuple[str, str], yarl.URL] = {}
 
     def _apply_config(self, config: BouncerConfig) -> None:
         self.config = config
@@ -125,6 +130,7 @@ class Gateway:
         await asyncio.gather(*self._tasks, *self._scrapers.values(), return_exceptions=True)
         if self.session is not None:
             await self.session.close()
+        self.upstream.close()
 
     def _sync_scrapers(self) -> None:
         loop = asyncio.get_running_loop()
@@ -204,9 +210,13 @@ class Gateway:
         try:
             body = parse_json_object(raw)
             model = self._models.get(body.get("model")) if isinstance(body.get("model"), str) else None
-            info = request_info(rid, kind, body, request.headers,
-                                self._tokenizers.get(model.name) if model else None,
-                                model.block_size if model else 16)
+            tokenizer = self._tokenizers.get(model.name) if model else None
+            block_size = model.block_size if model else 16
+            if len(raw) > TOKENIZE_IN_THREAD_BYTES:
+                # ~1 us per token: a long prompt would stall every other request on the loop
+                info = await asyncio.to_thread(request_info, rid, kind, body, request.headers, tokenizer, block_size)
+            else:
+                info = request_info(rid, kind, body, request.headers, tokenizer, block_size)
         except ApiError as err:
             return self._refuse_early(rid, err, "invalid_request" if err.code == "invalid_json" else
                                       "invalid_parameter")
@@ -215,7 +225,7 @@ class Gateway:
             if isinstance(decision, Reject):
                 return _refusal_response(decision.refusal)
             adm = decision.adm
-            self.metrics.queue_wait.labels(adm.tenant, str(adm.priority)).observe(adm.dispatched_at - adm.arrival)
+            self.metrics.observe_queue_wait(adm.tenant, adm.priority, adm.dispatched_at - adm.arrival)
             result = await self._proxy(request, kind, path, body, decision)
             if result is not _REQUEUED:
                 return result
@@ -254,75 +264,77 @@ class Gateway:
         reason, completion = "upstream_error", 0
         first_token_at: float | None = None
         resp: web.StreamResponse | None = None
-        timeout = aiohttp.ClientTimeout(total=None, connect=UPSTREAM_CONNECT_TIMEOUT_S,
-                                        sock_read=UPSTREAM_READ_TIMEOUT_S)
+        up: UpstreamResponse | None = None
+        read_timeout = self.upstream.read_timeout
         try:
-            async with self.session.post(replica.url + path, data=dumps(upstream_body), timeout=timeout,
-                                         headers={"Content-Type": "application/json"}) as up:
-                if up.status != 200:
-                    raw = await up.read()
-                    if up.status in (429, 503, 529):
-                        raise _Upstream(503, "upstream_refused", f"the backend refused the request ({up.status})",
-                                        retry_after=up.headers.get("Retry-After"))
-                    raise _Upstream(up.status, "upstream_error", f"the backend answered {up.status}", body=raw)
-                if not streaming:
-                    raw = await up.read()
-                    first_token_at = self.clock()
-                    self.core.started(rid, first_token_at)
-                    try:
-                        completion = int(orjson.loads(raw).get("usage", {}).get("completion_tokens", 0))
-                    except (orjson.JSONDecodeError, AttributeError, TypeError, ValueError):
-                        completion = 0
-                    terminal, reason = Terminal.COMPLETED, None
-                    return web.Response(body=raw, content_type="application/json")
-                events = _sse_events(up.content)
-                first = await anext(events, None)
-                if first is None:
-                    raise _Upstream(502, "upstream_error", "the backend closed the stream without an event")
-                first_obj = _event_json(first)
-                if isinstance(first_obj, dict) and "error" in first_obj:
-                    # vLLM refuses some streams as HTTP 200 whose first event is an error
-                    code = (first_obj.get("error") or {}).get("code")
-                    if code in (429, 503, "429", "503"):
-                        raise _Upstream(503, "upstream_refused", "the backend refused the request in-stream")
-                    raise _Upstream(502, "upstream_error", "the backend sent an error event",
-                                    body=dumps(first_obj))
-                resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+            up = await self.upstream.post_json(self._upstream_url(replica.url, path), dumps(upstream_body))
+            if up.status != 200:
+                raw = await up.read(read_timeout)
+                if up.status in (429, 503, 529):
+                    raise _Upstream(503, "upstream_refused", f"the backend refused the request ({up.status})",
+                                    retry_after=up.headers.get("retry-after"))
+                raise _Upstream(up.status, "upstream_error", f"the backend answered {up.status}", body=raw)
+            if not streaming:
+                raw = await up.read(read_timeout)
+                first_token_at = self.clock()
+                self.core.started(rid, first_token_at)
                 try:
-                    await resp.prepare(request)
-                except ConnectionResetError:
-                    raise _ClientGone from None
-                content_chunks = 0
-                event: bytes | None = first
-                obj: Any = first_obj
-                while event is not None:
-                    forward = True
-                    if isinstance(obj, dict):
-                        if obj.get("usage"):
-                            completion = int(obj["usage"].get("completion_tokens", 0))
-                            forward = client_wants_usage or bool(obj.get("choices"))
-                        if _has_content(obj):
-                            content_chunks += 1
-                            if first_token_at is None:
+                    completion = int(orjson.loads(raw).get("usage", {}).get("completion_tokens", 0))
+                except (orjson.JSONDecodeError, AttributeError, TypeError, ValueError):
+                    completion = 0
+                terminal, reason = Terminal.COMPLETED, None
+                return web.Response(body=raw, content_type="application/json")
+            batches = _sse_batches(up.chunks(read_timeout))
+            batch = await anext(batches, None)
+            if not batch:
+                raise _Upstream(502, "upstream_error", "the backend closed the stream without an event")
+            first_obj = _event_json(batch[0])
+            if isinstance(first_obj, dict) and "error" in first_obj:
+                # vLLM refuses some streams as HTTP 200 whose first event is an error
+                code = (first_obj.get("error") or {}).get("code")
+                if code in (429, 503, "429", "503"):
+                    raise _Upstream(503, "upstream_refused", "the backend refused the request in-stream")
+                raise _Upstream(502, "upstream_error", "the backend sent an error event", body=dumps(first_obj))
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+            try:
+                await resp.prepare(request)
+            except ConnectionResetError:
+                raise _ClientGone from None
+            content_events = 0
+            while batch is not None:
+                out = []
+                for event in batch:
+                    # Parse only what must be read: events until the first token (TTFT), and the
+                    # usage event; the rest are relayed as bytes.
+                    if first_token_at is None or b'"usage"' in event:
+                        obj = _event_json(event)
+                        if isinstance(obj, dict):
+                            if obj.get("usage"):
+                                completion = int(obj["usage"].get("completion_tokens", 0))
+                                if not client_wants_usage and not obj.get("choices"):
+                                    continue  # we asked for usage; the client did not
+                            if first_token_at is None and _has_content(obj):
                                 first_token_at = self.clock()
                                 self.core.started(rid, first_token_at)
-                    if forward:
-                        try:
-                            await resp.write(event)
-                        except ConnectionResetError:
-                            raise _ClientGone from None
-                    event = await anext(events, None)
-                    obj = _event_json(event) if event is not None else None
-                completion = completion or content_chunks
-                try:
-                    await resp.write_eof()
-                except ConnectionResetError:
-                    raise _ClientGone from None
-                terminal, reason = Terminal.COMPLETED, None
-                return resp
+                    if b'"choices":[{' in event or b'"choices": [{' in event:
+                        content_events += 1
+                    out.append(event)
+                if out:
+                    try:
+                        await resp.write(b"".join(out))
+                    except ConnectionResetError:
+                        raise _ClientGone from None
+                batch = await anext(batches, None)
+            completion = completion or content_events
+            try:
+                await resp.write_eof()
+            except ConnectionResetError:
+                raise _ClientGone from None
+            terminal, reason = Terminal.COMPLETED, None
+            return resp
         except _ClientGone:
-            # the client left mid-stream: leaving the `async with` closed the upstream
-            # connection, which makes the engine abort the request
+            # the client left mid-stream: closing the unfinished upstream response (below)
+            # closes its connection, which makes the engine abort the request
             terminal, reason = Terminal.CANCELLED, "client_disconnected"
             return resp
         except _Upstream as exc:
@@ -339,12 +351,12 @@ class Gateway:
                                       self.core.models[adm.info.model], adm.priority, self.clock()))
                 return _refusal_response(refusal)
             raise
-        except TimeoutError:
+        except UpstreamTimeout:
             reason = "upstream_timeout"
             if resp is None:
                 return _refusal_response(Refusal(Layer.UPSTREAM, reason, "the backend timed out", 1.0))
             raise
-        except aiohttp.ClientError as exc:
+        except UpstreamError as exc:
             reason = "upstream_error"
             if resp is None:
                 return _refusal_response(Refusal(Layer.UPSTREAM, reason, f"backend connection failed: {exc}", 1.0))
@@ -353,15 +365,22 @@ class Gateway:
             terminal, reason = Terminal.CANCELLED, "client_disconnected"
             raise
         finally:
+            if up is not None:
+                up.close()
             now = self.clock()
             if terminal is Terminal.COMPLETED:
-                if first_token_at is not None:
-                    self.metrics.ttft.labels(adm.tenant).observe(first_token_at - adm.arrival)
-                    if completion > 1 and streaming:
-                        self.metrics.tpot.labels(adm.tenant).observe((now - first_token_at) / (completion - 1))
-                self.metrics.e2e.labels(adm.tenant).observe(now - adm.arrival)
+                tpot = (now - first_token_at) / (completion - 1) \
+                    if first_token_at is not None and completion > 1 and streaming else None
+                self.metrics.observe_completed(adm.tenant, adm.arrival, first_token_at, tpot, now)
             if terminal is not None:
                 self._apply(self.core.finished(rid, now, terminal, completion, reason))
+
+    def _upstream_url(self, base: str, path: str) -> yarl.URL:
+        """Parsed once per backend and path: URL parsing is a visible cost per request."""
+        url = self._urls.get((base, path))
+        if url is None:
+            url = self._urls[(base, path)] = yarl.URL(base + path)
+        return url
 
     async def handle_models(self, _request: web.Request) -> web.Response:
         return web.Response(body=dumps(models_list(list(self._models))), content_type="application/json")
@@ -447,16 +466,25 @@ class Gateway:
                                   "tenants": [t.name for t in config.tenants]})
 
 
-async def _sse_events(content: aiohttp.StreamReader):
-    """Whole server-sent events (their bytes, blank line included) from an upstream body."""
-    buf: list[bytes] = []
-    async for line in content:
-        buf.append(line)
-        if line in (b"\n", b"\r\n"):
-            yield b"".join(buf)
-            buf = []
-    if buf and any(x.strip() for x in buf):
-        yield b"".join(buf) + b"\n"
+async def _sse_batches(chunks: AsyncIterator[bytes]) -> AsyncIterator[list[bytes]]:
+    """Whole server-sent events (their bytes, blank line included) from an upstream body, in
+    batches: the events completed by each chunk received, so they can be relayed in one write."""
+    buf = b""
+    async for chunk in chunks:
+        buf += chunk
+        batch = []
+        while True:
+            lf = buf.find(b"\n\n")
+            crlf = buf.find(b"\r\n\r\n")
+            if lf < 0 and crlf < 0:
+                break
+            end = lf + 2 if crlf < 0 or 0 <= lf < crlf else crlf + 4
+            batch.append(buf[:end])
+            buf = buf[end:]
+        if batch:
+            yield batch
+    if buf.strip():
+        yield [buf + b"\n\n"]
 
 
 def _event_json(event: bytes) -> Any:

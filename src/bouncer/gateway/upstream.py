@@ -1,0 +1,238 @@
+"""A lean HTTP/1.1 client for proxying to inference servers.
+
+The gateway's per-request cost is dominated by HTTP work, and a general-purpose client spends
+most of its time on features a proxy to a known backend does not need (cookies, redirects,
+content negotiation, payload registries). This client does one thing: POST a JSON body over a
+pooled keep-alive connection and hand back the status, headers and body as it arrives, parsed by
+`httptools` (the C parser uvicorn uses). It measured ~2x cheaper per request than aiohttp's
+client in `bouncer bench overhead`.
+
+Closing a response before it completed closes its connection: for a streaming request whose
+client went away, that is what makes the engine abort the generation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+from collections import deque
+from collections.abc import AsyncIterator
+
+import httptools
+import yarl
+
+
+class UpstreamError(Exception):
+    """The connection failed or the backend broke the protocol."""
+
+
+class UpstreamTimeout(UpstreamError):
+    """No connection, or no data, within the configured time."""
+
+
+class UpstreamResponse:
+    """Status and headers once they have arrived; the body as it arrives."""
+
+    __slots__ = ("status", "headers", "_chunks", "_done", "_error", "_waiter", "_conn")
+
+    def __init__(self, conn: _Connection) -> None:
+        self.status = 0
+        self.headers: dict[str, str] = {}
+        self._chunks: deque[bytes] = deque()
+        self._done = False
+        self._error: Exception | None = None
+        self._waiter: asyncio.Future | None = None
+        self._conn: _Connection | None = conn
+
+    # -- fed by the connection ---------------------------------------------------------------
+    def _wake(self) -> None:
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    def _feed(self, data: bytes) -> None:
+        self._chunks.append(data)
+        self._wake()
+
+    def _finish(self) -> None:
+        self._done = True
+        self._conn = None
+        self._wake()
+
+    def _fail(self, exc: Exception) -> None:
+        if not self._done:
+            self._error = exc
+            self._done = True
+            self._conn = None
+            self._wake()
+
+    # -- read by the gateway ------------------------------------------------------------------
+    async def _wait(self, timeout: float) -> None:
+        loop = asyncio.get_running_loop()
+        self._waiter = loop.create_future()
+        timer = loop.call_later(timeout, self._timed_out, self._waiter)
+        try:
+            await self._waiter
+        finally:
+            timer.cancel()
+            self._waiter = None
+
+    def _timed_out(self, waiter: asyncio.Future) -> None:
+        if not waiter.done():
+            waiter.set_exception(UpstreamTimeout("no data from the backend in time"))
+
+    async def chunks(self, read_timeout: float) -> AsyncIterator[bytes]:
+        while True:
+            while self._chunks:
+                yield self._chunks.popleft()
+            if self._error is not None:
+                raise self._error
+            if self._done:
+                return
+            await self._wait(read_timeout)
+
+    async def read(self, read_timeout: float) -> bytes:
+        parts = [chunk async for chunk in self.chunks(read_timeout)]
+        return b"".join(parts)
+
+    def close(self) -> None:
+        """Done with it: an unfinished response takes its connection down with it."""
+        conn = self._conn
+        if conn is not None and not self._done:
+            conn.abort()
+        self._conn = None
+
+
+class _Connection(asyncio.Protocol):
+    def __init__(self, pool: UpstreamPool, key: tuple) -> None:
+        self.pool = pool
+        self.key = key
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.response: UpstreamResponse | None = None
+        self.headers_done: asyncio.Future | None = None
+        self.closed = False
+
+    # protocol callbacks
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self._broken(UpstreamError(f"bad HTTP from the backend: {exc}"))
+
+    def connection_lost(self, exc) -> None:
+        self.closed = True
+        self._broken(UpstreamError("the backend closed the connection"))
+
+    # parser callbacks
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if self.response is not None:
+            self.response.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
+
+    def on_headers_complete(self) -> None:
+        if self.response is not None:
+            self.response.status = self.parser.get_status_code()
+        if self.headers_done is not None and not self.headers_done.done():
+            self.headers_done.set_result(None)
+
+    def on_body(self, body: bytes) -> None:
+        if self.response is not None:
+            self.response._feed(body)
+
+    def on_message_complete(self) -> None:
+        resp, self.response = self.response, None
+        keep_alive = self.parser.should_keep_alive()
+        if resp is not None:
+            resp._finish()
+        if keep_alive and not self.closed:
+            self.pool._release(self)
+        else:
+            self.abort()
+
+    # helpers
+    def _broken(self, exc: Exception) -> None:
+        if self.headers_done is not None and not self.headers_done.done():
+            self.headers_done.set_exception(exc)
+        if self.response is not None:
+            self.response._fail(exc)
+            self.response = None
+        self.abort()
+
+    def abort(self) -> None:
+        self.closed = True
+        if self.transport is not None:
+            self.transport.close()
+
+    def send(self, head: bytes, body: bytes) -> UpstreamResponse:
+        self.parser = httptools.HttpResponseParser(self)
+        self.response = UpstreamResponse(self)
+        self.headers_done = asyncio.get_running_loop().create_future()
+        self.transport.writelines((head, body))
+        return self.response
+
+
+class UpstreamPool:
+    """Keep-alive connections per backend (scheme, host, port); unbounded, as the core already
+    bounds how many requests are in flight per replica."""
+
+    def __init__(self, connect_timeout: float, read_timeout: float) -> None:
+        self.connect_timeout = connect_timeout
+        self.read_timeout = read_timeout
+        self._idle: dict[tuple, list[_Connection]] = {}
+        self._ssl: ssl.SSLContext | None = None
+
+    def _release(self, conn: _Connection) -> None:
+        self._idle.setdefault(conn.key, []).append(conn)
+
+    async def _connect(self, url: yarl.URL, key: tuple, reuse: bool = True) -> tuple[_Connection, bool]:
+        idle = self._idle.get(key)
+        while reuse and idle:
+            conn = idle.pop()
+            if not conn.closed:
+                return conn, True
+        loop = asyncio.get_running_loop()
+        if url.scheme == "https" and self._ssl is None:
+            self._ssl = ssl.create_default_context()
+        try:
+            _, conn = await asyncio.wait_for(
+                loop.create_connection(lambda: _Connection(self, key), url.host, url.port,
+                                       ssl=self._ssl if url.scheme == "https" else None),
+                self.connect_timeout)
+        except TimeoutError:
+            raise UpstreamTimeout(f"could not connect to {url.host}:{url.port} in time") from None
+        except OSError as exc:
+            raise UpstreamError(f"could not connect to {url.host}:{url.port}: {exc}") from None
+        return conn, False
+
+    async def post_json(self, url: yarl.URL, body: bytes) -> UpstreamResponse:
+        """Send the request and wait for the status line and headers."""
+        key = (url.scheme, url.host, url.port)
+        head = (f"POST {url.raw_path_qs} HTTP/1.1\r\nHost: {url.raw_authority}\r\n"
+                f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode("latin-1")
+        conn, reused = await self._connect(url, key)
+        while True:
+            resp = conn.send(head, body)
+            try:
+                await asyncio.wait_for(conn.headers_done, self.read_timeout)
+                return resp
+            except TimeoutError:
+                conn.abort()
+                raise UpstreamTimeout("the backend sent no response headers in time") from None
+            except UpstreamError:
+                if not reused:
+                    raise
+                # a pooled connection the backend had just closed (idle timeout): the request
+                # never reached it, so one retry on a fresh connection is safe
+                conn, reused = await self._connect(url, key, reuse=False)
+            except BaseException:
+                conn.abort()  # cancelled (client gone): the request must not run on
+                raise
+
+    def close(self) -> None:
+        for conns in self._idle.values():
+            for conn in conns:
+                conn.abort()
+        self._idle.clear()
