@@ -4,8 +4,9 @@ The gateway's per-request cost is dominated by HTTP work, and a general-purpose 
 most of its time on features a proxy to a known backend does not need (cookies, redirects,
 content negotiation, payload registries). This client does one thing: POST a JSON body over a
 pooled keep-alive connection and hand back the status, headers and body as it arrives, parsed by
-`httptools` (the C parser uvicorn uses). It measured ~2x cheaper per request than aiohttp's
-client in `bouncer bench overhead`.
+`httptools` (the C parser uvicorn uses). In `bouncer bench overhead` it raised the gateway's
+concurrency-16 throughput from 1,600-2,100 req/s (aiohttp's client) to 2,200-2,850 on this
+project's machine.
 
 Closing a response before it completed closes its connection: for a streaming request whose
 client went away, that is what makes the engine abort the generation.
