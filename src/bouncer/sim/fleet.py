@@ -1,0 +1,377 @@
+"""A fleet in virtual time: clients, a gateway policy, and N engine models.
+
+A discrete-event loop drives three kinds of actor with one clock:
+- clients, which send requests, time out, give up, and retry with exponential backoff and jitter,
+  honouring Retry-After (so retry storms appear where they would);
+- a gateway policy (Bouncer's admission core, or a baseline) that admits, holds or refuses;
+- engine models (`bouncer.sim.engine`), each stepping on its own, scraped every
+  `scrape_interval_s` with the sample delivered `telemetry_delay_s` later (stale views are the
+  normal case).
+
+Every logical request ends in exactly one outcome (completed, refused, expired, abandoned,
+failed); `FleetResult.lost` counts any that did not, and must be 0.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import random
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from bouncer.core.fleet import Telemetry
+from bouncer.sim.engine import EngineModel, EngineRequest, QueueFull, RequestTooLong
+from bouncer.sim.profiles import EngineProfile
+
+RETRYABLE = frozenset({429, 503, 504, 529})
+
+
+@dataclass(slots=True)
+class SimRequest:
+    """One logical request of a client; it may take several attempts."""
+
+    rid: str
+    tenant: str
+    priority: int
+    arrival: float  # of the first attempt: latency is what the user sees, retries included
+    prompt_len: int
+    output_len: int  # what the engine will generate (the trace's length, capped by max_tokens)
+    max_tokens: int
+    block_digests: list[int]
+    ttft_slo: float | None
+    tpot_slo: float | None
+    timeout_s: float  # per attempt
+    max_retries: int
+    session: str | None = None
+    # progress
+    attempt: int = 0
+    attempt_id: str = ""
+    replica: str | None = None
+    engine_req: EngineRequest | None = None
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    outcome: str | None = None
+    reason: str | None = None
+    wasted_tokens: int = 0  # computed for attempts that were abandoned
+
+
+@dataclass(slots=True)
+class Dispatched:
+    attempt_id: str
+    replica: str
+
+
+@dataclass(slots=True)
+class Refused:
+    attempt_id: str
+    status: int
+    reason: str  # "<layer>/<reason>"
+    retry_after: float | None
+    final: bool = False  # expired in the gateway queue (TTL): the attempt is over
+
+
+PolicyEvent = Dispatched | Refused
+
+
+class GatewayPolicy(Protocol):
+    """What the simulator drives: Bouncer's core through an adapter, or a baseline."""
+
+    name: str
+
+    def offer(self, req: SimRequest, now: float) -> list[PolicyEvent]: ...
+    def tick(self, now: float) -> list[PolicyEvent]: ...
+    def next_wakeup(self) -> float | None: ...
+    def started(self, attempt_id: str, now: float) -> None: ...
+    def finished(self, attempt_id: str, now: float, completed: bool, completion_tokens: int) -> list[PolicyEvent]: ...
+    def cancel(self, attempt_id: str, now: float) -> list[PolicyEvent]: ...
+    def engine_refused(self, attempt_id: str, now: float) -> list[PolicyEvent]: ...
+    def observe(self, replica: str, telemetry: Telemetry, now: float) -> list[PolicyEvent]: ...
+
+
+@dataclass
+class FleetConfig:
+    replicas: int
+    profile: EngineProfile
+    kv_blocks: int | None = None
+    max_num_seqs: int | None = None
+    max_num_queued_reqs: int | None = None  # engine-side caps (the vllm-queue-cap baseline)
+    max_num_queued_tokens: int | None = None
+    scheduling_policy: str = "fcfs"
+    scrape_interval_s: float = 0.25
+    telemetry_delay_s: float = 0.05
+    retry_base_s: float = 0.5  # openai-python's initial backoff
+    retry_max_s: float = 8.0
+    seed: int = 0
+
+
+@dataclass
+class FleetResult:
+    requests: list[SimRequest]
+    sim_seconds: float
+    wall_seconds: float
+    refused_by_reason: Counter
+    attempts: int
+    preemptions: int
+    prefix_queries: int
+    prefix_hits: int
+    recomputed_tokens: int
+    samples: list[dict] = field(default_factory=list)  # queue depth / KV usage over time
+
+    @property
+    def outcomes(self) -> Counter:
+        return Counter(r.outcome for r in self.requests)
+
+    @property
+    def lost(self) -> int:
+        return sum(1 for r in self.requests if r.outcome is None)
+
+
+# event kinds, ordered so simultaneous events resolve deterministically
+_ARRIVE, _STEP, _TELEMETRY, _SCRAPE, _TICK, _TIMEOUT, _SAMPLE = range(7)
+
+
+class FleetSim:
+    def __init__(self, cfg: FleetConfig, policy: GatewayPolicy, replica_names: list[str]) -> None:
+        self.cfg = cfg
+        self.policy = policy
+        self.rng = random.Random(cfg.seed)
+        self.engines: dict[str, EngineModel] = {
+            name: EngineModel(cfg.profile, num_blocks=cfg.kv_blocks, max_num_seqs=cfg.max_num_seqs,
+                              policy=cfg.scheduling_policy, max_num_queued_reqs=cfg.max_num_queued_reqs,
+                              max_num_queued_tokens=cfg.max_num_queued_tokens)
+            for name in replica_names}
+        self._busy_until: dict[str, float | None] = dict.fromkeys(replica_names)
+        self._heap: list[tuple] = []
+        self._seq = itertools.count()
+        self._by_attempt: dict[str, SimRequest] = {}
+        self._tick_at = math.inf
+        self.refused_by_reason: Counter = Counter()
+        self.attempts = 0
+        self.samples: list[dict] = []
+        self._open = 0  # requests without an outcome yet
+        self._on_done = None  # closed-loop hook: called when a request gets its outcome
+        self._sample_until = 0.0
+        self._sample_every = 1.0
+
+    # -- the event queue -------------------------------------------------------------------------
+    def _push(self, t: float, kind: int, data) -> None:
+        heapq.heappush(self._heap, (t, kind, next(self._seq), data))
+
+    def run(self, requests: list[SimRequest], sample_every_s: float = 1.0) -> FleetResult:
+        """Replay `requests` (open loop) until every one has an outcome."""
+        wall0 = time.perf_counter()
+        for req in requests:
+            self._push(req.arrival, _ARRIVE, req)
+        self._open = len(requests)
+        self._start_scrapes()
+        self._sample_until = max((r.arrival for r in requests), default=0.0)
+        self._sample_every = sample_every_s
+        self._push(0.0, _SAMPLE, None)
+        now = self._loop(math.inf)
+        counters = [e.counters for e in self.engines.values()]
+        return FleetResult(requests, now, time.perf_counter() - wall0, self.refused_by_reason, self.attempts,
+                           sum(c.num_preemptions for c in counters), sum(c.prefix_cache_queries for c in counters),
+                           sum(c.prefix_cache_hits for c in counters), sum(c.recomputed_tokens for c in counters),
+                           self.samples)
+
+    def run_closed_loop(self, make_request, clients: int, warmup_s: float, measure_s: float) -> float:
+        """`clients` loops of send, wait for the outcome, send again; `make_request(rid, now)`
+        builds each request. Returns completions per second over the measurement window."""
+        end = warmup_s + measure_s
+        completed = 0
+        ids = itertools.count()
+
+        def on_done(req: SimRequest, now: float) -> None:
+            nonlocal completed
+            if req.outcome == "completed" and warmup_s <= now < end:
+                completed += 1
+            if now < end:
+                self._open += 1
+                self._push(now, _ARRIVE, make_request(f"c{next(ids)}", now))
+
+        self._on_done = on_done
+        self._open = 0
+        for i in range(clients):
+            self._open += 1
+            self._push(i * 1e-3, _ARRIVE, make_request(f"c{next(ids)}", i * 1e-3))
+        self._start_scrapes()
+        self._loop(end)
+        return completed / measure_s
+
+    def _start_scrapes(self) -> None:
+        """The gateway has scraped every (idle) replica once before traffic starts, as a
+        deployed gateway would have; later scrapes are staggered, as independent scrapers are."""
+        for i, name in enumerate(self.engines):
+            self.policy.observe(name, self._telemetry(name, 0.0), 0.0)
+            self._push((i + 1) * self.cfg.scrape_interval_s / len(self.engines), _SCRAPE, name)
+
+    def _loop(self, until: float) -> float:
+        now = 0.0
+        while self._heap and self._open:
+            if self._heap[0][0] > until:
+                break
+            now, kind, _, data = heapq.heappop(self._heap)
+            if kind == _ARRIVE:
+                self._attempt(data, now)
+            elif kind == _STEP:
+                self._step_end(data, now)
+            elif kind == _TELEMETRY:
+                name, sample = data
+                self._apply(self.policy.observe(name, sample, now), now)
+            elif kind == _SCRAPE:
+                self._scrape(data, now)
+            elif kind == _TICK:
+                if now >= self._tick_at:
+                    self._tick_at = math.inf
+                    self._apply(self.policy.tick(now), now)
+            elif kind == _TIMEOUT:
+                self._timeout(data, now)
+            elif kind == _SAMPLE:
+                self._sample(now)
+                if now < self._sample_until:
+                    self._push(now + self._sample_every, _SAMPLE, None)
+            self._schedule_tick(now)
+        return now
+
+    def _schedule_tick(self, now: float) -> None:
+        wake = self.policy.next_wakeup()
+        if wake is not None and wake < self._tick_at:
+            self._tick_at = max(wake, now)
+            self._push(self._tick_at, _TICK, None)
+
+    # -- clients ----------------------------------------------------------------------------------
+    def _attempt(self, req: SimRequest, now: float) -> None:
+        if req.outcome is not None:
+            return
+        req.attempt += 1
+        req.attempt_id = f"{req.rid}#{req.attempt}"
+        req.replica = None
+        req.engine_req = None
+        self._by_attempt[req.attempt_id] = req
+        self.attempts += 1
+        self._push(now + req.timeout_s, _TIMEOUT, req.attempt_id)
+        self._apply(self.policy.offer(req, now), now)
+
+    def _retry_or_end(self, req: SimRequest, now: float, outcome: str, reason: str,
+                      retry_after: float | None, retryable: bool) -> None:
+        """The attempt failed: retry like a real client would, or give up with `outcome`."""
+        self._by_attempt.pop(req.attempt_id, None)
+        req.attempt_id = ""
+        if retryable and req.attempt <= req.max_retries:
+            backoff = min(self.cfg.retry_max_s, self.cfg.retry_base_s * 2 ** (req.attempt - 1))
+            backoff *= 1 - 0.25 * self.rng.random()  # jitter, as openai-python
+            delay = retry_after if retry_after is not None else backoff
+            self._push(now + delay, _ARRIVE, req)
+            return
+        req.outcome = outcome
+        req.reason = reason
+        req.finished_at = now
+        self._open -= 1
+        if self._on_done is not None:
+            self._on_done(req, now)
+
+    def _timeout(self, attempt_id: str, now: float) -> None:
+        req = self._by_attempt.get(attempt_id)
+        if req is None or req.attempt_id != attempt_id:
+            return  # that attempt already ended
+        if req.replica is None:  # still queued at the gateway
+            events = self.policy.cancel(attempt_id, now)
+        else:
+            engine = self.engines[req.replica]
+            ereq = engine.abort(attempt_id, now)
+            if ereq is not None:
+                req.wasted_tokens += ereq.max_computed
+            events = self.policy.finished(attempt_id, now, False, ereq.num_output if ereq else 0)
+        self._retry_or_end(req, now, "abandoned", "client_timeout", None, retryable=True)
+        self._apply(events, now)
+
+    # -- gateway decisions ------------------------------------------------------------------------
+    def _apply(self, events: list[PolicyEvent], now: float) -> None:
+        for ev in events:
+            req = self._by_attempt.get(ev.attempt_id)
+            if req is None:
+                continue
+            if isinstance(ev, Dispatched):
+                self._send(req, ev.replica, now)
+            else:
+                self.refused_by_reason[ev.reason] += 1
+                outcome = "expired" if ev.reason.endswith("ttl_expired") else "refused"
+                self._retry_or_end(req, now, outcome, ev.reason, ev.retry_after, ev.status in RETRYABLE)
+
+    def _send(self, req: SimRequest, replica: str, now: float) -> None:
+        engine = self.engines[replica]
+        ereq = EngineRequest(req.attempt_id, req.prompt_len, req.output_len, req.block_digests, now,
+                             priority=-req.priority)  # vLLM: lower value first
+        try:
+            engine.add_request(ereq)
+        except QueueFull as exc:
+            self.refused_by_reason[f"engine/{exc.reason}"] += 1
+            self._apply(self.policy.engine_refused(req.attempt_id, now), now)
+            return
+        except RequestTooLong:
+            self.refused_by_reason["engine/too_long"] += 1
+            self._apply(self.policy.finished(req.attempt_id, now, False, 0), now)
+            self._retry_or_end(req, now, "failed", "engine/too_long", None, retryable=False)
+            return
+        req.replica = replica
+        req.engine_req = ereq
+        if self._busy_until[replica] is None:
+            self._start_step(replica, now)
+
+    # -- engines ----------------------------------------------------------------------------------
+    def _start_step(self, name: str, now: float) -> None:
+        engine = self.engines[name]
+        horizon = self._heap[0][0] if self._heap else None
+        result = engine.step(now, horizon)
+        if result is None:
+            self._busy_until[name] = None
+            return
+        self._busy_until[name] = result.end
+        self._push(result.end, _STEP, (name, result))
+
+    def _step_end(self, data, now: float) -> None:
+        name, result = data
+        events: list[PolicyEvent] = []
+        for ereq, _n in result.tokens:
+            req = self._by_attempt.get(ereq.request_id)
+            if req is None or ereq.num_output != _n:
+                continue
+            if req.first_token_at is None:
+                req.first_token_at = now
+            self.policy.started(ereq.request_id, now)
+        for ereq in result.finished:
+            req = self._by_attempt.pop(ereq.request_id, None)
+            if req is None:
+                continue
+            req.outcome = "completed"
+            req.finished_at = now
+            req.attempt_id = ""
+            self._open -= 1
+            events += self.policy.finished(ereq.request_id, now, True, ereq.num_output)
+            if self._on_done is not None:
+                self._on_done(req, now)
+        self._busy_until[name] = None
+        self._start_step(name, now)
+        self._apply(events, now)
+
+    def _telemetry(self, name: str, now: float) -> Telemetry:
+        e = self.engines[name]
+        return Telemetry(at=now, kv_usage=e.kv_usage, running=e.num_running, waiting=e.num_waiting,
+                         num_blocks=e.pool.num_blocks, block_size=e.block_size,
+                         prefix_queries=e.counters.prefix_cache_queries, prefix_hits=e.counters.prefix_cache_hits,
+                         preemptions=e.counters.num_preemptions)
+
+    def _scrape(self, name: str, now: float) -> None:
+        self._push(now + self.cfg.telemetry_delay_s, _TELEMETRY, (name, self._telemetry(name, now)))
+        self._push(now + self.cfg.scrape_interval_s, _SCRAPE, name)
+
+    def _sample(self, now: float) -> None:
+        usage = [e.kv_usage for e in self.engines.values()]
+        self.samples.append({"t": round(now, 3), "engine_waiting": sum(e.num_waiting for e in self.engines.values()),
+                             "running": sum(e.num_running for e in self.engines.values()),
+                             "kv_usage_mean": sum(usage) / len(usage), "kv_usage_max": max(usage),
+                             "gateway_queued": getattr(self.policy, "queued", 0)})

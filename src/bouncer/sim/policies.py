@@ -1,0 +1,287 @@
+"""Gateway policies for the fleet simulator: Bouncer's own core, and the peers' baselines.
+
+Each baseline follows the peer's documented algorithm and defaults (../shared/notes/peers.md,
+sources cited per class). All are driven through the same `GatewayPolicy` interface as Bouncer.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+from bouncer.config import BouncerConfig, key_digest, parse_config
+from bouncer.core.admission import AdmissionCore, Dispatch, Reject
+from bouncer.core.fleet import Telemetry
+from bouncer.core.outcomes import Terminal
+from bouncer.core.prefix_index import ApproxPrefixIndex
+from bouncer.core.requests import RequestInfo
+from bouncer.core.routing import make_router
+from bouncer.sim.fleet import Dispatched, PolicyEvent, Refused, SimRequest
+
+SIM_MODEL = "sim-llm"
+
+
+class CorePolicy:
+    """Bouncer's admission core, as the gateway runs it. Also the base of baselines that are
+    the same machinery with a peer's parameters (llm-d flow control)."""
+
+    def __init__(self, name: str, config: BouncerConfig, router: str) -> None:
+        self.name = name
+        self.core = AdmissionCore(config, 0.0, make_router(router))
+        self._keys = {t.name: t.api_keys_sha256[0] for t in config.tenants}
+
+    @property
+    def replica_names(self) -> list[str]:
+        return list(self.core.replicas)
+
+    @property
+    def queued(self) -> int:
+        return self.core.queued
+
+    def _convert(self, events) -> list[PolicyEvent]:
+        out: list[PolicyEvent] = []
+        for e in events:
+            if isinstance(e, Dispatch):
+                out.append(Dispatched(e.adm.request_id, e.adm.replica))
+            else:
+                assert isinstance(e, Reject)
+                r = e.refusal
+                out.append(Refused(e.request_id, r.status, f"{r.layer.value}/{r.reason}", r.retry_after,
+                                   final=e.terminal is Terminal.EXPIRED))
+        return out
+
+    def offer(self, req: SimRequest, now: float) -> list[PolicyEvent]:
+        info = RequestInfo(request_id=req.attempt_id, key_digest=self._keys[req.tenant], model=SIM_MODEL,
+                           prompt_tokens=req.prompt_len, max_tokens=req.max_tokens, block_digests=req.block_digests,
+                           ttft_slo_s=req.ttft_slo, tpot_slo_s=req.tpot_slo, session_id=req.session)
+        return self._convert(self.core.offer(info, now))
+
+    def tick(self, now):
+        return self._convert(self.core.tick(now))
+
+    def next_wakeup(self):
+        return self.core.next_wakeup()
+
+    def started(self, attempt_id, now):
+        self.core.started(attempt_id, now)
+
+    def finished(self, attempt_id, now, completed, completion_tokens):
+        terminal = Terminal.COMPLETED if completed else Terminal.CANCELLED
+        return self._convert(self.core.finished(attempt_id, now, terminal, completion_tokens))
+
+    def cancel(self, attempt_id, now):
+        return self._convert(self.core.cancel(attempt_id, now))
+
+    def engine_refused(self, attempt_id, now):
+        return self._convert(self.core.requeue(attempt_id, now))
+
+    def observe(self, replica: str, telemetry: Telemetry, now: float):
+        return self._convert(self.core.observe(replica, telemetry, now))
+
+
+class _Passthrough:
+    """Base of baselines with no waiting room: each request goes to a replica or is refused."""
+
+    name = "passthrough"
+
+    def __init__(self, replicas: list[str]) -> None:
+        self.replica_names = replicas
+        self.queued = 0
+        self._where: dict[str, str] = {}
+
+    def tick(self, now):
+        return []
+
+    def next_wakeup(self):
+        return None
+
+    def started(self, attempt_id, now):
+        pass
+
+    def finished(self, attempt_id, now, completed, completion_tokens):
+        self._where.pop(attempt_id, None)
+        return []
+
+    def cancel(self, attempt_id, now):
+        return []
+
+    def engine_refused(self, attempt_id, now):
+        self._where.pop(attempt_id, None)
+        return [Refused(attempt_id, 503, "engine/queue_full", None)]  # vLLM sends no Retry-After
+
+    def observe(self, replica, telemetry, now):
+        return []
+
+    def _dispatch(self, req: SimRequest, replica: str) -> list[PolicyEvent]:
+        self._where[req.attempt_id] = replica
+        return [Dispatched(req.attempt_id, replica)]
+
+
+class NoAdmission(_Passthrough):
+    """`none`: no gateway admission; round-robin routing; each engine queues FCFS without bound."""
+
+    name = "none"
+
+    def __init__(self, replicas: list[str]) -> None:
+        super().__init__(replicas)
+        self._rr = itertools.cycle(replicas)
+
+    def offer(self, req, now):
+        return self._dispatch(req, next(self._rr))
+
+
+class VllmQueueCap(NoAdmission):
+    """`vllm-queue-cap`: round-robin to engines started with `--max-num-queued-reqs` /
+    `--max-num-queued-tokens`; the engine refuses the excess with 503 and no Retry-After
+    (vllm/config/scheduler.py; tests/v1/engine/test_admission_control.py). The caps themselves are
+    set on the simulated engines (FleetConfig), since vLLM's default is no cap."""
+
+    name = "vllm-queue-cap"
+
+
+class TgiCap(_Passthrough):
+    """`tgi-cap`: TGI's router admits up to `--max-concurrent-requests` (default 128) per
+    instance and refuses the rest at once with 429 "Model is overloaded" (launcher/src/main.rs,
+    router/src/infer/mod.rs); a round-robin load balancer in front."""
+
+    name = "tgi-cap"
+    MAX_CONCURRENT = 128
+
+    def __init__(self, replicas: list[str]) -> None:
+        super().__init__(replicas)
+        self._rr = itertools.cycle(replicas)
+        self._count = dict.fromkeys(replicas, 0)
+
+    def offer(self, req, now):
+        replica = next(self._rr)
+        if self._count[replica] >= self.MAX_CONCURRENT:
+            return [Refused(req.attempt_id, 429, "tgi/overloaded", None)]
+        self._count[replica] += 1
+        return self._dispatch(req, replica)
+
+    def finished(self, attempt_id, now, completed, completion_tokens):
+        replica = self._where.pop(attempt_id, None)
+        if replica is not None:
+            self._count[replica] -= 1
+        return []
+
+    def engine_refused(self, attempt_id, now):
+        self.finished(attempt_id, now, False, 0)
+        return [Refused(attempt_id, 503, "engine/queue_full", None)]
+
+
+class DynamoBusy(_Passthrough):
+    """`dynamo-busy`: Dynamo's KV router with busy thresholds and no queue. A worker is busy when
+    its active decode blocks exceed `--active-decode-blocks-threshold` of its KV blocks (0.85
+    here; unset by default) or its active prefill tokens exceed a threshold (here 1x the engine's
+    max_num_batched_tokens, i.e. `--active-prefill-tokens-threshold-frac 1.0`); when every worker
+    is busy the request is refused with 529 and no Retry-After (docs/design-docs/request-rejection.md,
+    lib/llm/src/http/service/error.rs). Otherwise the cheapest worker wins: cost =
+    prefill_load_scale x max(new prefill tokens - overlap credit x cached tokens, 0) + active decode
+    blocks, both scales 1.0 (router-concepts.md). Active load is the router's own accounting."""
+
+    name = "dynamo-busy"
+    DECODE_BLOCKS_THRESHOLD = 0.85
+
+    def __init__(self, replicas: list[str], capacity_blocks: int, block_size: int, prefill_threshold: int) -> None:
+        super().__init__(replicas)
+        self.capacity = capacity_blocks
+        self.block_size = block_size
+        self.prefill_threshold = prefill_threshold
+        self._blocks = dict.fromkeys(replicas, 0)
+        self._prefill = dict.fromkeys(replicas, 0)
+        self._req: dict[str, tuple[int, int]] = {}  # attempt -> (blocks, prefill tokens not started)
+        self._index = {r: ApproxPrefixIndex(capacity_blocks) for r in replicas}
+
+    def offer(self, req, now):
+        best, best_cost, best_cached = None, float("inf"), 0
+        for r in self.replica_names:
+            if self._blocks[r] / self.capacity > self.DECODE_BLOCKS_THRESHOLD \
+                    or self._prefill[r] > self.prefill_threshold:
+                continue
+            cached = self._index[r].match(req.block_digests) * self.block_size
+            cost = max(req.prompt_len - cached, 0) + self._blocks[r]
+            if cost < best_cost:
+                best, best_cost, best_cached = r, cost, cached
+        if best is None:
+            return [Refused(req.attempt_id, 529, "dynamo/all_workers_busy", None)]
+        blocks = -(-(req.prompt_len + req.output_len) // self.block_size)
+        prefill = max(req.prompt_len - best_cached, 0)
+        self._blocks[best] += blocks
+        self._prefill[best] += prefill
+        self._req[req.attempt_id] = (blocks, prefill)
+        self._index[best].record(req.block_digests)
+        return self._dispatch(req, best)
+
+    def started(self, attempt_id, now):
+        replica = self._where.get(attempt_id)
+        if replica is not None and attempt_id in self._req:
+            blocks, prefill = self._req[attempt_id]
+            self._prefill[replica] -= prefill
+            self._req[attempt_id] = (blocks, 0)
+
+    def finished(self, attempt_id, now, completed, completion_tokens):
+        replica = self._where.pop(attempt_id, None)
+        blocks, prefill = self._req.pop(attempt_id, (0, 0))
+        if replica is not None:
+            self._blocks[replica] -= blocks
+            self._prefill[replica] -= prefill
+        return []
+
+    def engine_refused(self, attempt_id, now):
+        self.finished(attempt_id, now, False, 0)
+        return [Refused(attempt_id, 503, "engine/queue_full", None)]
+
+
+def tenant_config(name: str, priority: int, weight: float = 1.0, **kw) -> dict:
+    return {"name": name, "api_keys_sha256": [key_digest(name)], "priority": priority, "weight": weight, **kw}
+
+
+def core_config(tenants: list[dict], replicas: int, kv_blocks: int, block_size: int, max_model_len: int,
+                policy: dict) -> BouncerConfig:
+    return parse_config({
+        "tenants": tenants,
+        "models": [{"name": SIM_MODEL, "max_model_len": max_model_len, "block_size": block_size,
+                    "backends": [{"url": f"http://sim-{i}", "name": f"r{i}", "kv_blocks": kv_blocks}
+                                 for i in range(replicas)]}],
+        "policy": policy,
+    }, "simulated gateway")
+
+
+# Bouncer's own policy, tuned once for every scenario (no per-scenario knobs).
+BOUNCER_POLICY = {
+    "fairness": "wdrr",
+    "ordering": "edf",
+    "default_ttl_s": 30.0,
+    "kv_busy_threshold": 0.92,
+    "kv_resume_threshold": 0.85,
+    "band_ceilings": {},
+    "default_ceiling": 1.0,
+    "sheddable_ceiling": 0.8,
+    "telemetry": {"staleness_s": 2.0, "on_stale": "fail-closed"},
+    "queues": {"max_requests": 5000, "band_max_requests": 5000, "tenant_max_requests": 2000,
+               "tenant_max_tokens": 20_000_000, "max_tokens": 50_000_000},
+    "max_inflight_per_replica": 1024,
+    "upstream_refusal_cooldown_s": 0.5,
+}
+
+# llm-d flow control (feature gate on) with its documented defaults: utilization detector
+# max(queue/5, kv/0.8) averaged over endpoints, stale metrics (200 ms) count as saturated,
+# round-robin fairness, FCFS, 60 s TTL, sheddable refused when saturated, per-band 5,000-request
+# queues, no per-request KV fit check (peers.md section 2.1).
+LLMD_POLICY = {
+    "fairness": "round-robin",
+    "ordering": "fcfs",
+    "default_ttl_s": 60.0,
+    "kv_busy_threshold": 1.0,
+    "kv_resume_threshold": 1.0,
+    "prefill_busy_tokens": 10**9,
+    "default_ceiling": 1.0,
+    "sheddable_ceiling": 1.0,
+    "band_ceilings": {},
+    "saturation": {"queue_depth_threshold": 5, "kv_threshold": 0.8},
+    "telemetry": {"staleness_s": 0.2, "on_stale": "fail-closed"},
+    "queues": {"max_requests": 10**6, "band_max_requests": 5000, "tenant_max_requests": 10**6,
+               "tenant_max_tokens": 10**12, "max_tokens": 10**12},
+    "max_inflight_per_replica": 10**6,
+    "context_pressure_start": 1.0,
+}
