@@ -204,8 +204,11 @@ class Gateway:
         limit = self.config.limits.max_body_bytes
         if request.content_length is not None and request.content_length > limit:
             return self._refuse_early(rid, ApiError(413, f"request body exceeds {limit} bytes"), "body_too_large")
-        raw = await request.content.read(limit + 1)
-        if len(raw) > limit:
+        try:
+            raw: bytes | None = await request.read()  # all of it (StreamReader.read(n) may return less)
+        except web.HTTPRequestEntityTooLarge:  # past the app's client_max_size of limit + 1
+            raw = None
+        if raw is None or len(raw) > limit:
             return self._refuse_early(rid, ApiError(413, f"request body exceeds {limit} bytes"), "body_too_large")
         try:
             body = parse_json_object(raw)
