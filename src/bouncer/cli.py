@@ -125,6 +125,26 @@ def cmd_bench_overhead(args) -> None:
     overhead(args.seconds, args.out, None if args.no_tokenizer else str(default_tokenizer_path()))
 
 
+def cmd_bench_run(args) -> None:
+    from bouncer.bench.goodput import run, save
+
+    result = run(args.scenario, args.policy, args.load, seed=args.seed, replicas=args.replicas,
+                 duration_s=args.duration, trace=args.trace, profile=args.profile, routing=args.routing)
+    o = result["outcomes"]
+    print(f"{result['scenario']} / {result['policy']} at load {result['load']} "
+          f"(capacity {result['capacity_rps']:.1f} req/s, {result['replicas']} replicas): "
+          f"goodput {result['goodput_rps']:.2f} req/s; offered {result['offered']}, completed {o['completed']}, "
+          f"refused {o['refused']}, expired {o['expired']}, abandoned {o['abandoned']}, lost {result['lost']}")
+    for name, t in result["tenants"].items():
+        att = "-" if t["slo_attainment"] is None else f"{t['slo_attainment']:.1%}"
+        print(f"  {name:>10} (priority {t['priority']}): SLO attainment {att}, token share "
+              f"{t['served_token_share']:.1%}")
+    print(f"  simulated {result['sim_seconds']:.0f} s in {result['wall_seconds']:.1f} s "
+          f"({result['sim_seconds_per_wall_second']:.0f} sim s per wall s)")
+    if args.out:
+        save(result, args.out)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="bouncer", description="Admission control for LLM inference fleets.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -162,6 +182,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="write the summary as JSON")
     _add_engine_args(p)
     p.set_defaults(func=cmd_bench_engine)
+    p = bench.add_parser("run", help="one goodput run in the fleet simulator")
+    p.add_argument("--scenario", required=True, choices=["rogue-tenant", "consolidation", "fairness", "surge"])
+    p.add_argument("--policy", required=True,
+                   choices=["none", "tgi-cap", "vllm-queue-cap", "llmd-flow-control", "dynamo-busy", "bouncer"])
+    p.add_argument("--load", type=float, default=1.0, help="offered load as a multiple of the fleet's capacity")
+    p.add_argument("--trace", help="replace the scenario's main trace (same format)")
+    p.add_argument("--replicas", type=int, default=4)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--duration", type=float, default=300.0, help="simulated seconds of arrivals")
+    p.add_argument("--profile", default="llama-3.1-8b-h100")
+    p.add_argument("--routing", help="override the policy's router (round-robin, least-loaded, llmd-scorers, "
+                                     "prefix-aware)")
+    p.add_argument("--out", help="write the result JSON")
+    p.set_defaults(func=cmd_bench_run)
+
     p = bench.add_parser("overhead", help="gateway overhead against a fast upstream, direct vs through Bouncer")
     p.add_argument("--seconds", type=int, default=5, help="per measurement")
     p.add_argument("--out", help="write the runs as JSON")

@@ -1,0 +1,191 @@
+"""`bouncer bench run` and `bouncer bench report`: goodput under overload, Bouncer against the
+peers' admission policies, in the fleet simulator.
+
+A request counts toward goodput when it completed within its tenant's TTFT and TPOT SLO, with
+latency measured from the user's first attempt (retries included).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import pathlib
+
+from bouncer.sim.fleet import FleetConfig, FleetSim, SimRequest
+from bouncer.sim.policies import (
+    BOUNCER_POLICY,
+    LLMD_POLICY,
+    CorePolicy,
+    DynamoBusy,
+    NoAdmission,
+    TgiCap,
+    VllmQueueCap,
+    core_config,
+    tenant_config,
+)
+from bouncer.sim.profiles import get_profile
+from bouncer.sim.scenarios import Scenario, get_scenario
+from bouncer.sim.workloads import make_requests, measure_capacity
+
+POLICIES = ("none", "tgi-cap", "vllm-queue-cap", "llmd-flow-control", "dynamo-busy", "bouncer")
+DEFAULT_PROFILE = "llama-3.1-8b-h100"
+MAX_MODEL_LEN = 8192
+# vLLM's default is no queue cap; the `vllm-queue-cap` baseline runs engines with these (a
+# common production choice: a few hundred waiting requests per engine).
+VLLM_MAX_QUEUED_REQS = 256
+VLLM_MAX_QUEUED_TOKENS = 262_144
+LLMD_SCRAPE_INTERVAL_S = 0.05  # llm-d's --refresh-metrics-interval default (50 ms)
+CACHE_DIR = pathlib.Path(".cache/capacity")
+
+
+def _fleet_config(policy: str, replicas: int, profile_name: str, seed: int) -> FleetConfig:
+    profile = dataclasses.replace(get_profile(profile_name), max_model_len=MAX_MODEL_LEN)
+    cfg = FleetConfig(replicas=replicas, profile=profile, seed=seed)
+    if policy == "vllm-queue-cap":
+        cfg.max_num_queued_reqs = VLLM_MAX_QUEUED_REQS
+        cfg.max_num_queued_tokens = VLLM_MAX_QUEUED_TOKENS
+    if policy == "llmd-flow-control":
+        cfg.scrape_interval_s = LLMD_SCRAPE_INTERVAL_S
+    return cfg
+
+
+def _tenant_configs(scenario: Scenario) -> list[dict]:
+    return [tenant_config(t.name, t.priority, t.weight, max_tokens_cap=t.max_tokens,
+                          max_tokens_default=min(512, t.max_tokens), slo={"ttft_s": t.ttft_slo, "tpot_s": t.tpot_slo})
+            for t in scenario.tenants]
+
+
+def make_policy(name: str, scenario: Scenario, cfg: FleetConfig, routing: str | None = None):
+    names = [f"r{i}" for i in range(cfg.replicas)]
+    blocks = cfg.kv_blocks or cfg.profile.num_blocks
+    if name == "none":
+        return NoAdmission(names)
+    if name == "tgi-cap":
+        return TgiCap(names)
+    if name == "vllm-queue-cap":
+        return VllmQueueCap(names)
+    if name == "dynamo-busy":
+        return DynamoBusy(names, blocks, cfg.profile.block_size, cfg.profile.max_num_batched_tokens)
+    if name == "llmd-flow-control":
+        return CorePolicy(name, core_config(_tenant_configs(scenario), cfg.replicas, blocks, cfg.profile.block_size,
+                                           MAX_MODEL_LEN, LLMD_POLICY), routing or "llmd-scorers")
+    if name == "bouncer":
+        return CorePolicy(name, core_config(_tenant_configs(scenario), cfg.replicas, blocks, cfg.profile.block_size,
+                                           MAX_MODEL_LEN, BOUNCER_POLICY), routing or "prefix-aware")
+    raise ValueError(f"unknown policy {name!r}; known: {', '.join(POLICIES)}")
+
+
+def fleet_capacity(scenario: Scenario, traces, replicas: int, profile: str, seed: int, trace: str | None) -> float:
+    """Capacity (req/s) of this fleet for this scenario's mix; measured once and cached."""
+    key = hashlib.sha256(json.dumps([scenario.name, replicas, profile, trace or "", MAX_MODEL_LEN,
+                                     [(t.name, t.share, t.trace, t.min_prompt, t.max_tokens) for t in scenario.tenants]]
+                                    ).encode()).hexdigest()[:16]
+    path = CACHE_DIR / f"{scenario.name}-{replicas}x{profile}-{key}.json"
+    if path.exists():
+        return json.loads(path.read_text())["capacity_rps"]
+    cfg = _fleet_config("none", replicas, profile, seed)
+    base = [dataclasses.replace(t, bursts=()) for t in scenario.tenants]
+    cap = measure_capacity(cfg, lambda: make_policy("none", scenario, cfg), base, traces, seed=seed)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"capacity_rps": cap, "scenario": scenario.name, "replicas": replicas,
+                                "profile": profile, "trace": trace}))
+    return cap
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def _tpot(r: SimRequest) -> float | None:
+    if r.first_token_at is None or r.finished_at is None or r.output_len <= 1:
+        return None
+    return (r.finished_at - r.first_token_at) / (r.output_len - 1)
+
+
+def _good(r: SimRequest) -> bool:
+    if r.outcome != "completed":
+        return False
+    if r.ttft_slo is not None and r.first_token_at - r.arrival > r.ttft_slo:
+        return False
+    tpot = _tpot(r)
+    return r.tpot_slo is None or tpot is None or tpot <= r.tpot_slo
+
+
+def run(scenario_name: str, policy: str, load: float, seed: int = 0, replicas: int = 4, duration_s: float = 300.0,
+        trace: str | None = None, profile: str = DEFAULT_PROFILE, routing: str | None = None) -> dict:
+    scenario = get_scenario(scenario_name, duration_s)
+    traces = scenario.load(trace)
+    capacity = fleet_capacity(scenario, traces, replicas, profile, seed, trace)
+    requests = make_requests(scenario.tenants, traces, load * capacity, duration_s, seed)
+    cfg = _fleet_config(policy, replicas, profile, seed)
+    gw = make_policy(policy, scenario, cfg, routing)
+    result = FleetSim(cfg, gw, gw.replica_names).run(requests)
+    return summarize(scenario, policy, load, seed, replicas, duration_s, capacity, requests, result, routing)
+
+
+def summarize(scenario: Scenario, policy: str, load: float, seed: int, replicas: int, duration_s: float,
+              capacity: float, requests: list[SimRequest], result, routing: str | None) -> dict:
+    outcomes = {k: result.outcomes.get(k, 0) for k in ("completed", "refused", "expired", "abandoned", "failed")}
+    good = [r for r in requests if _good(r)]
+    completed = [r for r in requests if r.outcome == "completed"]
+    lo, hi = (f * duration_s for f in scenario.contention_window)
+    served_tokens: dict[str, int] = {}
+    for r in completed:
+        if lo <= r.finished_at <= hi:
+            served_tokens[r.tenant] = served_tokens.get(r.tenant, 0) + r.prompt_len + r.output_len
+    total_served = sum(served_tokens.values()) or 1
+    tenants = {}
+    for spec in scenario.tenants:
+        mine = [r for r in requests if r.tenant == spec.name]
+        done = [r for r in mine if r.outcome == "completed"]
+        tenants[spec.name] = {
+            "priority": spec.priority, "weight": spec.weight, "offered": len(mine),
+            "completed": len(done),
+            "slo_attainment": sum(1 for r in mine if _good(r)) / len(mine) if mine else None,
+            "ttft_p50_s": _pct([r.first_token_at - r.arrival for r in done], 0.5),
+            "ttft_p99_s": _pct([r.first_token_at - r.arrival for r in done], 0.99),
+            "tpot_p50_s": _pct([t for r in done if (t := _tpot(r)) is not None], 0.5),
+            "tpot_p99_s": _pct([t for r in done if (t := _tpot(r)) is not None], 0.99),
+            "served_token_share": served_tokens.get(spec.name, 0) / total_served,
+        }
+    span = duration_s
+    return {
+        "scenario": scenario.name, "policy": policy, "load": load, "seed": seed, "replicas": replicas,
+        "routing": routing or ("prefix-aware" if policy == "bouncer" else "llmd-scorers" if policy ==
+                               "llmd-flow-control" else "round-robin" if policy != "dynamo-busy" else "kv-overlap"),
+        "capacity_rps": capacity, "duration_s": duration_s,
+        "sim_seconds": result.sim_seconds, "wall_seconds": result.wall_seconds,
+        "sim_seconds_per_wall_second": result.sim_seconds / result.wall_seconds if result.wall_seconds else None,
+        "offered": len(requests), "lost": len(requests) - sum(outcomes.values()), "outcomes": outcomes,
+        "attempts": result.attempts,
+        "refused_by_reason": dict(result.refused_by_reason.most_common()),
+        "goodput_rps": len(good) / span,
+        "goodput_tokens_per_s": sum(r.output_len for r in good) / span,
+        "throughput_tokens_per_s": sum(r.output_len for r in completed) / span,
+        "prefix_hit_rate": result.prefix_hits / result.prefix_queries if result.prefix_queries else 0.0,
+        "preemptions": result.preemptions,
+        "recomputed_tokens": result.recomputed_tokens,
+        "wasted_tokens": sum(r.wasted_tokens for r in requests),
+        "tenants": tenants,
+        "samples": result.samples,
+    }
+
+
+def _finite(obj):
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+def save(result: dict, out: str) -> None:
+    pathlib.Path(out).parent.mkdir(parents=True, exist_ok=True)
+    pathlib.Path(out).write_text(json.dumps(_finite(result), indent=1))

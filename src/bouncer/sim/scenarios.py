@@ -1,0 +1,78 @@
+"""Named benchmark scenarios: tenants, priorities and SLOs, stated here in code.
+
+Each scenario draws on real traces (../shared/traces); `--trace PATH` swaps the default trace for
+another file of the same format. Shares are of the offered load at load factor 1.
+"""
+
+from __future__ import annotations
+
+import pathlib
+from dataclasses import dataclass, field, replace
+
+from bouncer.sim.traces import TraceRequest, load_trace
+from bouncer.sim.workloads import Burst, TenantSpec
+
+TRACES = pathlib.Path("../shared/traces")
+AZURE_CONV = TRACES / "azure-2023/AzureLLMInferenceTrace_conv.csv"
+AZURE_CODE = TRACES / "azure-2023/AzureLLMInferenceTrace_code.csv"
+
+
+@dataclass
+class Scenario:
+    name: str
+    description: str
+    tenants: list[TenantSpec]
+    traces: dict[str, pathlib.Path]
+    contention_window: tuple[float, float] = (0.0, 1.0)  # fraction of the run where fairness is judged
+    loaded: dict[str, list[TraceRequest]] = field(default_factory=dict)
+
+    def load(self, override: str | None = None) -> dict[str, list[TraceRequest]]:
+        """The scenario's traces; `override` replaces its first (main) trace."""
+        if not self.loaded:
+            for i, (key, path) in enumerate(self.traces.items()):
+                self.loaded[key] = load_trace(override if override and i == 0 else path)
+        return self.loaded
+
+
+def _bursting(tenants: list[TenantSpec], name: str, duration_s: float, multiplier: float) -> list[TenantSpec]:
+    """The tenant `name` runs at `multiplier` x its rate through the middle third of the run."""
+    burst = Burst(duration_s / 3, 2 * duration_s / 3, multiplier)
+    return [replace(t, bursts=(burst,)) if t.name == name else t for t in tenants]
+
+
+def get_scenario(name: str, duration_s: float) -> Scenario:
+    if name == "rogue-tenant":
+        tenants = [
+            TenantSpec("sla", priority=10, share=0.4, trace="conv", ttft_slo=1.0, tpot_slo=0.1, max_tokens=1024),
+            TenantSpec("research", priority=0, share=0.3, trace="code", ttft_slo=10.0, tpot_slo=0.2,
+                       max_tokens=1024),
+            # max-length prompts: 6,000 of the 8,192-token context
+            TenantSpec("free", priority=-1, share=0.3, trace="conv", ttft_slo=10.0, tpot_slo=0.2, max_tokens=512,
+                       min_prompt=6000),
+        ]
+        return Scenario(name, "an SLA tenant, a research tenant of long prompts, and a free tier of max-length "
+                              "prompts that goes 10x through the middle third",
+                        _bursting(tenants, "free", duration_s, 10.0), {"conv": AZURE_CONV, "code": AZURE_CODE})
+    if name == "consolidation":
+        tenants = [
+            TenantSpec("realtime", priority=10, share=0.3, trace="conv", ttft_slo=0.5, tpot_slo=0.05, max_tokens=1024),
+            TenantSpec("standard", priority=0, share=0.7, trace="conv", ttft_slo=5.0, tpot_slo=0.15, max_tokens=1024),
+        ]
+        return Scenario(name, "real-time and standard bands sharing one pool", tenants, {"conv": AZURE_CONV})
+    if name == "fairness":
+        tenants = [
+            TenantSpec("steady", priority=0, share=0.5, trace="conv", ttft_slo=5.0, tpot_slo=0.15, max_tokens=1024),
+            TenantSpec("bursty", priority=0, share=0.5, trace="conv", ttft_slo=5.0, tpot_slo=0.15, max_tokens=1024),
+        ]
+        return Scenario(name, "two tenants of equal weight in one band; one bursts 10x through the middle third",
+                        _bursting(tenants, "bursty", duration_s, 10.0), {"conv": AZURE_CONV},
+                        contention_window=(1 / 3, 2 / 3))
+    if name == "surge":
+        tenants = [TenantSpec("standard", priority=0, share=1.0, trace="conv", ttft_slo=2.0, tpot_slo=0.1,
+                              max_tokens=1024)]
+        return Scenario(name, "the Azure conversation trace replayed at load factors 0.5 to 3", tenants,
+                        {"conv": AZURE_CONV})
+    raise ValueError(f"unknown scenario {name!r}; known: {', '.join(SCENARIOS)}")
+
+
+SCENARIOS = ("rogue-tenant", "consolidation", "fairness", "surge")
