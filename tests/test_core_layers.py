@@ -66,7 +66,7 @@ def test_request_rate_limit_refuses_with_retry_after():
     assert dispatched(core.offer(info(), 0.0)) and dispatched(core.offer(info(), 0.0))
     r = only_reject(core.offer(info(), 0.0))
     assert (r.status, r.reason, r.layer) == (429, "rate_limited_requests", Layer.RATE)
-    assert r.retry_after == 1  # 0.5 s to refill one request, rounded up to whole seconds
+    assert r.retry_after == pytest.approx(0.5)  # the time to refill one request
     assert dispatched(core.offer(info(), 0.5))
 
 
@@ -84,7 +84,7 @@ def test_breaker_opens_on_timeouts_then_probes():
         (d,) = dispatched(core.offer(info(), t))
         core.finished(d.adm.request_id, t + 0.5, Terminal.FAILED, reason="upstream_timeout")
     r = only_reject(core.offer(info(), 2.0))
-    assert (r.status, r.reason) == (429, "circuit_open") and r.retry_after == 5
+    assert (r.status, r.reason) == (429, "circuit_open") and r.retry_after == pytest.approx(4.5)
     observe_idle(core, 7.0)
     (probe,) = dispatched(core.offer(info(), 7.0))  # half-open: one probe goes through
     assert only_reject(core.offer(info(), 7.1)).reason == "circuit_open"
@@ -176,7 +176,7 @@ def test_tenant_queue_bound_is_tenant_caused_429():
     assert core.offer(info("a"), 0.0) == [] and core.offer(info("a"), 0.0) == []
     r = only_reject(core.offer(info("a"), 0.0))
     assert (r.status, r.reason, r.layer) == (429, "tenant_queue_full", Layer.QUEUE)
-    assert r.retry_after >= 1
+    assert r.retry_after > 0
     assert core.offer(info("b"), 0.0) == []  # other tenants still queue
 
 
@@ -208,7 +208,7 @@ def test_ttl_expiry_and_client_ttl():
     assert core.next_wakeup() == 2.0
     (e,) = core.tick(2.0)
     assert e.terminal is Terminal.EXPIRED and e.refusal.status == 503 and e.refusal.reason == "ttl_expired"
-    assert e.refusal.retry_after >= 1
+    assert e.refusal.retry_after > 0
     assert core.tick(9.9) == []
     (e,) = core.tick(10.0)
     assert e.tenant == "a"
@@ -253,7 +253,7 @@ def test_drain_queues_up_to_cap_then_503_and_undrain_dispatches():
 
 def test_retry_after_grows_with_backlog():
     core = _full_core(queues={"tenant_max_requests": 1000})
-    # a measured service rate: 30 s window, 30 x 1000 tokens completed -> 1000 tokens/s
+    # a measured service rate: 30 completions in the 30 s window -> 1 request/s
     core.observe("m/0", Telemetry(at=0.0, kv_usage=0.0, running=0, waiting=0), 0.0)
     for _ in range(30):
         for d in dispatched(core.offer(info("a", prompt=500, max_tokens=500), 0.0)):
@@ -261,10 +261,26 @@ def test_retry_after_grows_with_backlog():
     core.observe("m/0", Telemetry(at=1.0, kv_usage=0.99, running=50, waiting=0), 1.0)
     retry = []
     for _n in range(4):
-        for _ in range(50):
+        for _ in range(10):
             core.offer(info("a", prompt=200, max_tokens=10), 1.0)
         retry.append(core.retry_after(core.models["m"], 0, 1.0))
     assert retry == sorted(retry) and retry[-1] > retry[0] * 3
+    assert retry[0] == pytest.approx(10, abs=1)  # 10 queued ahead at 1 completion per second
+
+
+def test_queued_request_expires_with_its_ttft_slo_and_infeasible_ones_are_refused():
+    core = make_core(replicas=1, kv_blocks=1000, policy={"default_ttl_s": 60},
+                     tenants=[tenant("a", slo={"ttft_s": 2.0}), tenant("b")])
+    core.observe("m/0", Telemetry(at=0.0, kv_usage=0.99, running=50, waiting=0), 0.0)
+    assert core.offer(info("a"), 0.0) == []
+    assert core.next_wakeup() == 1.0  # its TTL is half its 2 s TTFT SLO, not the 60 s default
+    # measured drain rate of 1 request/s, and 5 queued ahead: a 2 s TTFT cannot be met
+    core.models["m"].completions.extend([0.5] * 30)
+    for _ in range(4):
+        core.offer(info("b"), 1.0)
+    (r,) = core.offer(info("a"), 1.0)
+    assert (r.refusal.status, r.refusal.reason, r.refusal.layer.value) == (429, "deadline_infeasible", "slo")
+    assert r.refusal.retry_after == pytest.approx(5 - 1)  # until the wait fits half the 2 s SLO
 
 
 def test_eviction_takes_the_lowest_band_first_then_its_newest_request():

@@ -145,6 +145,12 @@ def cmd_bench_run(args) -> None:
         save(result, args.out)
 
 
+def cmd_bench_report(args) -> None:
+    from bouncer.bench.report import write_report
+
+    print(f"wrote {write_report(args.files, args.out)}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="bouncer", description="Admission control for LLM inference fleets.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -196,6 +202,11 @@ def build_parser() -> argparse.ArgumentParser:
                                      "prefix-aware)")
     p.add_argument("--out", help="write the result JSON")
     p.set_defaults(func=cmd_bench_run)
+
+    p = bench.add_parser("report", help="Markdown and plots from `bench run` result files")
+    p.add_argument("files", nargs="+", help="result JSON files or folders of them")
+    p.add_argument("--out", required=True, help="output folder")
+    p.set_defaults(func=cmd_bench_report)
 
     p = bench.add_parser("overhead", help="gateway overhead against a fast upstream, direct vs through Bouncer")
     p.add_argument("--seconds", type=int, default=5, help="per measurement")

@@ -147,6 +147,12 @@ class Policy(_Strict):
     context_pressure_min_fraction: float = Field(0.25, gt=0, le=1)
     drain_queue_cap: int = Field(64, ge=0, description="requests held per model while draining")
     upstream_refusal_cooldown_s: float = Field(0.5, ge=0, description="rest a replica that refused a request")
+    ttl_within_slo: bool = Field(True, description="a queued request expires after slo_queue_fraction of its "
+                                                   "TTFT SLO: later, it could only be served late")
+    refuse_infeasible: bool = Field(True, description="refuse at arrival (429 deadline_infeasible) when the "
+                                                      "estimated wait exceeds slo_queue_fraction of the TTFT SLO")
+    slo_queue_fraction: float = Field(0.5, gt=0, le=1, description="share of the TTFT SLO a request may spend "
+                                                                   "queued; the rest is for prefill")
     expected_output_default: int = Field(256, ge=1, description="before any request has finished")
     queues: Queues = Queues()
     telemetry: Telemetry = Telemetry()

@@ -20,7 +20,6 @@ Concurrency model: one writer. The shell calls these from one thread (the event 
 from __future__ import annotations
 
 import itertools
-import math
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
@@ -43,7 +42,7 @@ from bouncer.core.rate_limit import TenantRateLimiter
 from bouncer.core.requests import Admission, RequestInfo
 from bouncer.core.routing import LeastLoadedRouter, Router
 
-RETRY_AFTER_MIN_S = 1.0
+RETRY_AFTER_MIN_S = 0.1  # sub-second values reach clients as `retry-after-ms` (the OpenAI SDKs read it)
 RETRY_AFTER_MAX_S = 60.0
 SERVICE_RATE_WINDOW_S = 30.0  # completions used to estimate how fast the fleet drains a backlog
 UNKNOWN_TENANT = "-"
@@ -102,6 +101,7 @@ class _ModelState:
         self.flow = flow
         self.draining = False
         self.replicas: dict[str, ReplicaState] = {}
+        self.completions: deque[float] = deque()  # completion times in the last window: the drain rate
 
 
 def backend_name(model: str, index: int, explicit: str | None) -> str:
@@ -122,8 +122,6 @@ class AdmissionCore:
         self.stats = CoreStats()
         self.inflight: dict[str, Admission] = {}
         self._seq = itertools.count()
-        self._completions: deque[tuple[float, int]] = deque()  # (time, tokens) for the drain rate
-        self._completion_tokens_in_window = 0
         self.models: dict[str, _ModelState] = {}
         self.tenants: dict[str, _TenantState] = {}
         self.replicas: dict[str, ReplicaState] = {}
@@ -235,6 +233,9 @@ class AdmissionCore:
         if info.ttl_s is not None:
             ttl = min(ttl, info.ttl_s)
         ttft_slo = info.ttft_slo_s or t.slo.ttft_s
+        queue_budget = ttft_slo * self.policy.slo_queue_fraction if ttft_slo else None
+        if queue_budget and self.policy.ttl_within_slo:
+            ttl = min(ttl, queue_budget)  # waiting longer, it could only be served late
         adm = Admission(info=info, tenant=t.name, priority=band, max_tokens=max_tokens,
                         expected_output=self._expected_output(tenant, info.model, max_tokens),
                         arrival=now, deadline=now + ttl,
@@ -272,6 +273,15 @@ class AdmissionCore:
             events.append(self._refuse(victim.request_id, victim.tenant, victim.priority, Layer.FLOW, "evicted",
                                        "evicted from the queue by higher-priority traffic",
                                        self.retry_after(ms, victim.priority, now), terminal=Terminal.EVICTED))
+        if queue_budget and self.policy.refuse_infeasible and not ms.draining:
+            wait = self.estimated_wait(ms, band, now)
+            if wait is not None and wait > queue_budget:
+                # come back when enough of the backlog has drained for a wait within budget
+                events.append(self._refuse(info.request_id, t.name, band, Layer.SLO, "deadline_infeasible",
+                                           f"the backlog ahead (~{wait:.1f} s) leaves no time to meet this "
+                                           f"request's TTFT SLO ({ttft_slo:g} s)",
+                                           max(RETRY_AFTER_MIN_S, wait - queue_budget)))
+                return events
         flow.push(adm, t.weight)
         events.extend(self._dispatch(ms, now))
         return events
@@ -313,9 +323,8 @@ class AdmissionCore:
                       completion_tokens: int) -> None:
         tokens = adm.info.prompt_tokens + completion_tokens
         self.stats.served_tokens[adm.tenant] += tokens
-        self._completions.append((now, tokens))
-        self._completion_tokens_in_window += tokens
-        self._trim_completions(now)
+        ms.completions.append(now)
+        self._trim_completions(ms, now)
         if tenant is None:
             return
         tenant.output_models.setdefault(adm.info.model, OutputLengthModel(self.policy.expected_output_default)) \
@@ -481,7 +490,7 @@ class AdmissionCore:
                 if now < r.cooldown_until:
                     continue
                 r.cooldown_until = None
-            usage = r.projected_usage(now, fresh[r.name])
+            usage = self._usage(r, now, fresh[r.name])
             if r.busy and usage < p.kv_resume_threshold:
                 r.busy = False
             elif not r.busy and usage >= p.kv_busy_threshold:
@@ -540,12 +549,15 @@ class AdmissionCore:
                 values.append(1.0)
                 continue
             values.append(max(r.queue_depth(is_fresh) / s.queue_depth_threshold,
-                              r.projected_usage(now, is_fresh) / s.kv_threshold))
+                              self._usage(r, now, is_fresh) / s.kv_threshold))
         return sum(values) / len(values) if values else 1.0
 
     def _pool_usage(self, ms: _ModelState, now: float, fresh: dict[str, bool]) -> float:
-        usages = [r.projected_usage(now, fresh[r.name]) for r in ms.replicas.values() if self._usable(r, fresh)]
+        usages = [self._usage(r, now, fresh[r.name]) for r in ms.replicas.values() if self._usable(r, fresh)]
         return sum(usages) / len(usages) if usages else 1.0
+
+    def _usage(self, r: ReplicaState, now: float, fresh: bool) -> float:
+        return r.projected_usage(now, fresh, reserve=self.policy.kv_reservation == "reserve")
 
     def _ceiling(self, priority: int) -> float:
         p = self.policy
@@ -560,30 +572,33 @@ class AdmissionCore:
         return m.expected(max_tokens) if m else min(max_tokens, self.policy.expected_output_default)
 
     # -- refusals ---------------------------------------------------------------------------------
-    def retry_after(self, ms: _ModelState, priority: int, now: float) -> float:
-        """Estimated time to drain the backlog ahead of a request of this priority, from the
-        rate the fleet has been completing tokens. Grows with the backlog."""
-        self._trim_completions(now)
-        backlog = ms.flow.tokens_ahead(priority) + sum(a.info.prompt_tokens + a.expected_output
-                                                       for a in self.inflight.values()
-                                                       if a.info.model == ms.cfg.name and a.first_token_at is None)
-        rate = self._completion_tokens_in_window / SERVICE_RATE_WINDOW_S
-        if rate <= 0:
-            estimate = RETRY_AFTER_MIN_S + len(ms.flow) * 0.05
-        else:
-            estimate = backlog / rate
-        return min(RETRY_AFTER_MAX_S, max(RETRY_AFTER_MIN_S, estimate))
+    def estimated_wait(self, ms: _ModelState, priority: int, now: float) -> float | None:
+        """How long a new request of this priority would wait to start: the requests ahead of
+        it (queued in its band and above, and dispatched but not started) over the rate the
+        model's replicas have been completing requests. None until there is a rate."""
+        self._trim_completions(ms, now)
+        if not ms.completions:
+            return None
+        ahead = ms.flow.count_ahead(priority) + sum(r.unstarted for r in ms.replicas.values())
+        return ahead / (len(ms.completions) / SERVICE_RATE_WINDOW_S)
 
-    def _trim_completions(self, now: float) -> None:
+    def retry_after(self, ms: _ModelState, priority: int, now: float) -> float:
+        """Estimated time to drain the backlog ahead of a request of this priority. Grows with
+        the backlog; a second or so while the fleet has not completed anything yet."""
+        wait = self.estimated_wait(ms, priority, now)
+        if wait is None:
+            wait = RETRY_AFTER_MIN_S + len(ms.flow) * 0.05
+        return min(RETRY_AFTER_MAX_S, max(RETRY_AFTER_MIN_S, wait))
+
+    @staticmethod
+    def _trim_completions(ms: _ModelState, now: float) -> None:
         window_start = now - SERVICE_RATE_WINDOW_S
-        while self._completions and self._completions[0][0] < window_start:
-            self._completion_tokens_in_window -= self._completions.popleft()[1]
+        while ms.completions and ms.completions[0] < window_start:
+            ms.completions.popleft()
 
     def _refuse(self, request_id: str, tenant: str, priority: int | None, layer: Layer, reason: str,
                 message: str, retry_after: float | None = None, param: str | None = None,
                 terminal: Terminal = Terminal.REFUSED) -> Reject:
-        if retry_after is not None:
-            retry_after = math.ceil(retry_after)
         refusal = Refusal(layer, reason, message, retry_after, param)
         self.stats.outcomes[terminal] += 1
         self.stats.decisions[(terminal.value, layer.value, reason, tenant, priority)] += 1

@@ -58,15 +58,17 @@ class ReplicaState:
     def is_stale(self, now: float, staleness_s: float) -> bool:
         return not self.healthy or self.telemetry_age(now) > staleness_s
 
-    def projected_usage(self, now: float, fresh: bool) -> float:
+    def projected_usage(self, now: float, fresh: bool, reserve: bool = False) -> float:
         """KV usage the replica is heading for: the scraped figure plus what was sent after the
-        sample, or our own reservations if those are larger. O(1): called on every decision."""
+        sample. With `reserve` (or without fresh telemetry) our own reservations for every
+        in-flight request count too, if larger: the no-evict guarantee. O(1)."""
         cap = self.capacity_blocks
         own = self.inflight_blocks / cap if cap else 0.0
         t = self.telemetry
         if t is None or not fresh:
             return own
-        return max(own, t.kv_usage + (self.blocks_since_sample / cap if cap else 0.0))
+        scraped = t.kv_usage + (self.blocks_since_sample / cap if cap else 0.0)
+        return max(own, scraped) if reserve else scraped
 
     def observe(self, telemetry: Telemetry) -> None:
         self.telemetry = telemetry
@@ -100,4 +102,5 @@ class ReplicaState:
 
     def _after_sample(self, adm: object) -> bool:
         t = self.telemetry
-        return t is None or adm.dispatched_at > t.at  # type: ignore[attr-defined]
+        # a dispatch at the very instant of the sample counts as after it: the safe side
+        return t is None or adm.dispatched_at >= t.at  # type: ignore[attr-defined]

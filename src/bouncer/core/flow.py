@@ -237,6 +237,6 @@ class FlowQueues:
                 return max((a for q in band.queues.values() for a in q), key=lambda a: a.seq)
         return None
 
-    def tokens_ahead(self, priority: int) -> int:
-        """Queued prompt tokens in bands at or above `priority`: the backlog a newcomer waits behind."""
-        return sum(self.bands[p].tokens for p in self._bands_desc if p >= priority)
+    def count_ahead(self, priority: int) -> int:
+        """Queued requests in bands at or above `priority`: the backlog a newcomer waits behind."""
+        return sum(self.bands[p].count for p in self._bands_desc if p >= priority)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -70,7 +71,9 @@ def _refusal_response(refusal: Refusal) -> web.Response:
                    layer=refusal.layer.value, reason=refusal.reason)
     headers = {"x-bouncer-layer": refusal.layer.value, "x-bouncer-reason": refusal.reason}
     if refusal.retry_after is not None:
-        headers["Retry-After"] = str(int(refusal.retry_after))
+        # whole seconds by the standard; milliseconds for clients that read them (OpenAI SDKs)
+        headers["Retry-After"] = str(max(1, math.ceil(refusal.retry_after)))
+        headers["retry-after-ms"] = str(int(refusal.retry_after * 1000))
     return web.Response(status=refusal.status, body=dumps(err.body()), content_type="application/json",
                         headers=headers)
 

@@ -257,6 +257,8 @@ BOUNCER_POLICY = {
     "band_ceilings": {},
     "default_ceiling": 1.0,
     "sheddable_ceiling": 0.8,
+    # run the pool up to ~95% KV (vLLM preempts at 100%); sheddable bands stop at 0.8 x 0.95
+    "saturation": {"queue_depth_threshold": 8, "kv_threshold": 0.95},
     "telemetry": {"staleness_s": 2.0, "on_stale": "fail-closed"},
     "queues": {"max_requests": 5000, "band_max_requests": 5000, "tenant_max_requests": 2000,
                "tenant_max_tokens": 20_000_000, "max_tokens": 50_000_000},
@@ -284,4 +286,6 @@ LLMD_POLICY = {
                "tenant_max_tokens": 10**12, "max_tokens": 10**12},
     "max_inflight_per_replica": 10**6,
     "context_pressure_start": 1.0,
+    "ttl_within_slo": False,  # llm-d's TTL is its own (60 s), not the request's SLO
+    "refuse_infeasible": False,
 }

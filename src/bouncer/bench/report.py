@@ -1,0 +1,165 @@
+"""`bouncer bench report`: result JSONs of `bouncer bench run` into Markdown tables and PNG plots.
+
+Plots: goodput against load for every policy (the cliff), one panel per scenario; per-tenant SLO
+attainment at the highest load; gateway queue and KV usage over time for one scenario at its
+highest load, Bouncer against no admission.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from collections import defaultdict
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+POLICY_ORDER = ["none", "tgi-cap", "vllm-queue-cap", "llmd-flow-control", "dynamo-busy", "bouncer"]
+
+
+def load_results(paths: list[str]) -> list[dict]:
+    out = []
+    for p in paths:
+        for f in sorted(pathlib.Path(p).glob("*.json")) if pathlib.Path(p).is_dir() else [pathlib.Path(p)]:
+            out.append(json.loads(f.read_text()))
+    return out
+
+
+def _fmt(x, pct: bool = False) -> str:
+    if x is None:
+        return "-"
+    return f"{x:.1%}" if pct else f"{x:.2f}"
+
+
+def goodput_table(results: list[dict], scenario: str) -> list[str]:
+    rows = [r for r in results if r["scenario"] == scenario]
+    loads = sorted({r["load"] for r in rows})
+    by = {(r["policy"], r["load"]): r for r in rows}
+    lines = ["| policy | " + " | ".join(f"load {x:g}" for x in loads) + " |", "|---|" + "---|" * len(loads)]
+    for pol in [p for p in POLICY_ORDER if any(k[0] == p for k in by)]:
+        cells = []
+        for x in loads:
+            r = by.get((pol, x))
+            cells.append("-" if r is None else f"{r['goodput_rps']:.2f}")
+        lines.append(f"| {pol} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def tenant_table(results: list[dict], scenario: str, load: float) -> list[str]:
+    rows = {r["policy"]: r for r in results if r["scenario"] == scenario and r["load"] == load}
+    if not rows:
+        return []
+    tenants = list(next(iter(rows.values()))["tenants"])
+    lines = ["| policy | " + " | ".join(f"{t} SLO att. / TTFT p99 s / token share" for t in tenants) + " |",
+             "|---|" + "---|" * len(tenants)]
+    for pol in [p for p in POLICY_ORDER if p in rows]:
+        cells = []
+        for t in tenants:
+            s = rows[pol]["tenants"][t]
+            cells.append(f"{_fmt(s['slo_attainment'], True)} / {_fmt(s['ttft_p99_s'])} / "
+                         f"{_fmt(s['served_token_share'], True)}")
+        lines.append(f"| {pol} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def plot_cliff(results: list[dict], out: pathlib.Path) -> None:
+    scenarios = sorted({r["scenario"] for r in results})
+    fig, axes = plt.subplots(1, len(scenarios), figsize=(4.2 * len(scenarios), 3.6), squeeze=False)
+    for ax, sc in zip(axes[0], scenarios, strict=True):
+        series = defaultdict(list)
+        for r in results:
+            if r["scenario"] == sc:
+                series[r["policy"]].append((r["load"], r["goodput_rps"]))
+        for pol in [p for p in POLICY_ORDER if p in series]:
+            pts = sorted(series[pol])
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=pol,
+                    linewidth=2.5 if pol == "bouncer" else 1.2)
+        ax.set_title(sc)
+        ax.set_xlabel("offered load (x capacity)")
+        ax.set_ylabel("goodput (req/s within SLO)")
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+
+
+def plot_tenants(results: list[dict], out: pathlib.Path) -> None:
+    scenarios = sorted({r["scenario"] for r in results})
+    fig, axes = plt.subplots(1, len(scenarios), figsize=(4.2 * len(scenarios), 3.6), squeeze=False)
+    for ax, sc in zip(axes[0], scenarios, strict=True):
+        rows = [r for r in results if r["scenario"] == sc]
+        top = max(r["load"] for r in rows)
+        rows = {r["policy"]: r for r in rows if r["load"] == top}
+        tenants = list(next(iter(rows.values()))["tenants"])
+        pols = [p for p in POLICY_ORDER if p in rows]
+        width = 0.8 / len(tenants)
+        for i, t in enumerate(tenants):
+            ax.bar([j + i * width for j in range(len(pols))],
+                   [rows[p]["tenants"][t]["slo_attainment"] or 0 for p in pols], width, label=t)
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(pols))], pols, rotation=45, ha="right", fontsize=7)
+        ax.set_title(f"{sc}, load {top:g}")
+        ax.set_ylabel("SLO attainment")
+        ax.set_ylim(0, 1.05)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+
+
+def plot_timeline(results: list[dict], scenario: str, out: pathlib.Path) -> bool:
+    rows = [r for r in results if r["scenario"] == scenario]
+    if not rows:
+        return False
+    top = max(r["load"] for r in rows)
+    chosen = [r for r in rows if r["load"] == top and r["policy"] in ("none", "bouncer")]
+    if not chosen:
+        return False
+    fig, axes = plt.subplots(3, 1, figsize=(9, 7), sharex=True)
+    for r in chosen:
+        s = r["samples"]
+        t = [x["t"] for x in s]
+        axes[0].plot(t, [x["gateway_queued"] for x in s], label=r["policy"])
+        axes[1].plot(t, [x["engine_waiting"] for x in s], label=r["policy"])
+        axes[2].plot(t, [x["kv_usage_mean"] for x in s], label=r["policy"])
+    for ax, title in zip(axes, ["queued at the gateway", "waiting in engines", "mean KV usage"], strict=True):
+        ax.set_ylabel(title)
+        ax.grid(alpha=0.3)
+    axes[0].legend()
+    axes[-1].set_xlabel("simulated seconds")
+    fig.suptitle(f"{scenario} at load {top:g}")
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return True
+
+
+def write_report(paths: list[str], out_dir: str) -> pathlib.Path:
+    results = load_results(paths)
+    if not results:
+        raise ValueError("no result files found")
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    plot_cliff(results, out / "goodput-vs-load.png")
+    plot_tenants(results, out / "tenant-slo.png")
+    lines = ["# Goodput report", "",
+             f"{len(results)} runs. Goodput: requests per second completed within their tenant's TTFT and TPOT "
+             "SLO, latency measured from the user's first attempt.", "",
+             "![goodput against load](goodput-vs-load.png)", "", "![per-tenant SLO attainment](tenant-slo.png)", ""]
+    for sc in sorted({r["scenario"] for r in results}):
+        rows = [r for r in results if r["scenario"] == sc]
+        top = max(r["load"] for r in rows)
+        lines += [f"## {sc}", "", f"Goodput (req/s), capacity {rows[0]['capacity_rps']:.1f} req/s "
+                  f"on {rows[0]['replicas']} replicas:", ""]
+        lines += goodput_table(results, sc) + ["", f"Per tenant at load {top:g}:", ""]
+        lines += tenant_table(results, sc, top) + [""]
+        lost = sum(r["lost"] for r in rows)
+        lines.append(f"Requests lost in accounting across these runs: {lost}.")
+        lines.append("")
+        if plot_timeline(results, sc, out / f"timeline-{sc}.png"):
+            lines += [f"![queue and KV over time](timeline-{sc}.png)", ""]
+    path = out / "report.md"
+    path.write_text("\n".join(lines))
+    return path
