@@ -254,16 +254,16 @@ def test_drain_queues_up_to_cap_then_503_and_undrain_dispatches():
 def test_retry_after_grows_with_backlog():
     core = _full_core(queues={"tenant_max_requests": 1000})
     # a measured service rate: 30 completions in the 30 s window -> 1 request/s
-    core.observe("m/0", Telemetry(at=0.0, kv_usage=0.0, running=0, waiting=0), 0.0)
-    for _ in range(30):
-        for d in dispatched(core.offer(info("a", prompt=500, max_tokens=500), 0.0)):
-            core.finished(d.adm.request_id, 0.5, Terminal.COMPLETED, completion_tokens=500)
-    core.observe("m/0", Telemetry(at=1.0, kv_usage=0.99, running=50, waiting=0), 1.0)
+    for i in range(30):
+        core.observe("m/0", Telemetry(at=float(i), kv_usage=0.0, running=0, waiting=0), float(i))
+        for d in dispatched(core.offer(info("a", prompt=500, max_tokens=500), float(i))):
+            core.finished(d.adm.request_id, float(i), Terminal.COMPLETED, completion_tokens=500)
+    core.observe("m/0", Telemetry(at=30.0, kv_usage=0.99, running=50, waiting=0), 30.0)
     retry = []
     for _n in range(4):
         for _ in range(10):
-            core.offer(info("a", prompt=200, max_tokens=10), 1.0)
-        retry.append(core.retry_after(core.models["m"], 0, 1.0))
+            core.offer(info("a", prompt=200, max_tokens=10), 30.0)
+        retry.append(core.retry_after(core.models["m"], 0, 30.0))
     assert retry == sorted(retry) and retry[-1] > retry[0] * 3
     assert retry[0] == pytest.approx(10, abs=1)  # 10 queued ahead at 1 completion per second
 
@@ -275,12 +275,14 @@ def test_queued_request_expires_with_its_ttft_slo_and_infeasible_ones_are_refuse
     assert core.offer(info("a"), 0.0) == []
     assert core.next_wakeup() == 1.0  # its TTL is half its 2 s TTFT SLO, not the 60 s default
     # measured drain rate of 1 request/s, and 5 queued ahead: a 2 s TTFT cannot be met
-    core.models["m"].completions.extend([0.5] * 30)
+    core.models["m"].completions.extend(float(t) for t in range(-28, 2))  # 30 in the last 30 s
     for _ in range(4):
         core.offer(info("b"), 1.0)
     (r,) = core.offer(info("a"), 1.0)
     assert (r.refusal.status, r.refusal.reason, r.refusal.layer.value) == (429, "deadline_infeasible", "slo")
-    assert r.refusal.retry_after == pytest.approx(5 - 1)  # until the wait fits half the 2 s SLO
+    # 6 queued ahead (itself included) at 30 completions in 29 s; back once the wait fits 1 s
+    assert r.refusal.retry_after == pytest.approx(6 / (30 / 29) - 1)
+    assert core.queued == 5  # the refused one left the queue
 
 
 def test_eviction_takes_the_lowest_band_first_then_its_newest_request():

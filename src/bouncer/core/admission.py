@@ -45,6 +45,7 @@ from bouncer.core.routing import LeastLoadedRouter, Router
 RETRY_AFTER_MIN_S = 0.1  # sub-second values reach clients as `retry-after-ms` (the OpenAI SDKs read it)
 RETRY_AFTER_MAX_S = 60.0
 SERVICE_RATE_WINDOW_S = 30.0  # completions used to estimate how fast the fleet drains a backlog
+MIN_COMPLETIONS_FOR_RATE = 10  # fewer than this in the window: no estimate (no refusal on a guess)
 UNKNOWN_TENANT = "-"
 
 
@@ -273,17 +274,18 @@ class AdmissionCore:
             events.append(self._refuse(victim.request_id, victim.tenant, victim.priority, Layer.FLOW, "evicted",
                                        "evicted from the queue by higher-priority traffic",
                                        self.retry_after(ms, victim.priority, now), terminal=Terminal.EVICTED))
-        if queue_budget and self.policy.refuse_infeasible and not ms.draining:
+        flow.push(adm, t.weight)
+        events.extend(self._dispatch(ms, now))
+        if queue_budget and self.policy.refuse_infeasible and not ms.draining and info.request_id in flow:
+            # It has to wait. If the backlog ahead already exceeds its queueing budget, say so now
+            # (before any prefill), and when to come back: once enough of it has drained.
             wait = self.estimated_wait(ms, band, now)
             if wait is not None and wait > queue_budget:
-                # come back when enough of the backlog has drained for a wait within budget
+                flow.remove(adm)
                 events.append(self._refuse(info.request_id, t.name, band, Layer.SLO, "deadline_infeasible",
                                            f"the backlog ahead (~{wait:.1f} s) leaves no time to meet this "
                                            f"request's TTFT SLO ({ttft_slo:g} s)",
                                            max(RETRY_AFTER_MIN_S, wait - queue_budget)))
-                return events
-        flow.push(adm, t.weight)
-        events.extend(self._dispatch(ms, now))
         return events
 
     # -- lifecycle of admitted requests -------------------------------------------------------
@@ -577,10 +579,11 @@ class AdmissionCore:
         it (queued in its band and above, and dispatched but not started) over the rate the
         model's replicas have been completing requests. None until there is a rate."""
         self._trim_completions(ms, now)
-        if not ms.completions:
+        if len(ms.completions) < MIN_COMPLETIONS_FOR_RATE:
             return None
+        rate = len(ms.completions) / max(1.0, now - ms.completions[0])
         ahead = ms.flow.count_ahead(priority) + sum(r.unstarted for r in ms.replicas.values())
-        return ahead / (len(ms.completions) / SERVICE_RATE_WINDOW_S)
+        return ahead / rate
 
     def retry_after(self, ms: _ModelState, priority: int, now: float) -> float:
         """Estimated time to drain the backlog ahead of a request of this priority. Grows with
