@@ -153,6 +153,10 @@ class Policy(_Strict):
                                                       "estimated wait exceeds slo_queue_fraction of the TTFT SLO")
     slo_queue_fraction: float = Field(0.5, gt=0, le=1, description="share of the TTFT SLO a request may spend "
                                                                    "queued; the rest is for prefill")
+    tpot_guard: bool = Field(True, description="per replica, cut the in-flight limit when completed requests "
+                                               "ran slower than the strictest TPOT SLO (AIMD)")
+    tpot_guard_margin: float = Field(0.9, gt=0, le=1, description="target = strictest TPOT SLO x this")
+    min_inflight_per_replica: int = Field(4, ge=1, description="the TPOT guard never cuts below this")
     expected_output_default: int = Field(256, ge=1, description="before any request has finished")
     queues: Queues = Queues()
     telemetry: Telemetry = Telemetry()

@@ -103,6 +103,7 @@ class _ModelState:
         self.draining = False
         self.replicas: dict[str, ReplicaState] = {}
         self.completions: deque[float] = deque()  # completion times in the last window: the drain rate
+        self.tpot_target: float | None = None  # strictest TPOT SLO of its tenants, with margin
 
 
 def backend_name(model: str, index: int, explicit: str | None) -> str:
@@ -150,6 +151,8 @@ class AdmissionCore:
             if ms is None:
                 ms = self.models[m.name] = _ModelState(m, FlowQueues(self._fairness, self._ordering))
             ms.cfg = m
+            slos = [t.slo.tpot_s for t in config.tenants if t.slo.tpot_s and (not t.models or m.name in t.models)]
+            ms.tpot_target = min(slos) * self.policy.tpot_guard_margin if slos else None
             ms.flow.fairness = self._fairness  # queued requests keep their order keys
             listed = set()
             for i, b in enumerate(m.backends):
@@ -317,6 +320,7 @@ class AdmissionCore:
         ms = self.models[adm.info.model]
         if terminal is Terminal.COMPLETED:
             self._on_completed(adm, tenant, ms, now, completion_tokens)
+            self._tpot_guard(ms, replica, adm, now, completion_tokens)
         elif terminal is Terminal.FAILED and tenant is not None and reason == "upstream_timeout":
             tenant.breaker.record_failure(now)
         return self._dispatch(ms, now)
@@ -370,6 +374,23 @@ class AdmissionCore:
         ms = self.models[adm.info.model]
         ms.flow.push(adm, self.tenants[adm.tenant].cfg.weight)
         return self.tick(now)
+
+    def _tpot_guard(self, ms: _ModelState, r: ReplicaState, adm: Admission, now: float, tokens: int) -> None:
+        """AIMD on a replica's in-flight limit, driven by the decode speed its completed requests
+        saw: each request slower than the strictest TPOT SLO among this model's tenants cuts the
+        limit to 80% of what was in flight (at most once per second); each fast one adds one."""
+        p = self.policy
+        target = ms.tpot_target
+        if not p.tpot_guard or target is None or adm.first_token_at is None or tokens < 2:
+            return
+        tpot = (now - adm.first_token_at) / (tokens - 1)
+        if tpot > target:
+            if now - r.last_cut >= 1.0:
+                r.concurrency_limit = max(p.min_inflight_per_replica,
+                                          min(r.concurrency_limit, len(r.inflight) + 1) * 0.8)
+                r.last_cut = now
+        elif r.concurrency_limit < p.max_inflight_per_replica:
+            r.concurrency_limit += 1.0
 
     def cancel(self, request_id: str, now: float) -> list[Event]:
         """The client went away while its request was queued: it leaves the queue at once."""
@@ -497,7 +518,7 @@ class AdmissionCore:
                 r.busy = False
             elif not r.busy and usage >= p.kv_busy_threshold:
                 r.busy = True
-            if r.busy or len(r.inflight) >= p.max_inflight_per_replica:
+            if r.busy or len(r.inflight) >= min(p.max_inflight_per_replica, r.concurrency_limit):
                 continue
             cap = r.capacity_blocks
             need = num_blocks(adm.info.prompt_tokens + adm.expected_output, r.block_size) / cap if cap else 0.0

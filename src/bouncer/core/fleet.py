@@ -38,6 +38,8 @@ class ReplicaState:
         self.removed = False  # dropped by a config reload: finishes in-flight work, gets no new
         self.busy = False  # hysteresis state
         self.cooldown_until: float | None = None  # rested after refusing a request
+        self.concurrency_limit = float("inf")  # in-flight cap set by the TPOT guard (AIMD)
+        self.last_cut = float("-inf")
         # own accounting of what was dispatched here and not finished
         self.inflight: dict[str, object] = {}
         self.inflight_blocks = 0
