@@ -141,7 +141,11 @@ class Policy(_Strict):
     default_ttl_s: float = Field(30.0, gt=0)
     band_ceilings: dict[int, float] = Field(default_factory=dict,
                                             description="saturation ceiling per priority band")
-    default_ceiling: float = Field(1.0, gt=0)
+    default_ceiling: float = Field(1.0, gt=0, description="ceiling for band 0 (and others not listed)")
+    priority_ceiling: float = Field(1.2, gt=0, description="ceiling for bands above 0 not listed in band_ceilings: "
+                                                            "protected traffic may run the pool hotter")
+    project_recent_dispatches: bool = Field(True, description="add what was sent since a replica's last scrape to "
+                                                              "its scraped KV usage")
     sheddable_ceiling: float = Field(0.8, gt=0, description="ceiling for bands below zero")
     context_pressure_start: float = Field(0.8, ge=0, le=1, description="pool usage where context caps tighten")
     context_pressure_min_fraction: float = Field(0.25, gt=0, le=1)

@@ -580,13 +580,17 @@ class AdmissionCore:
         return sum(usages) / len(usages) if usages else 1.0
 
     def _usage(self, r: ReplicaState, now: float, fresh: bool) -> float:
-        return r.projected_usage(now, fresh, reserve=self.policy.kv_reservation == "reserve")
+        p = self.policy
+        return r.projected_usage(now, fresh, reserve=p.kv_reservation == "reserve",
+                                 project=p.project_recent_dispatches)
 
     def _ceiling(self, priority: int) -> float:
         p = self.policy
         if priority in p.band_ceilings:
             return p.band_ceilings[priority]
-        return p.sheddable_ceiling if priority < 0 else p.default_ceiling
+        if priority < 0:
+            return p.sheddable_ceiling
+        return p.priority_ceiling if priority > 0 else p.default_ceiling
 
     def _expected_output(self, tenant: _TenantState, model: str, max_tokens: int) -> int:
         if self.policy.kv_reservation == "reserve":

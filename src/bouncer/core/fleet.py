@@ -60,7 +60,7 @@ class ReplicaState:
     def is_stale(self, now: float, staleness_s: float) -> bool:
         return not self.healthy or self.telemetry_age(now) > staleness_s
 
-    def projected_usage(self, now: float, fresh: bool, reserve: bool = False) -> float:
+    def projected_usage(self, now: float, fresh: bool, reserve: bool = False, project: bool = True) -> float:
         """KV usage the replica is heading for: the scraped figure plus what was sent after the
         sample. With `reserve` (or without fresh telemetry) our own reservations for every
         in-flight request count too, if larger: the no-evict guarantee. O(1)."""
@@ -69,7 +69,7 @@ class ReplicaState:
         t = self.telemetry
         if t is None or not fresh:
             return own
-        scraped = t.kv_usage + (self.blocks_since_sample / cap if cap else 0.0)
+        scraped = t.kv_usage + (self.blocks_since_sample / cap if cap and project else 0.0)
         return max(own, scraped) if reserve else scraped
 
     def observe(self, telemetry: Telemetry) -> None:

@@ -212,13 +212,13 @@ class FlowQueues:
             q.deficit = 0.0  # DRR: an idle flow keeps no credit
 
     def expired(self, now: float) -> list[Admission]:
-        out = []
+        out: dict[str, Admission] = {}  # a requeued request can have two heap entries
         ttl = self._ttl
         while ttl and ttl[0][0] <= now:
             _, _, adm = heapq.heappop(ttl)
             if adm.request_id in self._queued:
-                out.append(adm)
-        return out
+                out[adm.request_id] = adm
+        return list(out.values())
 
     def next_deadline(self) -> float | None:
         ttl = self._ttl

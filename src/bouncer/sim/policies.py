@@ -286,6 +286,10 @@ LLMD_POLICY = {
                "tenant_max_tokens": 10**12, "max_tokens": 10**12},
     "max_inflight_per_replica": 10**6,
     "context_pressure_start": 1.0,
+    "priority_ceiling": 1.0,
+    # llm-d reads scraped metrics as they are; these are Bouncer's own additions, off here
+    "project_recent_dispatches": False,
     "ttl_within_slo": False,  # llm-d's TTL is its own (60 s), not the request's SLO
     "refuse_infeasible": False,
+    "tpot_guard": False,
 }
