@@ -303,8 +303,11 @@ class EngineModel:
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
-            n_new = min(req.num_tokens - req.num_computed, budget)
-            need = num_blocks(req.num_computed + n_new, bs) - len(req.blocks)
+            computed = req.num_computed
+            n_new = req.prompt_len + req.num_output - computed  # num_tokens - num_computed, inlined: hot
+            if n_new > budget:
+                n_new = budget
+            need = -(-(computed + n_new) // bs) - len(req.blocks)
             can_run = True
             while need > 0:
                 new = pool.allocate(need)
@@ -392,22 +395,28 @@ class EngineModel:
                         for r, _ in scheduled) - 1
         if max_extra <= 0:
             return 0, 0.0
-        # Block headroom: extra step j (1-based) needs num_tokens + j tokens of KV per request.
+        # Block headroom: extra step j (1-based) needs num_tokens + j tokens of KV per request, so
+        # it needs one more block for each request whose num_tokens + j - 1 is a multiple of the
+        # block size. Counting requests by num_tokens mod block size makes each step O(1).
         free = self.pool.num_free
+        residues = [0] * bs
+        for r, _ in scheduled:
+            residues[(r.prompt_len + r.num_output) % bs] += 1
+        base = sum(-(-(r.prompt_len + r.num_output) // bs) - len(r.blocks) for r, _ in scheduled)
+        need = base
         extra = 0
         elapsed = 0.0
         start = first_end
         ctx = context
         p = self.profile
+        step_fixed = p.a + p.b * batched
         while extra < max_extra and start < horizon:
-            ctx += batched
-            need = 0
             j = extra + 1
-            for r, _ in scheduled:
-                need += num_blocks(r.num_tokens + j, bs) - len(r.blocks)
+            need += residues[(1 - j) % bs]
             if need > free:
                 break
-            d = p.a + p.b * batched + p.c * ctx
+            ctx += batched
+            d = step_fixed + p.c * ctx
             extra = j
             elapsed += d
             start += d
@@ -420,36 +429,44 @@ class EngineModel:
         counters = self.counters
         tokens: list[tuple[EngineRequest, int]] = []
         finished: list[EngineRequest] = []
+        max_model_len = self.max_model_len
+        extra = num_steps - 1
         for req, n in scheduled:
-            if req.num_computed < req.max_computed:
-                counters.recomputed_tokens += min(n, req.max_computed - req.num_computed)
-            if num_steps > 1:
+            computed = req.num_computed
+            if computed < req.max_computed:
+                counters.recomputed_tokens += min(n, req.max_computed - computed)
+            num_tokens = req.prompt_len + req.num_output
+            if extra:
                 # extended decode: allocate the blocks the extra tokens need
-                need = num_blocks(req.num_tokens + num_steps - 1, bs) - len(req.blocks)
+                need = -(-(num_tokens + extra) // bs) - len(req.blocks)
                 if need > 0:
                     req.blocks.extend(pool.allocate(need))
-                req.num_computed += n + num_steps - 1
+                computed += n + extra
             else:
-                req.num_computed += n
-            req.max_computed = max(req.max_computed, req.num_computed)
+                computed += n
+            req.num_computed = computed
+            if computed > req.max_computed:
+                req.max_computed = computed
             digests = req.block_digests
-            while req.num_registered < len(digests) and (req.num_registered + 1) * bs <= req.num_computed:
-                pool.register(req.blocks[req.num_registered], digests[req.num_registered])
-                req.num_registered += 1
-            if req.num_computed - (num_steps - 1) < req.num_tokens:
+            if req.num_registered < len(digests):
+                while req.num_registered < len(digests) and (req.num_registered + 1) * bs <= computed:
+                    pool.register(req.blocks[req.num_registered], digests[req.num_registered])
+                    req.num_registered += 1
+            if computed - extra < num_tokens:
                 continue  # chunked prefill still in progress
-            produced = num_steps
-            req.num_output += produced
-            counters.generation_tokens += produced
+            req.num_output += num_steps
+            counters.generation_tokens += num_steps
             if req.first_token_at is None:
                 req.first_token_at = end
                 counters.prompt_tokens += req.prompt_len
                 counters.prompt_tokens_cached += req.num_cached_tokens
-            tokens.append((req, produced))
-            if req.num_output >= req.max_output or req.num_tokens >= self.max_model_len:
+            tokens.append((req, num_steps))
+            if req.num_output >= req.max_output or req.prompt_len + req.num_output >= max_model_len:
                 finished.append(req)
+        if finished:
+            self.running = [r for r in self.running if r.num_output < r.max_output
+                            and r.prompt_len + r.num_output < max_model_len]
         for req in finished:
-            self.running.remove(req)
             pool.release(req.blocks)
             req.blocks = []
             req.status = Status.FINISHED
