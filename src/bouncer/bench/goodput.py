@@ -11,6 +11,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import os
 import pathlib
 
 from bouncer.sim.fleet import FleetConfig, FleetSim, SimRequest
@@ -37,7 +38,8 @@ MAX_MODEL_LEN = 8192
 VLLM_MAX_QUEUED_REQS = 256
 VLLM_MAX_QUEUED_TOKENS = 262_144
 LLMD_SCRAPE_INTERVAL_S = 0.05  # llm-d's --refresh-metrics-interval default (50 ms)
-CACHE_DIR = pathlib.Path(".cache/capacity")
+# measured capacities are cached here (per scenario, fleet and trace); BOUNCER_CACHE_DIR moves it
+CACHE_DIR = pathlib.Path(os.environ.get("BOUNCER_CACHE_DIR", ".cache")) / "capacity"
 
 
 def _fleet_config(policy: str, replicas: int, profile_name: str, seed: int) -> FleetConfig:

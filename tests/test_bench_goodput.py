@@ -1,0 +1,62 @@
+"""`bouncer bench run` / `report`: the result file's contract and the report it feeds."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from bouncer.bench import goodput
+
+REQUIRED = {"scenario", "policy", "load", "seed", "replicas", "sim_seconds", "wall_seconds", "offered", "lost",
+            "outcomes", "refused_by_reason", "goodput_rps", "goodput_tokens_per_s", "throughput_tokens_per_s",
+            "prefix_hit_rate", "preemptions", "wasted_tokens", "tenants"}
+TENANT_KEYS = {"priority", "offered", "slo_attainment", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s",
+               "served_token_share", "weight"}
+
+
+@pytest.fixture(autouse=True)
+def capacity_cache(tmp_path, monkeypatch):
+    monkeypatch.setattr(goodput, "CACHE_DIR", tmp_path / "capacity")
+
+
+def test_result_json_has_the_agreed_keys_and_loses_nothing(tmp_path):
+    out = tmp_path / "r.json"
+    proc = subprocess.run([sys.executable, "-m", "bouncer", "bench", "run", "--scenario", "rogue-tenant", "--policy",
+                           "bouncer", "--load", "2", "--duration", "20", "--replicas", "1", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "BOUNCER_CACHE_DIR": str(tmp_path / "cache")})
+    assert proc.returncode == 0, proc.stderr
+    r = json.loads(out.read_text())
+    assert REQUIRED <= set(r)
+    assert r["lost"] == 0 and sum(r["outcomes"].values()) == r["offered"] > 0
+    assert set(r["tenants"]) == {"sla", "research", "free"}
+    for t in r["tenants"].values():
+        assert TENANT_KEYS <= set(t)
+    assert abs(sum(t["served_token_share"] for t in r["tenants"].values()) - 1.0) < 1e-9
+
+
+def test_bouncer_keeps_goodput_where_no_admission_collapses():
+    none = goodput.run("surge", "none", 2.0, duration_s=30, replicas=1)
+    bouncer = goodput.run("surge", "bouncer", 2.0, duration_s=30, replicas=1)
+    assert none["lost"] == bouncer["lost"] == 0
+    assert bouncer["goodput_rps"] > 2 * none["goodput_rps"]
+
+
+def test_report_writes_markdown_and_plots(tmp_path):
+    results = tmp_path / "results"
+    results.mkdir()
+    for policy in ("none", "bouncer"):
+        for load in (1.0, 2.0):
+            goodput.save(goodput.run("surge", policy, load, duration_s=15, replicas=1),
+                         str(results / f"surge-{policy}-{load}.json"))
+    proc = subprocess.run([sys.executable, "-m", "bouncer", "bench", "report", str(results), "--out",
+                           str(tmp_path / "report")], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    md = (tmp_path / "report" / "report.md").read_text()
+    assert "## surge" in md and "| bouncer |" in md and "| none |" in md
+    for png in ("goodput-vs-load.png", "tenant-slo.png", "timeline-surge.png"):
+        assert (tmp_path / "report" / png).stat().st_size > 10_000
