@@ -297,7 +297,7 @@ class AdmissionCore:
         if adm is None or adm.first_token_at is not None:
             return
         adm.first_token_at = now
-        self.replicas[adm.replica].mark_started(adm.prefill_tokens)
+        self.replicas[adm.replica].mark_started(adm.prefill_tokens, adm.priority)
 
     def finished(self, request_id: str, now: float, terminal: Terminal, completion_tokens: int = 0,
                  reason: str | None = None) -> list[Event]:
@@ -309,7 +309,7 @@ class AdmissionCore:
             return []
         replica = self.replicas[adm.replica]
         if adm.first_token_at is None:
-            replica.mark_started(adm.prefill_tokens)
+            replica.mark_started(adm.prefill_tokens, adm.priority)
         replica.remove(request_id, adm.blocks)
         tenant = self.tenants.get(adm.tenant)
         if tenant is not None:
@@ -361,7 +361,7 @@ class AdmissionCore:
             return []
         replica = self.replicas[adm.replica]
         if adm.first_token_at is None:
-            replica.mark_started(adm.prefill_tokens)
+            replica.mark_started(adm.prefill_tokens, adm.priority)
         replica.remove(request_id, adm.blocks)
         replica.cooldown_until = now + self.policy.upstream_refusal_cooldown_s
         self.tenants[adm.tenant].inflight_blocks -= adm.blocks
@@ -607,7 +607,9 @@ class AdmissionCore:
         if len(ms.completions) < MIN_COMPLETIONS_FOR_RATE:
             return None
         rate = len(ms.completions) / max(1.0, now - ms.completions[0])
-        ahead = ms.flow.count_ahead(priority) + sum(r.unstarted for r in ms.replicas.values())
+        # Lower bands' unstarted requests are not counted: this band is dispatched before them,
+        # and the few already sent are mostly in prefill, not queued.
+        ahead = ms.flow.count_ahead(priority) + sum(r.unstarted_at_or_above(priority) for r in ms.replicas.values())
         return ahead / rate
 
     def retry_after(self, ms: _ModelState, priority: int, now: float) -> float:

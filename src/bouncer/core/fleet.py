@@ -45,6 +45,7 @@ class ReplicaState:
         self.inflight_blocks = 0
         self.blocks_since_sample = 0  # blocks dispatched after the last telemetry sample
         self.unstarted = 0  # dispatched, no first token yet
+        self.unstarted_by_band: dict[int, int] = {}  # the same, by priority band
         self.queued_prefill_tokens = 0  # uncached prompt tokens of those
 
     @property
@@ -90,11 +91,17 @@ class ReplicaState:
         if self._after_sample(adm):
             self.blocks_since_sample += blocks
         self.unstarted += 1
+        band = adm.priority  # type: ignore[attr-defined]
+        self.unstarted_by_band[band] = self.unstarted_by_band.get(band, 0) + 1
         self.queued_prefill_tokens += prefill_tokens
 
-    def mark_started(self, prefill_tokens: int) -> None:
+    def mark_started(self, prefill_tokens: int, band: int) -> None:
         self.unstarted -= 1
+        self.unstarted_by_band[band] -= 1
         self.queued_prefill_tokens -= prefill_tokens
+
+    def unstarted_at_or_above(self, band: int) -> int:
+        return sum(n for b, n in self.unstarted_by_band.items() if b >= band)
 
     def remove(self, request_id: str, blocks: int) -> None:
         adm = self.inflight.pop(request_id, None)
