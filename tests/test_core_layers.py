@@ -269,7 +269,7 @@ def test_retry_after_grows_with_backlog():
 
 
 def test_queued_request_expires_with_its_ttft_slo_and_infeasible_ones_are_refused():
-    core = make_core(replicas=1, kv_blocks=1000, policy={"default_ttl_s": 60},
+    core = make_core(replicas=1, kv_blocks=1000, policy={"default_ttl_s": 60, "slo_queue_fraction": 0.5},
                      tenants=[tenant("a", slo={"ttft_s": 2.0}), tenant("b")])
     core.observe("m/0", Telemetry(at=0.0, kv_usage=0.99, running=50, waiting=0), 0.0)
     assert core.offer(info("a"), 0.0) == []

@@ -124,9 +124,11 @@ class Breaker(_Strict):
 
 
 class Saturation(_Strict):
-    # llm-d's utilization detector defaults: queueDepthThreshold 5, kvCacheUtilThreshold 0.8
-    queue_depth_threshold: float = Field(5.0, gt=0)
-    kv_threshold: float = Field(0.8, gt=0, le=1)
+    # llm-d's utilization detector, max(queue / queue threshold, KV / KV threshold) averaged over
+    # replicas; llm-d's defaults are 5 and 0.8. Bouncer runs the pool hotter (vLLM preempts only at
+    # 100% KV) and leaves the margin to the band ceilings: sheddable bands stop at 0.8 of this.
+    queue_depth_threshold: float = Field(8.0, gt=0)
+    kv_threshold: float = Field(0.95, gt=0, le=1)
 
 
 class Policy(_Strict):
@@ -134,10 +136,10 @@ class Policy(_Strict):
     kv_busy_threshold: float = Field(0.92, gt=0, le=1, description="projected KV usage that marks a replica busy")
     kv_resume_threshold: float = Field(0.85, gt=0, le=1, description="busy replica is usable again below this")
     prefill_busy_tokens: int = Field(16384, ge=1, description="queued prefill tokens that mark a replica busy")
-    max_inflight_per_replica: int = Field(512, ge=1)
+    max_inflight_per_replica: int = Field(1024, ge=1)
     fairness: Literal["round-robin", "wdrr"] = "wdrr"
     wdrr_quantum_tokens: int = Field(4096, ge=1)
-    ordering: Literal["fcfs", "edf"] = "fcfs"
+    ordering: Literal["fcfs", "edf"] = "edf"
     default_ttl_s: float = Field(30.0, gt=0)
     band_ceilings: dict[int, float] = Field(default_factory=dict,
                                             description="saturation ceiling per priority band")
@@ -155,11 +157,12 @@ class Policy(_Strict):
                                                    "TTFT SLO: later, it could only be served late")
     refuse_infeasible: bool = Field(True, description="refuse at arrival (429 deadline_infeasible) when the "
                                                       "estimated wait exceeds slo_queue_fraction of the TTFT SLO")
-    slo_queue_fraction: float = Field(0.5, gt=0, le=1, description="share of the TTFT SLO a request may spend "
+    slo_queue_fraction: float = Field(0.6, gt=0, le=1, description="share of the TTFT SLO a request may spend "
                                                                    "queued; the rest is for prefill")
     tpot_guard: bool = Field(True, description="per replica, cut the in-flight limit when completed requests "
                                                "ran slower than the strictest TPOT SLO (AIMD)")
     tpot_guard_margin: float = Field(0.9, gt=0, le=1, description="target = strictest TPOT SLO x this")
+    tpot_guard_increase: float = Field(0.25, gt=0, description="in-flight limit added per fast completion")
     min_inflight_per_replica: int = Field(4, ge=1, description="the TPOT guard never cuts below this")
     expected_output_default: int = Field(256, ge=1, description="before any request has finished")
     queues: Queues = Queues()

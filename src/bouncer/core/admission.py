@@ -378,7 +378,8 @@ class AdmissionCore:
     def _tpot_guard(self, ms: _ModelState, r: ReplicaState, adm: Admission, now: float, tokens: int) -> None:
         """AIMD on a replica's in-flight limit, driven by the decode speed its completed requests
         saw: each request slower than the strictest TPOT SLO among this model's tenants cuts the
-        limit to 80% of what was in flight (at most once per second); each fast one adds one."""
+        limit to 80% of what was in flight (at most once per second); each fast one adds
+        `tpot_guard_increase`."""
         p = self.policy
         target = ms.tpot_target
         if not p.tpot_guard or target is None or adm.first_token_at is None or tokens < 2:
@@ -390,7 +391,7 @@ class AdmissionCore:
                                           min(r.concurrency_limit, len(r.inflight) + 1) * 0.8)
                 r.last_cut = now
         elif r.concurrency_limit < p.max_inflight_per_replica:
-            r.concurrency_limit += 1.0
+            r.concurrency_limit += p.tpot_guard_increase
 
     def cancel(self, request_id: str, now: float) -> list[Event]:
         """The client went away while its request was queued: it leaves the queue at once."""

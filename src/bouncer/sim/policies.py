@@ -247,23 +247,11 @@ def core_config(tenants: list[dict], replicas: int, kv_blocks: int, block_size: 
     }, "simulated gateway")
 
 
-# Bouncer's own policy, tuned once for every scenario (no per-scenario knobs).
+# Bouncer's own policy in the simulator: the shipped defaults (bouncer/config.py, tuned once for
+# every scenario, no per-scenario knobs), with waiting-room bounds sized for the simulated fleet.
 BOUNCER_POLICY = {
-    "fairness": "wdrr",
-    "ordering": "edf",
-    "default_ttl_s": 30.0,
-    "kv_busy_threshold": 0.92,
-    "kv_resume_threshold": 0.85,
-    "band_ceilings": {},
-    "default_ceiling": 1.0,
-    "sheddable_ceiling": 0.8,
-    # run the pool up to ~95% KV (vLLM preempts at 100%); sheddable bands stop at 0.8 x 0.95
-    "saturation": {"queue_depth_threshold": 8, "kv_threshold": 0.95},
-    "telemetry": {"staleness_s": 2.0, "on_stale": "fail-closed"},
     "queues": {"max_requests": 5000, "band_max_requests": 5000, "tenant_max_requests": 2000,
                "tenant_max_tokens": 20_000_000, "max_tokens": 50_000_000},
-    "max_inflight_per_replica": 1024,
-    "upstream_refusal_cooldown_s": 0.5,
 }
 
 # llm-d flow control (feature gate on) with its documented defaults: utilization detector
