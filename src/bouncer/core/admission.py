@@ -304,16 +304,11 @@ class AdmissionCore:
         """The admitted request is over. `reason` for FAILED names the failure (a key of
         outcomes.STATUS_BY_REASON, e.g. "upstream_timeout"). Unknown ids are ignored, so a
         shell may call this from every exit path."""
-        adm = self.inflight.pop(request_id, None)
+        adm = self.inflight.get(request_id)
         if adm is None:
             return []
-        replica = self.replicas[adm.replica]
-        if adm.first_token_at is None:
-            replica.mark_started(adm.prefill_tokens, adm.priority)
-        replica.remove(request_id, adm.blocks)
+        replica = self._release(adm)
         tenant = self.tenants.get(adm.tenant)
-        if tenant is not None:
-            tenant.inflight_blocks -= adm.blocks
         self.stats.outcomes[terminal] += 1
         layer = Layer.UPSTREAM.value if terminal is Terminal.FAILED else "-"
         self.stats.decisions[(terminal.value, layer, reason or "-", adm.tenant, adm.priority)] += 1
@@ -356,15 +351,11 @@ class AdmissionCore:
         """The replica refused the dispatched request (its own queue cap, a 503 or 429): take
         the permit back, rest that replica briefly, and hold the request again at the front of
         its queue instead of passing the refusal on. It still leaves at its original TTL."""
-        adm = self.inflight.pop(request_id, None)
+        adm = self.inflight.get(request_id)
         if adm is None:
             return []
-        replica = self.replicas[adm.replica]
-        if adm.first_token_at is None:
-            replica.mark_started(adm.prefill_tokens, adm.priority)
-        replica.remove(request_id, adm.blocks)
+        replica = self._release(adm)
         replica.cooldown_until = now + self.policy.upstream_refusal_cooldown_s
-        self.tenants[adm.tenant].inflight_blocks -= adm.blocks
         self.stats.decisions[("requeued", Layer.UPSTREAM.value, "upstream_refused", adm.tenant, adm.priority)] += 1
         adm.replica = None
         adm.dispatched_at = None
@@ -492,6 +483,18 @@ class AdmissionCore:
         self.tenants[adm.tenant].inflight_blocks += adm.blocks
         self.inflight[adm.request_id] = adm
         self.stats.decisions[("admitted", "-", "-", adm.tenant, adm.priority)] += 1
+
+    def _release(self, adm: Admission) -> ReplicaState:
+        """Undo `_assign`: the permit, the replica's and the tenant's accounting."""
+        del self.inflight[adm.request_id]
+        replica = self.replicas[adm.replica]
+        if adm.first_token_at is None:
+            replica.mark_started(adm.prefill_tokens, adm.priority)
+        replica.remove(adm.request_id, adm.blocks)
+        tenant = self.tenants.get(adm.tenant)
+        if tenant is not None:
+            tenant.inflight_blocks -= adm.blocks
+        return replica
 
     def _place(self, ms: _ModelState, adm: Admission, now: float, fresh: dict[str, bool]) -> ReplicaState | None:
         """Layer 3: a replica with room for this request's KV, or None (hold it)."""
