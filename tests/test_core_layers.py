@@ -268,6 +268,20 @@ def test_retry_after_grows_with_backlog():
     assert retry[0] == pytest.approx(10, abs=1)  # 10 queued ahead at 1 completion per second
 
 
+def test_a_light_tenant_is_not_refused_for_a_heavy_tenants_backlog():
+    # queueing budget 2 s (half a 4 s TTFT SLO), about 1 completion/s
+    core = make_core(replicas=1, kv_blocks=1000, policy={"slo_queue_fraction": 0.5},
+                     tenants=[tenant("light", slo={"ttft_s": 4.0}), tenant("heavy", slo={"ttft_s": 4.0})])
+    core.observe("m/0", Telemetry(at=0.0, kv_usage=0.99, running=50, waiting=0), 0.0)
+    core.models["m"].completions.extend(float(t) for t in range(-27, 3))
+    heavy = [core.offer(info("heavy"), 2.0) for _ in range(6)]
+    assert heavy[:2] == [[], []]  # queued: 1 and 2 requests ahead fit 2 s
+    assert all(e and e[0].refusal.reason == "deadline_infeasible" for e in heavy[2:])
+    # 'light' has nothing queued: under fair queueing its request waits for one turn of each
+    # active tenant (2 slots), not behind all of heavy's backlog
+    assert core.offer(info("light"), 2.0) == []
+
+
 def test_queued_request_expires_with_its_ttft_slo_and_infeasible_ones_are_refused():
     core = make_core(replicas=1, kv_blocks=1000, policy={"default_ttl_s": 60, "slo_queue_fraction": 0.5},
                      tenants=[tenant("a", slo={"ttft_s": 2.0}), tenant("b")])
@@ -280,8 +294,10 @@ def test_queued_request_expires_with_its_ttft_slo_and_infeasible_ones_are_refuse
         core.offer(info("b"), 1.0)
     (r,) = core.offer(info("a"), 1.0)
     assert (r.refusal.status, r.refusal.reason, r.refusal.layer.value) == (429, "deadline_infeasible", "slo")
-    # 6 queued ahead (itself included) at 30 completions in 29 s; back once the wait fits 1 s
-    assert r.refusal.retry_after == pytest.approx(6 / (30 / 29) - 1)
+    # Under fair queueing, tenant a's 2 queued requests (itself included) drain at half the band's
+    # rate (a and b are active, equal weights): 4 request-slots at 30 completions in 29 s. Back
+    # once the wait fits its 1 s budget.
+    assert r.refusal.retry_after == pytest.approx(2 * 2 / (30 / 29) - 1)
     assert core.queued == 5  # the refused one left the queue
 
 

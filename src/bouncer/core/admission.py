@@ -282,7 +282,7 @@ class AdmissionCore:
         if queue_budget and self.policy.refuse_infeasible and not ms.draining and info.request_id in flow:
             # It has to wait. If the backlog ahead already exceeds its queueing budget, say so now
             # (before any prefill), and when to come back: once enough of it has drained.
-            wait = self.estimated_wait(ms, band, now)
+            wait = self.estimated_wait(ms, band, now, t.name)
             if wait is not None and wait > queue_budget:
                 flow.remove(adm)
                 events.append(self._refuse(info.request_id, t.name, band, Layer.SLO, "deadline_infeasible",
@@ -603,17 +603,27 @@ class AdmissionCore:
         return m.expected(max_tokens) if m else min(max_tokens, self.policy.expected_output_default)
 
     # -- refusals ---------------------------------------------------------------------------------
-    def estimated_wait(self, ms: _ModelState, priority: int, now: float) -> float | None:
-        """How long a new request of this priority would wait to start: the requests ahead of
-        it (queued in its band and above, and dispatched but not started) over the rate the
-        model's replicas have been completing requests. None until there is a rate."""
+    def estimated_wait(self, ms: _ModelState, priority: int, now: float, tenant: str | None = None) -> float | None:
+        """How long a new request of this priority would wait to start, over the rate the model's
+        replicas have been completing requests (None until there is a rate). Ahead of it: what
+        is queued in higher bands, what was dispatched but has not started in its band and
+        above (lower bands go after it), and, in its own band, its tenant's queue: under fair
+        queueing that drains at the tenant's weighted share of the band, so a tenant flooding
+        its band waits long while a light one does not."""
         self._trim_completions(ms, now)
         if len(ms.completions) < MIN_COMPLETIONS_FOR_RATE:
             return None
         rate = len(ms.completions) / max(1.0, now - ms.completions[0])
-        # Lower bands' unstarted requests are not counted: this band is dispatched before them,
-        # and the few already sent are mostly in prefill, not queued.
-        ahead = ms.flow.count_ahead(priority) + sum(r.unstarted_at_or_above(priority) for r in ms.replicas.values())
+        ahead = ms.flow.count_ahead(priority + 1) + sum(r.unstarted_at_or_above(priority)
+                                                        for r in ms.replicas.values())
+        band = ms.flow.bands.get(priority)
+        if band is not None and band.count:
+            q = band.queues.get(tenant) if tenant is not None else None
+            if q is None or not q.count:
+                ahead += band.count
+            else:
+                active = sum(other.weight for other in band.queues.values() if other.count)
+                ahead += q.count * active / q.weight
         return ahead / rate
 
     def retry_after(self, ms: _ModelState, priority: int, now: float) -> float:
