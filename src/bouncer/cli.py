@@ -64,6 +64,10 @@ def cmd_bench_engine(args) -> None:
     from bouncer.sim.engine_replay import replay
     from bouncer.sim.traces import load_azure
 
+    if args.trace is None:
+        from bouncer.sim.scenarios import AZURE_CONV
+
+        args.trace = str(AZURE_CONV)
     trace = load_azure(args.trace)
     engine = _engine_model_from_args(args)
     s = replay(engine, trace, args.duration)
@@ -130,6 +134,8 @@ def cmd_bench_run(args) -> None:
 
     result = run(args.scenario, args.policy, args.load, seed=args.seed, replicas=args.replicas,
                  duration_s=args.duration, trace=args.trace, profile=args.profile, routing=args.routing)
+    if args.out:  # first: the summary below may go to a pipe that closes early
+        save(result, args.out)
     o = result["outcomes"]
     print(f"{result['scenario']} / {result['policy']} at load {result['load']} "
           f"(capacity {result['capacity_rps']:.1f} req/s, {result['replicas']} replicas): "
@@ -141,8 +147,6 @@ def cmd_bench_run(args) -> None:
               f"{t['served_token_share']:.1%}")
     print(f"  simulated {result['sim_seconds']:.0f} s in {result['wall_seconds']:.1f} s "
           f"({result['sim_seconds_per_wall_second']:.0f} sim s per wall s)")
-    if args.out:
-        save(result, args.out)
 
 
 def cmd_bench_report(args) -> None:
@@ -183,7 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     p = bench.add_parser("engine", help="replay a trace against one engine model in virtual time")
-    p.add_argument("--trace", default="../shared/traces/azure-2023/AzureLLMInferenceTrace_conv.csv")
+    p.add_argument("--trace", help="an Azure LLM trace CSV (default: the shared Azure 2023 conversation trace)")
     p.add_argument("--duration", type=float, help="only arrivals in the first N seconds")
     p.add_argument("--out", help="write the summary as JSON")
     _add_engine_args(p)

@@ -6,13 +6,24 @@ another file of the same format. Shares are of the offered load at load factor 1
 
 from __future__ import annotations
 
+import os
 import pathlib
 from dataclasses import dataclass, field, replace
 
 from bouncer.sim.traces import TraceRequest, load_trace
 from bouncer.sim.workloads import Burst, TenantSpec
 
-TRACES = pathlib.Path("../shared/traces")
+
+def _traces_dir() -> pathlib.Path:
+    """The shared traces: $BOUNCER_TRACES_DIR, else ../shared/traces beside the checkout (the
+    project's layout), else beside the current directory."""
+    if os.environ.get("BOUNCER_TRACES_DIR"):
+        return pathlib.Path(os.environ["BOUNCER_TRACES_DIR"])
+    beside_checkout = pathlib.Path(__file__).resolve().parents[4] / "shared" / "traces"  # <checkout>/../shared
+    return beside_checkout if beside_checkout.is_dir() else pathlib.Path("../shared/traces")
+
+
+TRACES = _traces_dir()
 AZURE_CONV = TRACES / "azure-2023/AzureLLMInferenceTrace_conv.csv"
 AZURE_CODE = TRACES / "azure-2023/AzureLLMInferenceTrace_code.csv"
 
