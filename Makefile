@@ -32,7 +32,7 @@ test: $(STAMP) $(VLLM_STAMP)
 	$(VENV)/bin/ruff check src tests scripts
 	BOUNCER_VLLM_PYTHON=$(VLLM_VENV)/bin/python $(PY) -m pytest
 
-# everything but the tests that start servers (seconds, not minutes)
+# everything but the slowest end-to-end tests (the overload flood, real vLLM)
 test-fast: $(STAMP)
 	$(PY) -m pytest -m "not slow"
 
