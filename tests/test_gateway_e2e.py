@@ -124,9 +124,19 @@ def test_admin_endpoints_need_the_admin_key_and_drain_works(fleet):
 
 
 def test_reload_applies_new_config_without_dropping_inflight(fleet):
+    async def long_stream():
+        c = openai.AsyncOpenAI(base_url=fleet.url + "/v1", api_key="alice", max_retries=0)
+        s = await c.completions.create(model="demo-llm", prompt="a long one", max_tokens=200, stream=True,
+                                       stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        return [x.usage.completion_tokens async for x in s if x.usage][-1]
+
+    running = fleet.bg_loop.start_task(long_stream())
+    poll_until(lambda: fleet.call(lambda: len(fleet.gateway.core.inflight)) == 1, what="stream in flight")
     new = json.loads(json.dumps(fleet.config))
     new["tenants"].append(tenant("carol"))
     code, _, raw = post(fleet.url + "/admin/reload", json.dumps(new).encode(), key="admin")
+    assert running.result(60) == 200  # the stream in flight during the reload completed whole
+    assert fleet.call(lambda: fleet.gateway.core.stats.outcomes["completed"]) == 1
     assert code == 200 and "carol" in json.loads(raw)["tenants"]
     client = openai.OpenAI(base_url=fleet.url + "/v1", api_key="carol", max_retries=0)
     assert client.completions.create(model="demo-llm", prompt="hi", max_tokens=2).usage.completion_tokens >= 1
