@@ -14,24 +14,30 @@ def bg_loop():
     loop.close()
 
 
-def start_engine(bg_loop: BackgroundLoop, *, speed: float = 1.0, **engine_kwargs):
-    """A real `bouncer engine` HTTP server on loopback; returns (base_url, EngineServer, cleanup)."""
-    port = free_port()
-    server_holder = {}
+def _serve_on_loopback(bg_loop: BackgroundLoop, make_server, port: int):
+    """Start `make_server()`'s aiohttp app on 127.0.0.1:`port` in the background loop; returns
+    (base_url, server, cleanup) once /health answers."""
+    holder = {}
 
     async def start():
-        engine = EngineModel(get_profile("llama-3.1-8b-h100"), **engine_kwargs)
-        server = EngineServer(engine, model_name="demo-llm", speed=speed)
+        server = make_server()
         runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None)
         await runner.setup()
         await web.TCPSite(runner, "127.0.0.1", port).start()
-        server_holder["server"] = server
+        holder["server"] = server
         return runner
 
     runner = bg_loop.run(start())
     base = f"http://127.0.0.1:{port}"
     wait_http_ok(base + "/health")
-    return base, server_holder["server"], lambda: bg_loop.run(runner.cleanup())
+    return base, holder["server"], lambda: bg_loop.run(runner.cleanup())
+
+
+def start_engine(bg_loop: BackgroundLoop, *, speed: float = 1.0, **engine_kwargs):
+    """A real `bouncer engine` HTTP server on loopback; returns (base_url, EngineServer, cleanup)."""
+    return _serve_on_loopback(
+        bg_loop, lambda: EngineServer(EngineModel(get_profile("llama-3.1-8b-h100"), **engine_kwargs),
+                                      model_name="demo-llm", speed=speed), free_port())
 
 
 @pytest.fixture
@@ -47,18 +53,5 @@ def start_gateway(bg_loop: BackgroundLoop, config_dict: dict):
     from bouncer.gateway.server import Gateway
 
     port = free_port()
-    config_dict = {**config_dict, "listen": {"host": "127.0.0.1", "port": port}}
-    holder = {}
-
-    async def start():
-        gateway = Gateway(parse_config(config_dict))
-        runner = web.AppRunner(gateway.app(), handler_cancellation=True, access_log=None)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
-        holder["gateway"] = gateway
-        return runner
-
-    runner = bg_loop.run(start())
-    base = f"http://127.0.0.1:{port}"
-    wait_http_ok(base + "/health")
-    return base, holder["gateway"], lambda: bg_loop.run(runner.cleanup())
+    config = parse_config({**config_dict, "listen": {"host": "127.0.0.1", "port": port}})
+    return _serve_on_loopback(bg_loop, lambda: Gateway(config), port)
