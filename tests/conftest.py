@@ -1,7 +1,7 @@
 import pytest
 from aiohttp import web
 
-from bouncer.engine_server import EngineServer
+from bouncer.engine_server import EngineServer, KVEventPublisher
 from bouncer.sim.engine import EngineModel
 from bouncer.sim.profiles import get_profile
 from servers import BackgroundLoop, free_port, wait_http_ok
@@ -33,11 +33,15 @@ def _serve_on_loopback(bg_loop: BackgroundLoop, make_server, port: int):
     return base, holder["server"], lambda: bg_loop.run(runner.cleanup())
 
 
-def start_engine(bg_loop: BackgroundLoop, *, speed: float = 1.0, **engine_kwargs):
-    """A real `bouncer engine` HTTP server on loopback; returns (base_url, EngineServer, cleanup)."""
-    return _serve_on_loopback(
-        bg_loop, lambda: EngineServer(EngineModel(get_profile("llama-3.1-8b-h100"), **engine_kwargs),
-                                      model_name="demo-llm", speed=speed), free_port())
+def start_engine(bg_loop: BackgroundLoop, *, speed: float = 1.0, kv_events: str | None = None, **engine_kwargs):
+    """A real `bouncer engine` HTTP server on loopback; returns (base_url, EngineServer, cleanup).
+    `kv_events`: a ZMQ endpoint to publish KV-cache events on, as vLLM's --kv-events-config."""
+
+    def make():
+        engine = EngineModel(get_profile("llama-3.1-8b-h100"), **engine_kwargs)
+        publisher = KVEventPublisher(kv_events, "", engine.block_size) if kv_events else None
+        return EngineServer(engine, model_name="demo-llm", speed=speed, kv_events=publisher)
+    return _serve_on_loopback(bg_loop, make, free_port())
 
 
 @pytest.fixture

@@ -39,9 +39,8 @@ def policies():
         "vllm-queue-cap": lambda: VllmQueueCap(NAMES),
         "dynamo-busy": lambda: DynamoBusy(NAMES, KV, 16, PROFILE.max_num_batched_tokens),
         "llmd-flow-control": lambda: CorePolicy("llmd-flow-control",
-                                                core_config(tenants, 2, KV, 16, 8192, LLMD_POLICY), "llmd-scorers"),
-        "bouncer": lambda: CorePolicy("bouncer", core_config(tenants, 2, KV, 16, 8192, BOUNCER_POLICY),
-                                      "prefix-aware"),
+                                                core_config(tenants, 2, KV, 16, 8192, LLMD_POLICY)),
+        "bouncer": lambda: CorePolicy("bouncer", core_config(tenants, 2, KV, 16, 8192, BOUNCER_POLICY)),
     }
 
 
@@ -108,7 +107,7 @@ def test_dynamo_refuses_with_529_only_when_every_worker_is_busy():
 
 def test_llmd_refuses_sheddable_when_saturated_and_queues_the_rest():
     tenants = [tenant_config("gold", 10), tenant_config("free", -1)]
-    policy = CorePolicy("llmd", core_config(tenants, 2, KV, 16, 8192, LLMD_POLICY), "llmd-scorers")
+    policy = CorePolicy("llmd", core_config(tenants, 2, KV, 16, 8192, LLMD_POLICY))
     # arrivals spread over 1.2 s: llm-d reads scraped metrics as they are, so it sees saturation
     # only once a scrape (every 50 ms) shows it
     reqs = [SimRequest(f"f{i}", "free", -1, 0.5 + i * 0.02, 4000, 1000, 1000, [], None, None, 1e6, 0)

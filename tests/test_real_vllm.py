@@ -8,6 +8,7 @@ vLLM starts in 1-2 minutes here, so one server serves the whole module.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import pathlib
 import subprocess
@@ -18,7 +19,8 @@ import openai
 import pytest
 
 from bouncer.config import key_digest
-from bouncer.tokenizer import default_tokenizer_path
+from bouncer.core.blocks import chain_block_hashes
+from bouncer.tokenizer import PromptTokenizer, default_tokenizer_path
 from conftest import start_gateway
 from servers import BackgroundLoop, free_port, poll_until, wait_http_ok
 
@@ -36,7 +38,12 @@ pytestmark = [
 
 
 @pytest.fixture(scope="module")
-def vllm_url(tmp_path_factory):
+def kv_events_port():
+    return free_port()
+
+
+@pytest.fixture(scope="module")
+def vllm_url(tmp_path_factory, kv_events_port):
     if not (MODEL_DIR / "config.json").exists():
         subprocess.run([str(VLLM_PYTHON), str(REPO / "scripts/make_tiny_model.py"), str(MODEL_DIR)], check=True,
                        timeout=600)
@@ -47,7 +54,9 @@ def vllm_url(tmp_path_factory):
     cmd = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(MODEL_DIR),
            "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
            "--max-model-len", "512", "--max-num-seqs", "4", "--num-gpu-blocks-override", str(KV_BLOCKS),
-           "--max-num-queued-reqs", str(MAX_QUEUED)]
+           "--max-num-queued-reqs", str(MAX_QUEUED),
+           "--kv-events-config", json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
+                                             "endpoint": f"tcp://*:{kv_events_port}"})]  # vLLM binds *
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
@@ -66,13 +75,15 @@ def vllm_url(tmp_path_factory):
 
 
 @pytest.fixture
-def gateway(vllm_url):
+def gateway(vllm_url, kv_events_port):
     loop = BackgroundLoop()
     config = {
         "tenants": [{"name": "t", "api_keys_sha256": [key_digest("t")], "max_tokens_default": 64,
                      "max_tokens_cap": 256}],
         "models": [{"name": "tiny", "engine": "vllm", "tokenizer": str(default_tokenizer_path()),
-                    "max_model_len": 512, "block_size": 128, "backends": [{"url": vllm_url, "name": "vllm"}]}],
+                    "max_model_len": 512, "block_size": 128,
+                    "backends": [{"url": vllm_url, "name": "vllm",
+                                  "kv_events": f"tcp://127.0.0.1:{kv_events_port}"}]}],
         "policy": {"telemetry": {"scrape_interval_s": 0.1, "staleness_s": 2.0}, "upstream_refusal_cooldown_s": 0.05},
     }
     url, gw, cleanup = start_gateway(loop, config)
@@ -136,3 +147,27 @@ def test_holds_requests_when_vllm_is_saturated_instead_of_passing_its_503s(gatew
     stats = loop.call(lambda: gw.core.stats)
     assert stats.outcomes["completed"] == 16 and stats.outcomes["refused"] == 0
     assert loop.call(lambda: len(gw.core.inflight)) == 0
+
+
+def test_follows_vllms_kv_events_onto_our_own_block_digests(gateway):
+    """vLLM names blocks by its own hashes; the gateway maps them through the token ids in each
+    BlockStored event onto the digests it computes from its own tokenization of the prompt."""
+    url, gw, loop = gateway
+    tokenizer = PromptTokenizer(str(default_tokenizer_path()))
+    client = openai.OpenAI(base_url=url + "/v1", api_key="t", max_retries=0, timeout=60)
+    index = lambda: gw.core.replicas["vllm"].prefix  # noqa: E731
+    for attempt in range(20):  # new prompts until the subscription has joined and reported one
+        text = f"Attempt {attempt}: " + "Admission control decides whether and when. " * 20
+        digests = chain_block_hashes(tokenizer.encode(text), 128)
+        client.completions.create(model="tiny", prompt=text, max_tokens=4)
+        try:
+            poll_until(lambda d=digests: loop.call(lambda: index().precise is not None
+                                                   and index().precise.match(d) == len(d)), timeout=3)
+            break
+        except TimeoutError:
+            continue
+    else:
+        raise AssertionError("the gateway never saw vLLM's KV events for a prompt it sent")
+    assert len(digests) >= 2
+    assert loop.call(lambda: index().events_live(gw.clock()))
+    assert loop.call(lambda: gw.kv_event_stats["vllm"].malformed) == 0

@@ -52,12 +52,33 @@ def cmd_engine(args) -> None:
     from bouncer.tokenizer import PromptTokenizer
 
     engine = _engine_model_from_args(args)
+    publisher = _kv_event_publisher(args.kv_events_config, engine.block_size)
     server = EngineServer(engine, model_name=args.model, speed=args.speed,
-                          tokenizer=PromptTokenizer(args.tokenizer), seed=args.seed)
+                          tokenizer=PromptTokenizer(args.tokenizer), seed=args.seed, kv_events=publisher)
+    if publisher is not None:
+        print(f"bouncer engine: KV events on {publisher.endpoint}", flush=True)
     print(f"bouncer engine: model {args.model!r} ({args.profile}, {engine.pool.num_blocks} KV blocks of "
           f"{engine.block_size}, max_num_seqs {engine.max_num_seqs}, speed x{args.speed}) on "
           f"http://{args.host}:{args.port}", flush=True)
     _run(serve_engine(server, args.host, args.port))
+
+
+def _kv_event_publisher(config: str | None, block_size: int):
+    """vLLM's --kv-events-config JSON: {"enable_kv_cache_events": true, "publisher": "zmq",
+    "endpoint": "tcp://*:5557", "topic": ""}."""
+    if not config:
+        return None
+    from bouncer.engine_server import KVEventPublisher
+
+    try:
+        cfg = json.loads(config)
+    except json.JSONDecodeError as exc:
+        raise SystemExit(f"bouncer engine: --kv-events-config is not JSON: {exc}") from None
+    if not isinstance(cfg, dict) or not cfg.get("enable_kv_cache_events"):
+        return None
+    if cfg.get("publisher", "zmq") != "zmq":
+        raise SystemExit("bouncer engine: only the zmq KV-event publisher is supported")
+    return KVEventPublisher(cfg.get("endpoint", "tcp://*:5557"), cfg.get("topic", ""), block_size)
 
 
 def cmd_bench_engine(args) -> None:
@@ -133,7 +154,8 @@ def cmd_bench_run(args) -> None:
     from bouncer.bench.goodput import run, save
 
     result = run(args.scenario, args.policy, args.load, seed=args.seed, replicas=args.replicas,
-                 duration_s=args.duration, trace=args.trace, profile=args.profile, routing=args.routing)
+                 duration_s=args.duration, trace=args.trace, profile=args.profile, routing=args.routing,
+                 kv_events=args.kv_events)
     if args.out:  # first: the summary below may go to a pipe that closes early
         save(result, args.out)
     o = result["outcomes"]
@@ -166,6 +188,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--speed", type=float, default=1.0, help="run the model clock this many times faster")
     p.add_argument("--tokenizer", help="tokenizer.json (default: Bouncer's bundled one)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--kv-events-config", help="publish KV-cache events as vLLM does, e.g. "
+                                              "'{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", "
+                                              "\"endpoint\": \"tcp://127.0.0.1:5557\"}'")
     _add_engine_args(p)
     p.set_defaults(func=cmd_engine)
 
@@ -185,6 +210,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("key")
     p.set_defaults(func=cmd_config_hash_key)
 
+    from bouncer.bench.goodput import POLICIES
+    from bouncer.core.routing import ROUTERS
+    from bouncer.sim.scenarios import SCENARIOS
+
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     p = bench.add_parser("engine", help="replay a trace against one engine model in virtual time")
     p.add_argument("--trace", help="an Azure LLM trace CSV (default: the shared Azure 2023 conversation trace)")
@@ -193,17 +222,17 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(p)
     p.set_defaults(func=cmd_bench_engine)
     p = bench.add_parser("run", help="one goodput run in the fleet simulator")
-    p.add_argument("--scenario", required=True, choices=["rogue-tenant", "consolidation", "fairness", "surge"])
-    p.add_argument("--policy", required=True,
-                   choices=["none", "tgi-cap", "vllm-queue-cap", "llmd-flow-control", "dynamo-busy", "bouncer"])
+    p.add_argument("--scenario", required=True, choices=SCENARIOS)
+    p.add_argument("--policy", required=True, choices=POLICIES)
     p.add_argument("--load", type=float, default=1.0, help="offered load as a multiple of the fleet's capacity")
     p.add_argument("--trace", help="replace the scenario's main trace (same format)")
     p.add_argument("--replicas", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--duration", type=float, default=300.0, help="simulated seconds of arrivals")
     p.add_argument("--profile", default="llama-3.1-8b-h100")
-    p.add_argument("--routing", help="override the policy's router (round-robin, least-loaded, llmd-scorers, "
-                                     "prefix-aware)")
+    p.add_argument("--routing", choices=sorted(ROUTERS), help="override the policy's router")
+    p.add_argument("--kv-events", action="store_true",
+                   help="engines publish KV-cache events; Bouncer's prefix index follows them")
     p.add_argument("--out", help="write the result JSON")
     p.set_defaults(func=cmd_bench_run)
 

@@ -83,6 +83,17 @@ class Backend(_Strict):
     name: str | None = None
     kv_blocks: int | None = Field(None, ge=1, description="KV blocks; else scraped or from kv_cache_gb")
     kv_cache_gb: float | None = Field(None, gt=0, description="KV memory; blocks = bytes / (geometry x block)")
+    kv_events: str | None = Field(None, description="the engine's KV-event publisher (vLLM --kv-events-config "
+                                                    "endpoint), e.g. tcp://10.0.0.5:5557; makes the prefix "
+                                                    "index precise")
+    kv_events_topic: str = Field("", description="ZMQ topic to subscribe to (vLLM's default is empty: all)")
+
+    @field_validator("kv_events")
+    @classmethod
+    def _zmq(cls, endpoint: str | None) -> str | None:
+        if endpoint is not None and not endpoint.startswith(("tcp://", "ipc://")):
+            raise ValueError("kv_events must be a ZMQ endpoint such as tcp://host:5557")
+        return endpoint
 
     @field_validator("url")
     @classmethod
@@ -131,6 +142,31 @@ class Saturation(_Strict):
     kv_threshold: float = Field(0.95, gt=0, le=1)
 
 
+RouterName = Literal["round-robin", "least-loaded", "llmd-scorers", "sglang-cache-aware", "prefix-aware"]
+
+
+class Routing(_Strict):
+    """Where admitted requests go. `prefix-aware` (Bouncer's) ranks replicas by a cost in units of
+    `prefill_busy_tokens`: queue_weight x prefill tokens queued there + prefix_weight x this
+    prompt's tokens not cached there + kv_weight x KV usage. The replica holding the longest cached
+    prefix keeps the request unless its predicted TTFT (prefill work ahead plus its own) exceeds
+    the cheapest replica's by more than sticky_margin (relative) plus sticky_slack_tokens."""
+
+    router: RouterName = "prefix-aware"
+    queue_weight: float = Field(1.0, ge=0)
+    prefix_weight: float = Field(1.0, ge=0)
+    kv_weight: float = Field(1.0, ge=0)
+    sticky_margin: float = Field(0.5, ge=0, description="relative TTFT excess at which a warm replica "
+                                                        "loses its claim")
+    sticky_slack_tokens: int = Field(2048, ge=0, description="absolute prefill-token excess always tolerated")
+    kv_events_staleness_s: float = Field(10.0, gt=0, description="no KV event this long after sending work "
+                                                                 "there: fall back to the approximate index")
+    # sglang-cache-aware, with the SGLang model gateway's defaults (docs/advanced_features/sgl_model_gateway.md)
+    cache_threshold: float = Field(0.3, ge=0, le=1)
+    balance_abs_threshold: int = Field(64, ge=0)
+    balance_rel_threshold: float = Field(1.5, ge=1)
+
+
 class Policy(_Strict):
     kv_reservation: Literal["overcommit", "reserve"] = "overcommit"
     kv_busy_threshold: float = Field(0.92, gt=0, le=1, description="projected KV usage that marks a replica busy")
@@ -166,6 +202,7 @@ class Policy(_Strict):
     min_inflight_per_replica: int = Field(4, ge=1, description="the TPOT guard never cuts below this")
     expected_output_default: int = Field(256, ge=1, description="before any request has finished")
     queues: Queues = Queues()
+    routing: Routing = Routing()
     telemetry: Telemetry = Telemetry()
     breaker: Breaker = Breaker()
     saturation: Saturation = Saturation()

@@ -18,11 +18,14 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
+import xxhash
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from bouncer.core.blocks import chain_block_hashes
+from bouncer.core.kv_events import BlockRemoved, BlockStored, KVEvent
+from bouncer.kv_events_wire import encode_batch, encode_seq
 from bouncer.openai_wire import (
     SSE_DONE,
     ApiError,
@@ -115,12 +118,87 @@ class _EngineCollector:
         yield info
 
 
+class KVEventPublisher:
+    """Publishes the model's prefix-cache changes as vLLM's `--kv-events-config` ZMQ publisher
+    does: one batch per step, `(topic, seq, msgpack)` on a PUB socket. Blocks are named by an
+    engine-side hash unlike ours (vLLM's are seeded per process), so subscribers must map them
+    back through the token ids, as they must with real vLLM. The model's pool reports our
+    digests; this keeps each tracked prompt block's tokens and parent until its requests end."""
+
+    ENGINE_HASH_SEED = 0x6B76  # any seed: engine keys just must not be our digests
+
+    def __init__(self, endpoint: str, topic: str, block_size: int) -> None:
+        import zmq
+
+        self._sock = zmq.Context.instance().socket(zmq.PUB)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        # vLLM's rule: bind a wildcard (tcp://*:5557) or ipc endpoint, connect to any other
+        if endpoint.startswith(("tcp://*", "ipc://", "inproc://")):
+            self._sock.bind(endpoint)
+            self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        else:
+            self._sock.connect(endpoint)
+            self.endpoint = endpoint
+        self._topic = topic.encode()
+        self.block_size = block_size
+        self._seq = 0
+        self._blocks: dict[int, list] = {}  # our digest -> [parent digest | None, token ids, requests]
+        self._pending: list[KVEvent] = []
+
+    def _key(self, digest: int) -> bytes:
+        return xxhash.xxh3_64_digest(digest.to_bytes(8, "big"), seed=self.ENGINE_HASH_SEED)
+
+    def track(self, digests: list[int], token_ids: list[int]) -> None:
+        bs = self.block_size
+        for i, d in enumerate(digests):
+            entry = self._blocks.get(d)
+            if entry is None:
+                self._blocks[d] = [digests[i - 1] if i else None, token_ids[i * bs:(i + 1) * bs], 1]
+            else:
+                entry[2] += 1
+
+    def untrack(self, digests: list[int]) -> None:
+        for d in digests:
+            entry = self._blocks.get(d)
+            if entry is not None:
+                entry[2] -= 1
+                if not entry[2]:
+                    del self._blocks[d]
+
+    def sink(self, kind: str, digests: list[int]) -> None:
+        """The pool's event sink (`KVPool.event_sink`)."""
+        if kind == "removed":
+            self._pending.append(BlockRemoved([self._key(d) for d in digests]))
+            return
+        for d in digests:
+            entry = self._blocks.get(d)
+            if entry is None:
+                continue  # not a block of a tracked prompt
+            parent, tokens, _ = entry
+            self._pending.append(BlockStored([self._key(d)], None if parent is None else self._key(parent), tokens,
+                                             self.block_size))
+
+    def flush(self, now: float) -> None:
+        if not self._pending:
+            return
+        self._sock.send_multipart((self._topic, encode_seq(self._seq), encode_batch(now, self._pending)))
+        self._seq += 1
+        self._pending = []
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+
+
 class EngineServer:
     def __init__(self, engine: EngineModel, *, model_name: str = "demo-llm", speed: float = 1.0,
-                 tokenizer: PromptTokenizer | None = None, seed: int = 0) -> None:
+                 tokenizer: PromptTokenizer | None = None, seed: int = 0,
+                 kv_events: KVEventPublisher | None = None) -> None:
         if speed <= 0:
             raise ValueError("speed must be positive")
         self.engine = engine
+        self.kv_events = kv_events
+        if kv_events is not None:
+            engine.pool.event_sink = kv_events.sink
         self.model_name = model_name
         self.speed = speed
         self.tokenizer = tokenizer or PromptTokenizer()
@@ -171,6 +249,8 @@ class EngineServer:
                 await self._loop_task
             except asyncio.CancelledError:
                 pass
+        if self.kv_events is not None:
+            self.kv_events.close()
 
     # -- the step loop ----------------------------------------------------------------------------
     async def _step_loop(self) -> None:
@@ -193,6 +273,8 @@ class EngineServer:
             if delay > 0:
                 await asyncio.sleep(delay)
             end = result.end
+            if self.kv_events is not None:
+                self.kv_events.flush(end)
             for req, n in result.tokens:
                 stream = self._streams.get(req.request_id)
                 if stream is None:
@@ -284,6 +366,8 @@ class EngineServer:
             return web.json_response(err.body(), status=err.status, dumps=lambda o: dumps(o).decode())
         stream = _Stream(req, seed)
         self._streams[rid] = stream
+        if self.kv_events is not None:
+            self.kv_events.track(digests, prompt_ids)
         self._wake.set()
         created = int(time.time())
         try:
@@ -293,6 +377,8 @@ class EngineServer:
             return await self._full_response(kind, stream, created)
         finally:
             self._streams.pop(rid, None)
+            if self.kv_events is not None:
+                self.kv_events.untrack(digests)
             if req.finished_at is None:  # client went away: free its KV at once
                 self.engine.abort(rid, self.now())
                 self._wake.set()

@@ -32,7 +32,6 @@ from bouncer.sim.workloads import make_requests, measure_capacity
 
 POLICIES = ("none", "tgi-cap", "vllm-queue-cap", "llmd-flow-control", "dynamo-busy", "bouncer")
 DEFAULT_PROFILE = "llama-3.1-8b-h100"
-MAX_MODEL_LEN = 8192
 # vLLM's default is no queue cap; the `vllm-queue-cap` baseline runs engines with these (a
 # common production choice: a few hundred waiting requests per engine).
 VLLM_MAX_QUEUED_REQS = 256
@@ -42,9 +41,10 @@ LLMD_SCRAPE_INTERVAL_S = 0.05  # llm-d's --refresh-metrics-interval default (50 
 CACHE_DIR = pathlib.Path(os.environ.get("BOUNCER_CACHE_DIR", ".cache")) / "capacity"
 
 
-def _fleet_config(policy: str, replicas: int, profile_name: str, seed: int) -> FleetConfig:
-    profile = dataclasses.replace(get_profile(profile_name), max_model_len=MAX_MODEL_LEN)
-    cfg = FleetConfig(replicas=replicas, profile=profile, seed=seed)
+def _fleet_config(policy: str, replicas: int, profile_name: str, seed: int, max_model_len: int,
+                  kv_events: bool = False) -> FleetConfig:
+    profile = dataclasses.replace(get_profile(profile_name), max_model_len=max_model_len)
+    cfg = FleetConfig(replicas=replicas, profile=profile, seed=seed, kv_events=kv_events)
     if policy == "vllm-queue-cap":
         cfg.max_num_queued_reqs = VLLM_MAX_QUEUED_REQS
         cfg.max_num_queued_tokens = VLLM_MAX_QUEUED_TOKENS
@@ -70,24 +70,24 @@ def make_policy(name: str, scenario: Scenario, cfg: FleetConfig, routing: str | 
         return VllmQueueCap(names)
     if name == "dynamo-busy":
         return DynamoBusy(names, blocks, cfg.profile.block_size, cfg.profile.max_num_batched_tokens)
-    if name == "llmd-flow-control":
+    if name in ("llmd-flow-control", "bouncer"):
+        policy = LLMD_POLICY if name == "llmd-flow-control" else BOUNCER_POLICY
+        if routing:
+            policy = {**policy, "routing": {**policy.get("routing", {}), "router": routing}}
         return CorePolicy(name, core_config(_tenant_configs(scenario), cfg.replicas, blocks, cfg.profile.block_size,
-                                           MAX_MODEL_LEN, LLMD_POLICY), routing or "llmd-scorers")
-    if name == "bouncer":
-        return CorePolicy(name, core_config(_tenant_configs(scenario), cfg.replicas, blocks, cfg.profile.block_size,
-                                           MAX_MODEL_LEN, BOUNCER_POLICY), routing or "prefix-aware")
+                                           cfg.profile.max_model_len, policy))
     raise ValueError(f"unknown policy {name!r}; known: {', '.join(POLICIES)}")
 
 
 def fleet_capacity(scenario: Scenario, traces, replicas: int, profile: str, seed: int, trace: str | None) -> float:
     """Capacity (req/s) of this fleet for this scenario's mix; measured once and cached."""
-    key = hashlib.sha256(json.dumps([scenario.name, replicas, profile, trace or "", MAX_MODEL_LEN,
+    key = hashlib.sha256(json.dumps([scenario.name, replicas, profile, trace or "", scenario.max_model_len,
                                      [(t.name, t.share, t.trace, t.min_prompt, t.max_tokens) for t in scenario.tenants]]
                                     ).encode()).hexdigest()[:16]
     path = CACHE_DIR / f"{scenario.name}-{replicas}x{profile}-{key}.json"
     if path.exists():
         return json.loads(path.read_text())["capacity_rps"]
-    cfg = _fleet_config("none", replicas, profile, seed)
+    cfg = _fleet_config("none", replicas, profile, seed, scenario.max_model_len)
     base = [dataclasses.replace(t, bursts=()) for t in scenario.tenants]
     cap = measure_capacity(cfg, lambda: make_policy("none", scenario, cfg), base, traces, seed=seed)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -119,15 +119,38 @@ def _good(r: SimRequest) -> bool:
 
 
 def run(scenario_name: str, policy: str, load: float, seed: int = 0, replicas: int = 4, duration_s: float = 300.0,
-        trace: str | None = None, profile: str = DEFAULT_PROFILE, routing: str | None = None) -> dict:
+        trace: str | None = None, profile: str = DEFAULT_PROFILE, routing: str | None = None,
+        kv_events: bool = False) -> dict:
+    """One run. `routing` overrides the policy's router; `kv_events` has the engines publish their
+    prefix-cache changes, which Bouncer's core uses to make its prefix index precise."""
     scenario = get_scenario(scenario_name, duration_s)
     traces = scenario.load(trace)
     capacity = fleet_capacity(scenario, traces, replicas, profile, seed, trace)
     requests = make_requests(scenario.tenants, traces, load * capacity, duration_s, seed)
-    cfg = _fleet_config(policy, replicas, profile, seed)
+    cfg = _fleet_config(policy, replicas, profile, seed, scenario.max_model_len, kv_events)
     gw = make_policy(policy, scenario, cfg, routing)
     result = FleetSim(cfg, gw, gw.replica_names).run(requests)
-    return summarize(scenario, policy, load, seed, replicas, duration_s, capacity, requests, result, routing)
+    out = summarize(scenario, policy, load, seed, replicas, duration_s, capacity, requests, result, routing)
+    out["kv_events"] = kv_events
+    return out
+
+
+def prefix_hit_bound(requests: list[SimRequest], block_size: int) -> float:
+    """The hit rate of one infinite prefix cache that saw every request in arrival order: the
+    share of prompt tokens whose block prefix an earlier request already had (the last prompt
+    token is always computed, as vLLM does)."""
+    seen: set[int] = set()
+    hits = total = 0
+    for r in sorted(requests, key=lambda r: r.arrival):
+        n = 0
+        for d in r.block_digests:
+            if d not in seen:
+                break
+            n += 1
+        hits += min(n * block_size, r.prompt_len - 1)
+        total += r.prompt_len
+        seen.update(r.block_digests)
+    return hits / total if total else 0.0
 
 
 def summarize(scenario: Scenario, policy: str, load: float, seed: int, replicas: int, duration_s: float,
@@ -156,6 +179,8 @@ def summarize(scenario: Scenario, policy: str, load: float, seed: int, replicas:
             "served_token_share": served_tokens.get(spec.name, 0) / total_served,
         }
     span = duration_s
+    ttfts = [r.first_token_at - r.arrival for r in completed]
+    imbalance = [x["kv_imbalance"] for x in result.samples if x.get("kv_imbalance") and x["kv_usage_mean"] >= 0.05]
     return {
         "scenario": scenario.name, "policy": policy, "load": load, "seed": seed, "replicas": replicas,
         "routing": routing or ("prefix-aware" if policy == "bouncer" else "llmd-scorers" if policy ==
@@ -170,6 +195,9 @@ def summarize(scenario: Scenario, policy: str, load: float, seed: int, replicas:
         "goodput_tokens_per_s": sum(r.output_len for r in good) / span,
         "throughput_tokens_per_s": sum(r.output_len for r in completed) / span,
         "prefix_hit_rate": result.prefix_hits / result.prefix_queries if result.prefix_queries else 0.0,
+        "prefix_hit_bound": prefix_hit_bound(requests, 16),
+        "kv_imbalance": sum(imbalance) / len(imbalance) if imbalance else None,  # mean of max/mean KV usage
+        "ttft_p50_s": _pct(ttfts, 0.5), "ttft_p99_s": _pct(ttfts, 0.99),
         "preemptions": result.preemptions,
         "recomputed_tokens": result.recomputed_tokens,
         "wasted_tokens": sum(r.wasted_tokens for r in requests),

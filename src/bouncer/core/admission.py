@@ -36,11 +36,12 @@ from bouncer.core.flow import (
     RoundRobin,
     WeightedDeficitRoundRobin,
 )
+from bouncer.core.kv_events import KVEvent
 from bouncer.core.outcomes import Layer, Refusal, Terminal
 from bouncer.core.output_length import OutputLengthModel
 from bouncer.core.rate_limit import TenantRateLimiter
 from bouncer.core.requests import Admission, RequestInfo
-from bouncer.core.routing import LeastLoadedRouter, Router
+from bouncer.core.routing import Router, cached_tokens, make_router
 
 RETRY_AFTER_MIN_S = 0.1  # sub-second values reach clients as `retry-after-ms` (the OpenAI SDKs read it)
 RETRY_AFTER_MAX_S = 60.0
@@ -120,7 +121,8 @@ def _backend_blocks(model: ModelConfig, backend) -> int | None:
 
 class AdmissionCore:
     def __init__(self, config: BouncerConfig, now: float, router: Router | None = None) -> None:
-        self.router = router or LeastLoadedRouter()
+        self._router_override = router  # the simulator's baselines bring their own
+        self._routing_cfg = None
         self.stats = CoreStats()
         self.inflight: dict[str, Admission] = {}
         self._seq = itertools.count()
@@ -136,6 +138,11 @@ class AdmissionCore:
         and get nothing new."""
         self.config = config
         self.policy = config.policy
+        if self._router_override is not None:
+            self.router = self._router_override
+        elif self.policy.routing != self._routing_cfg:
+            self.router = make_router(self.policy.routing.router, self.policy.routing)
+        self._routing_cfg = self.policy.routing
         self._key_to_tenant = config.tenant_by_key()
         for t in config.tenants:
             state = self.tenants.get(t.name)
@@ -163,6 +170,8 @@ class AdmissionCore:
                     r = ms.replicas[name] = ReplicaState(name, m.name, b.url, _backend_blocks(m, b), m.block_size)
                     self.replicas[name] = r
                 r.url, r.configured_blocks, r.removed = b.url, _backend_blocks(m, b), False
+                r.prefix.events_staleness_s = self.policy.routing.kv_events_staleness_s
+                r.sync_capacity()
             for name, r in ms.replicas.items():
                 if name not in listed:
                     r.removed = True
@@ -408,6 +417,19 @@ class AdmissionCore:
             r.observe(telemetry)
         return self._dispatch(self.models[r.model], now)
 
+    def kv_events(self, replica: str, events: list[KVEvent], now: float) -> None:
+        """KV-cache events an engine published (decoded from its wire format): they make the
+        replica's prefix index precise while they flow."""
+        r = self.replicas.get(replica)
+        if r is not None:
+            r.prefix.apply_events(events, now)
+
+    def kv_digests(self, replica: str, stored: list[int], removed: list[int], now: float) -> None:
+        """The same, from an engine that names blocks by our own digests (the simulator's)."""
+        r = self.replicas.get(replica)
+        if r is not None:
+            r.prefix.apply_digests(stored, removed, now)
+
     def tick(self, now: float) -> list[Event]:
         events: list[Event] = []
         for ms in self.models.values():
@@ -478,7 +500,8 @@ class AdmissionCore:
         adm.replica = replica.name
         adm.dispatched_at = now
         adm.blocks = num_blocks(adm.info.prompt_tokens + adm.expected_output, replica.block_size)
-        adm.prefill_tokens = adm.info.prompt_tokens
+        adm.prefill_tokens = adm.info.prompt_tokens - cached_tokens(replica, adm, now)
+        replica.prefix.record(adm.info.block_digests, now)
         replica.add(adm.request_id, adm, adm.blocks, adm.prefill_tokens)
         self.tenants[adm.tenant].inflight_blocks += adm.blocks
         self.inflight[adm.request_id] = adm
@@ -656,6 +679,14 @@ class AdmissionCore:
                             refusal.retry_after, refusal.param)
 
     # -- introspection -----------------------------------------------------------------------------
+    @staticmethod
+    def _prefix_snapshot(r: ReplicaState, now: float) -> dict:
+        p = r.prefix
+        out = {"mode": "precise" if p.events_live(now) else "approximate", "approx_blocks": len(p.approx)}
+        if p.precise is not None:
+            out.update(precise_blocks=len(p.precise), kv_events=p.precise.events, unplaced_blocks=p.precise.unplaced)
+        return out
+
     @property
     def queued(self) -> int:
         return sum(len(ms.flow) for ms in self.models.values())
@@ -676,7 +707,8 @@ class AdmissionCore:
                              "removed": r.removed, "inflight": len(r.inflight),
                              "capacity_blocks": r.capacity_blocks,
                              "projected_kv_usage": round(r.projected_usage(now, fresh[r.name]), 4),
-                             "telemetry_age_s": None if r.telemetry is None else round(r.telemetry_age(now), 3)}
+                             "telemetry_age_s": None if r.telemetry is None else round(r.telemetry_age(now), 3),
+                             "prefix_index": self._prefix_snapshot(r, now)}
                     for r in ms.replicas.values()},
             }
         return out

@@ -9,6 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from bouncer.core.prefix_index import ReplicaPrefixIndex
+
+DEFAULT_INDEX_BLOCKS = 100_000  # prefix-index bound while a replica's KV size is not known yet
+
 
 @dataclass(frozen=True, slots=True)
 class Telemetry:
@@ -27,7 +31,7 @@ class Telemetry:
 
 class ReplicaState:
     def __init__(self, name: str, model: str, url: str | None, capacity_blocks: int | None,
-                 block_size: int) -> None:
+                 block_size: int, kv_events_staleness_s: float = 10.0) -> None:
         self.name = name
         self.model = model
         self.url = url
@@ -47,6 +51,9 @@ class ReplicaState:
         self.unstarted = 0  # dispatched, no first token yet
         self.unstarted_by_band: dict[int, int] = {}  # the same, by priority band
         self.queued_prefill_tokens = 0  # uncached prompt tokens of those
+        # what it holds in its prefix cache, as far as we know
+        self.prefix = ReplicaPrefixIndex(self.capacity_blocks or DEFAULT_INDEX_BLOCKS, block_size,
+                                         kv_events_staleness_s)
 
     @property
     def capacity_blocks(self) -> int | None:
@@ -54,6 +61,12 @@ class ReplicaState:
             return self.configured_blocks
         t = self.telemetry
         return t.num_blocks if t is not None and t.num_blocks else None
+
+    def sync_capacity(self) -> None:
+        """The prefix index is bounded by the KV pool, once its size is known."""
+        cap = self.capacity_blocks
+        if cap and cap != self.prefix.approx.capacity:
+            self.prefix.resize(cap)
 
     def telemetry_age(self, now: float) -> float:
         return now - self.telemetry.at if self.telemetry is not None else float("inf")
@@ -75,6 +88,7 @@ class ReplicaState:
 
     def observe(self, telemetry: Telemetry) -> None:
         self.telemetry = telemetry
+        self.sync_capacity()
         # what we sent after this sample was taken is not in its figures yet
         self.blocks_since_sample = sum(adm.blocks for adm in self.inflight.values()  # type: ignore[attr-defined]
                                        if self._after_sample(adm))

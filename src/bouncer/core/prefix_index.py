@@ -1,7 +1,10 @@
-"""Approximate per-replica prefix index: which prompt blocks we believe a replica holds.
+"""What the router believes each replica holds in its prefix cache.
 
-Built from what the gateway itself sent there (no engine cooperation needed), bounded by the
-replica's KV capacity in blocks and aged out least-recently-used, like the engine's own cache.
+Two sources, one view per replica (`ReplicaPrefixIndex`):
+- approximate: what the gateway itself sent there (no engine cooperation needed), bounded by the
+  replica's KV capacity in blocks and aged out least-recently-used, like the engine's own cache;
+- precise: the engine's KV events (`bouncer.core.kv_events`), used while they flow.
+
 A replica's useful cache for a prompt is the *longest contiguous* run of the prompt's chained
 block digests from the start: a replica holding only later blocks scores zero.
 """
@@ -9,6 +12,8 @@ block digests from the start: a replica holding only later blocks scores zero.
 from __future__ import annotations
 
 from collections import OrderedDict
+
+from bouncer.core.kv_events import KVEvent, PreciseIndex
 
 
 class ApproxPrefixIndex:
@@ -43,3 +48,62 @@ class ApproxPrefixIndex:
                 blocks[d] = None
         while len(blocks) > self.capacity:
             blocks.popitem(last=False)
+
+
+class ReplicaPrefixIndex:
+    """The engine's KV events while they flow, else what we sent there.
+
+    Events count as flowing unless work was sent to the replica and no event followed for
+    `events_staleness_s` (an idle engine has nothing to report, so silence alone proves nothing).
+    Once they stop, the approximate index, fed all along, takes over without a cold start."""
+
+    __slots__ = ("approx", "precise", "block_size", "events_staleness_s", "unanswered_since")
+
+    def __init__(self, capacity_blocks: int, block_size: int, events_staleness_s: float) -> None:
+        self.approx = ApproxPrefixIndex(capacity_blocks)
+        self.precise: PreciseIndex | None = None  # created by the first event
+        self.block_size = block_size
+        self.events_staleness_s = events_staleness_s
+        self.unanswered_since: float | None = None  # first send after the latest event
+
+    def resize(self, capacity_blocks: int) -> None:
+        self.approx.capacity = capacity_blocks
+        if self.precise is not None:
+            self.precise.capacity = capacity_blocks
+
+    def events_live(self, now: float) -> bool:
+        p = self.precise
+        if p is None or p.last_event_at is None:
+            return False
+        return self.unanswered_since is None or now - self.unanswered_since <= self.events_staleness_s
+
+    def match(self, digests: list[int], now: float) -> int:
+        if self.events_live(now):
+            return self.precise.match(digests)  # type: ignore[union-attr]
+        return self.approx.match(digests)
+
+    def record(self, digests: list[int], now: float) -> None:
+        self.approx.record(digests)
+        if self.unanswered_since is None:
+            self.unanswered_since = now
+
+    def _precise(self) -> PreciseIndex:
+        if self.precise is None:
+            self.precise = PreciseIndex(self.block_size, self.approx.capacity)
+        return self.precise
+
+    def apply_events(self, events: list[KVEvent], now: float) -> None:
+        """Events in the engine's own keys (vLLM's wire format, decoded)."""
+        self._precise().apply(events, now)
+        self.unanswered_since = None
+
+    def apply_digests(self, stored: list[int], removed: list[int], now: float) -> None:
+        """Events from an engine that keys blocks by our own digests (the simulator's model)."""
+        p = self._precise()
+        for d in removed:
+            p.remove(d)
+        for d in stored:
+            p.store(d, (d,))
+        p.events += len(stored) + len(removed)
+        p.last_event_at = now
+        self.unanswered_since = None

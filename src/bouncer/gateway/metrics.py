@@ -20,9 +20,11 @@ TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 
 
 
 class _CoreCollector:
-    def __init__(self, core_ref: Callable[[], AdmissionCore], clock: Callable[[], float]) -> None:
+    def __init__(self, core_ref: Callable[[], AdmissionCore], clock: Callable[[], float],
+                 kv_event_stats: Callable[[], dict]) -> None:
         self.core_ref = core_ref
         self.clock = clock
+        self.kv_event_stats = kv_event_stats
 
     def collect(self):
         core = self.core_ref()
@@ -59,16 +61,39 @@ class _CoreCollector:
         busy = GaugeMetricFamily("bouncer_replica_busy", "1 while a replica is marked busy.", labels=["replica"])
         inflight = GaugeMetricFamily("bouncer_replica_inflight_requests", "Requests in flight per replica.",
                                      labels=["replica"])
+        precise = GaugeMetricFamily("bouncer_replica_prefix_index_precise",
+                                    "1 while the replica's prefix index follows its KV events.", labels=["replica"])
+        blocks = GaugeMetricFamily("bouncer_replica_prefix_index_blocks", "Blocks in the replica's prefix index.",
+                                   labels=["replica", "source"])
         for ms in snap["models"].values():
             for rname, r in ms["replicas"].items():
                 age.add_metric([rname], -1.0 if r["telemetry_age_s"] is None else r["telemetry_age_s"])
                 kv.add_metric([rname], r["projected_kv_usage"])
                 busy.add_metric([rname], 1.0 if r["busy"] else 0.0)
                 inflight.add_metric([rname], r["inflight"])
+                idx = r["prefix_index"]
+                precise.add_metric([rname], 1.0 if idx["mode"] == "precise" else 0.0)
+                blocks.add_metric([rname, "approximate"], idx["approx_blocks"])
+                if "precise_blocks" in idx:
+                    blocks.add_metric([rname, "kv-events"], idx["precise_blocks"])
         yield age
         yield kv
         yield busy
         yield inflight
+        yield precise
+        yield blocks
+        batches = CounterMetricFamily("bouncer_kv_event_batches", "KV-event batches received.", labels=["replica"])
+        gaps = CounterMetricFamily("bouncer_kv_event_gaps", "KV-event batches missed (sequence gaps).",
+                                   labels=["replica"])
+        bad = CounterMetricFamily("bouncer_kv_event_malformed", "KV-event messages that did not decode.",
+                                  labels=["replica"])
+        for rname, st in sorted(self.kv_event_stats().items()):
+            batches.add_metric([rname], st.batches)
+            gaps.add_metric([rname], st.gaps)
+            bad.add_metric([rname], st.malformed)
+        yield batches
+        yield gaps
+        yield bad
         met = CounterMetricFamily("bouncer_slo_met", "Completed requests within their TTFT and TPOT SLO (goodput).",
                                   labels=["tenant"])
         total = CounterMetricFamily("bouncer_slo_requests", "Completed requests that carry an SLO.",
@@ -86,9 +111,10 @@ class _CoreCollector:
 
 
 class GatewayMetrics:
-    def __init__(self, core_ref: Callable[[], AdmissionCore], clock: Callable[[], float]) -> None:
+    def __init__(self, core_ref: Callable[[], AdmissionCore], clock: Callable[[], float],
+                 kv_event_stats: Callable[[], dict] = dict) -> None:
         self.registry = CollectorRegistry()
-        self.registry.register(_CoreCollector(core_ref, clock))
+        self.registry.register(_CoreCollector(core_ref, clock, kv_event_stats))
         self.queue_wait = Histogram("bouncer_queue_wait_seconds", "Time from arrival to dispatch.",
                                     ["tenant", "band"], buckets=LATENCY_BUCKETS, registry=self.registry)
         self.ttft = Histogram("bouncer_ttft_seconds", "Time to first token seen by the gateway, from arrival.",

@@ -27,9 +27,10 @@ from aiohttp import web
 from prometheus_client import generate_latest
 
 from bouncer.config import BouncerConfig, ConfigError, key_digest, load_config, parse_config
-from bouncer.core.admission import AdmissionCore, Dispatch, Event, Reject
+from bouncer.core.admission import AdmissionCore, Dispatch, Event, Reject, backend_name
 from bouncer.core.fleet import Telemetry
 from bouncer.core.outcomes import Layer, Refusal, Terminal
+from bouncer.gateway import kv_events
 from bouncer.gateway.metrics import GatewayMetrics
 from bouncer.gateway.request_parsing import request_info
 from bouncer.gateway.scrapers import PARSERS
@@ -84,12 +85,16 @@ class Gateway:
         self.clock = clock
         self.config_path = config_path
         self.core = AdmissionCore(config, clock())
-        self.metrics = GatewayMetrics(lambda: self.core, clock)
+        self.metrics = GatewayMetrics(lambda: self.core, clock, lambda: self.kv_event_stats)
         self._apply_config(config)
         self._ids = itertools.count()
         self._waiters: dict[str, asyncio.Future] = {}
         self._tasks: list[asyncio.Task] = []
         self._scrapers: dict[str, asyncio.Task] = {}
+        # KV-event subscriptions: replica -> ((endpoint, topic), task), and their counters
+        self._kv_subs: dict[str, tuple[tuple[str, str], asyncio.Task]] = {}
+        self.kv_event_stats: dict[str, kv_events.SubscriberStats] = {}
+        self._zmq: kv_events.zmq.asyncio.Context | None = None
         self.session: aiohttp.ClientSession | None = None  # scrapes
         self.upstream = UpstreamPool(UPSTREAM_CONNECT_TIMEOUT_S, UPSTREAM_READ_TIMEOUT_S)  # proxied requests
         self._urls: dict[tuple[str, str], yarl.URL] = {}
@@ -128,9 +133,12 @@ class Gateway:
         self._sync_scrapers()
 
     async def _stop(self, _app: web.Application) -> None:
-        for task in [*self._tasks, *self._scrapers.values()]:
+        subs = [task for _, task in self._kv_subs.values()]
+        for task in [*self._tasks, *self._scrapers.values(), *subs]:
             task.cancel()
-        await asyncio.gather(*self._tasks, *self._scrapers.values(), return_exceptions=True)
+        await asyncio.gather(*self._tasks, *self._scrapers.values(), *subs, return_exceptions=True)
+        if self._zmq is not None:
+            self._zmq.term()
         if self.session is not None:
             await self.session.close()
         self.upstream.close()
@@ -144,6 +152,27 @@ class Gateway:
         for name in live:
             if name not in self._scrapers:
                 self._scrapers[name] = loop.create_task(self._scrape_loop(name))
+        self._sync_kv_subscriptions(live)
+
+    def _sync_kv_subscriptions(self, live: set[str]) -> None:
+        """One subscriber per live replica whose backend names a KV-event endpoint."""
+        wanted = {backend_name(m.name, i, b.name): (b.kv_events, b.kv_events_topic)
+                  for m in self.config.models for i, b in enumerate(m.backends) if b.kv_events}
+        for name, (where, task) in list(self._kv_subs.items()):
+            if name not in live or wanted.get(name) != where:
+                task.cancel()
+                del self._kv_subs[name]
+        for name, where in wanted.items():
+            if name in live and name not in self._kv_subs:
+                if self._zmq is None:
+                    self._zmq = kv_events.zmq.asyncio.Context()
+                stats = self.kv_event_stats.setdefault(name, kv_events.SubscriberStats())
+
+                def deliver(events, name=name):
+                    self.core.kv_events(name, events, self.clock())
+                task = asyncio.get_running_loop().create_task(
+                    kv_events.subscribe(where[0], where[1], deliver, stats, self._zmq))
+                self._kv_subs[name] = (where, task)
 
     # -- core events -------------------------------------------------------------------------------
     def _apply(self, events: list[Event]) -> None:

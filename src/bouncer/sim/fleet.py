@@ -6,7 +6,8 @@ A discrete-event loop drives three kinds of actor with one clock:
 - a gateway policy (Bouncer's admission core, or a baseline) that admits, holds or refuses;
 - engine models (`bouncer.sim.engine`), each stepping on its own, scraped every
   `scrape_interval_s` with the sample delivered `telemetry_delay_s` later (stale views are the
-  normal case).
+  normal case); with `kv_events`, each step's prefix-cache changes are published to the gateway
+  `kv_events_delay_s` after the step, as vLLM's ZMQ publisher does.
 
 Every logical request ends in exactly one outcome (completed, refused, expired, abandoned,
 failed); `FleetResult.lost` counts any that did not, and must be 0.
@@ -90,6 +91,7 @@ class GatewayPolicy(Protocol):
     def cancel(self, attempt_id: str, now: float) -> list[PolicyEvent]: ...
     def engine_refused(self, attempt_id: str, now: float) -> list[PolicyEvent]: ...
     def observe(self, replica: str, telemetry: Telemetry, now: float) -> list[PolicyEvent]: ...
+    def kv_events(self, replica: str, stored: list[int], removed: list[int], now: float) -> None: ...
 
 
 @dataclass
@@ -103,6 +105,8 @@ class FleetConfig:
     scheduling_policy: str = "fcfs"
     scrape_interval_s: float = 0.25
     telemetry_delay_s: float = 0.05
+    kv_events: bool = False  # engines publish prefix-cache events (vLLM --kv-events-config)
+    kv_events_delay_s: float = 0.01
     retry_base_s: float = 0.5  # openai-python's initial backoff
     retry_max_s: float = 8.0
     seed: int = 0
@@ -131,7 +135,7 @@ class FleetResult:
 
 
 # event kinds, ordered so simultaneous events resolve deterministically
-_ARRIVE, _STEP, _TELEMETRY, _SCRAPE, _TICK, _TIMEOUT, _SAMPLE = range(7)
+_ARRIVE, _STEP, _TELEMETRY, _SCRAPE, _TICK, _TIMEOUT, _SAMPLE, _KV = range(8)
 
 
 class FleetSim:
@@ -139,10 +143,13 @@ class FleetSim:
         self.cfg = cfg
         self.policy = policy
         self.rng = random.Random(cfg.seed)
+        # prefix-cache changes of the step in progress, per engine: (stored, removed) digests
+        self._kv_pending: dict[str, tuple[list[int], list[int]]] = {name: ([], []) for name in replica_names}
         self.engines: dict[str, EngineModel] = {
             name: EngineModel(cfg.profile, num_blocks=cfg.kv_blocks, max_num_seqs=cfg.max_num_seqs,
                               policy=cfg.scheduling_policy, max_num_queued_reqs=cfg.max_num_queued_reqs,
-                              max_num_queued_tokens=cfg.max_num_queued_tokens)
+                              max_num_queued_tokens=cfg.max_num_queued_tokens,
+                              kv_event_sink=self._kv_sink(name) if cfg.kv_events else None)
             for name in replica_names}
         self._busy_until: dict[str, float | None] = dict.fromkeys(replica_names)
         self._heap: list[tuple] = []
@@ -156,6 +163,13 @@ class FleetSim:
         self._on_done = None  # closed-loop hook: called when a request gets its outcome
         self._sample_until = 0.0
         self._sample_every = 1.0
+
+    def _kv_sink(self, name: str):
+        stored, removed = self._kv_pending[name]
+
+        def sink(kind: str, digests: list[int]) -> None:
+            (stored if kind == "stored" else removed).extend(digests)
+        return sink
 
     # -- the event queue -------------------------------------------------------------------------
     def _push(self, t: float, kind: int, data) -> None:
@@ -234,6 +248,9 @@ class FleetSim:
                 self._sample(now)
                 if now < self._sample_until:
                     self._push(now + self._sample_every, _SAMPLE, None)
+            elif kind == _KV:
+                name, stored, removed = data
+                self.policy.kv_events(name, stored, removed, now)
             self._schedule_tick(now)
         return now
 
@@ -355,6 +372,11 @@ class FleetSim:
             if self._on_done is not None:
                 self._on_done(req, now)
         self._busy_until[name] = None
+        stored, removed = self._kv_pending[name]
+        if stored or removed:  # published after the step, as vLLM does
+            self._push(now + self.cfg.kv_events_delay_s, _KV, (name, stored[:], removed[:]))
+            stored.clear()
+            removed.clear()
         self._start_step(name, now)
         self._apply(events, now)
 
@@ -371,7 +393,9 @@ class FleetSim:
 
     def _sample(self, now: float) -> None:
         usage = [e.kv_usage for e in self.engines.values()]
+        mean = sum(usage) / len(usage)
         self.samples.append({"t": round(now, 3), "engine_waiting": sum(e.num_waiting for e in self.engines.values()),
                              "running": sum(e.num_running for e in self.engines.values()),
-                             "kv_usage_mean": sum(usage) / len(usage), "kv_usage_max": max(usage),
+                             "kv_usage_mean": mean, "kv_usage_max": max(usage),
+                             "kv_imbalance": max(usage) / mean if mean > 0 else None,
                              "gateway_queued": getattr(self.policy, "queued", 0)})

@@ -14,7 +14,6 @@ from bouncer.core.fleet import Telemetry
 from bouncer.core.outcomes import Terminal
 from bouncer.core.prefix_index import ApproxPrefixIndex
 from bouncer.core.requests import RequestInfo
-from bouncer.core.routing import make_router
 from bouncer.sim.fleet import Dispatched, PolicyEvent, Refused, SimRequest
 
 SIM_MODEL = "sim-llm"
@@ -24,9 +23,9 @@ class CorePolicy:
     """Bouncer's admission core, as the gateway runs it. Also the base of baselines that are
     the same machinery with a peer's parameters (llm-d flow control)."""
 
-    def __init__(self, name: str, config: BouncerConfig, router: str) -> None:
+    def __init__(self, name: str, config: BouncerConfig) -> None:
         self.name = name
-        self.core = AdmissionCore(config, 0.0, make_router(router))
+        self.core = AdmissionCore(config, 0.0)  # routes as config.policy.routing says
         self._keys = {t.name: t.api_keys_sha256[0] for t in config.tenants}
 
     @property
@@ -77,6 +76,9 @@ class CorePolicy:
     def observe(self, replica: str, telemetry: Telemetry, now: float):
         return self._convert(self.core.observe(replica, telemetry, now))
 
+    def kv_events(self, replica: str, stored: list[int], removed: list[int], now: float) -> None:
+        self.core.kv_digests(replica, stored, removed, now)
+
 
 class _Passthrough:
     """Base of baselines with no waiting room: each request goes to a replica or is refused."""
@@ -110,6 +112,9 @@ class _Passthrough:
 
     def observe(self, replica, telemetry, now):
         return []
+
+    def kv_events(self, replica, stored, removed, now):
+        pass  # these baselines route without the engines' KV events
 
     def _dispatch(self, req: SimRequest, replica: str) -> list[PolicyEvent]:
         self._where[req.attempt_id] = replica
@@ -280,4 +285,5 @@ LLMD_POLICY = {
     "ttl_within_slo": False,  # llm-d's TTL is its own (60 s), not the request's SLO
     "refuse_infeasible": False,
     "tpot_guard": False,
+    "routing": {"router": "llmd-scorers"},
 }

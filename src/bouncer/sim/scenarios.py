@@ -26,6 +26,7 @@ def _traces_dir() -> pathlib.Path:
 TRACES = _traces_dir()
 AZURE_CONV = TRACES / "azure-2023/AzureLLMInferenceTrace_conv.csv"
 AZURE_CODE = TRACES / "azure-2023/AzureLLMInferenceTrace_code.csv"
+MOONCAKE_CONV = TRACES / "mooncake-fast25/conversation_trace.jsonl"
 
 
 @dataclass
@@ -35,6 +36,7 @@ class Scenario:
     tenants: list[TenantSpec]
     traces: dict[str, pathlib.Path]
     contention_window: tuple[float, float] = (0.0, 1.0)  # fraction of the run where fairness is judged
+    max_model_len: int = 8192
     loaded: dict[str, list[TraceRequest]] = field(default_factory=dict)
 
     def load(self, override: str | None = None) -> dict[str, list[TraceRequest]]:
@@ -83,7 +85,14 @@ def get_scenario(name: str, duration_s: float) -> Scenario:
                               max_tokens=1024)]
         return Scenario(name, "the Azure conversation trace replayed at load factors 0.5 to 3", tenants,
                         {"conv": AZURE_CONV})
+    if name == "prefix":
+        # Kimi's production conversations: 12k-token prompts on average (up to 126k), 37% of
+        # their blocks repeat an earlier prompt's prefix. For comparing routers.
+        tenants = [TenantSpec("chat", priority=0, share=1.0, trace="mooncake", ttft_slo=5.0, tpot_slo=0.1,
+                              max_tokens=2048)]
+        return Scenario(name, "the Mooncake conversation trace, whose prompts share long prefixes", tenants,
+                        {"mooncake": MOONCAKE_CONV}, max_model_len=131_072)
     raise ValueError(f"unknown scenario {name!r}; known: {', '.join(SCENARIOS)}")
 
 
-SCENARIOS = ("rogue-tenant", "consolidation", "fairness", "surge")
+SCENARIOS = ("rogue-tenant", "consolidation", "fairness", "surge", "prefix")

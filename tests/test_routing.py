@@ -1,0 +1,173 @@
+"""Cache-aware routing: the prefix indexes (approximate and from KV events) and the routers."""
+
+from __future__ import annotations
+
+from bouncer.config import Routing
+from bouncer.core.blocks import chain_block_hashes
+from bouncer.core.fleet import ReplicaState
+from bouncer.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, PreciseIndex
+from bouncer.core.prefix_index import ApproxPrefixIndex, ReplicaPrefixIndex
+from bouncer.core.requests import Admission, RequestInfo
+from bouncer.core.routing import PrefixAwareRouter, SglangCacheAwareRouter, make_router
+from core_helpers import dispatched, info, make_core
+
+TOKENS = list(range(1000, 1000 + 64 * 16))  # 64 blocks of 16
+DIGESTS = chain_block_hashes(TOKENS)
+
+
+def replica(name: str, blocks: int = 10_000) -> ReplicaState:
+    return ReplicaState(name, "m", None, blocks, 16)
+
+
+def admission(digests: list[int], prompt: int | None = None) -> Admission:
+    prompt = prompt if prompt is not None else len(digests) * 16 + 5
+    return Admission(RequestInfo("r", None, "m", prompt, 10, block_digests=digests), "a", 0, 10, 10, 0.0, 30.0, None)
+
+
+# -- the indexes -----------------------------------------------------------------------------------
+def test_only_a_contiguous_prefix_from_the_start_counts():
+    idx = ApproxPrefixIndex(100)
+    idx.record(DIGESTS[2:10])  # later blocks only
+    assert idx.match(DIGESTS) == 0
+    idx.record(DIGESTS[:1])
+    assert idx.match(DIGESTS) == 1  # block 1 is missing, so blocks 2..9 do not count
+    precise = PreciseIndex(16, 100)
+    for d in DIGESTS[3:20]:
+        precise.store(d, (d,))
+    assert precise.match(DIGESTS) == 0
+
+
+def test_approximate_index_is_bounded_and_ages_out_least_recently_used():
+    idx = ApproxPrefixIndex(10)
+    a, b = DIGESTS[:6], chain_block_hashes(list(range(96)))
+    idx.record(a)
+    idx.record(b)  # 12 blocks for 10 slots: a's oldest blocks go
+    assert len(idx) == 10
+    assert idx.match(a) == 0 and idx.match(b) == 6
+    idx.record(a[:2])  # touched again: now the most recent
+    idx.record(chain_block_hashes(list(range(500, 500 + 5 * 16))))  # 5 more evict b's oldest, not a's
+    assert idx.match(a) == 2 and idx.match(b) == 0
+
+
+def test_kv_events_in_engine_keys_map_onto_our_digests():
+    """vLLM's CPU backend uses 128-token blocks and its own hashes: each engine block becomes 8
+    of our 16-token digests, chained through the parent's engine key."""
+    idx = PreciseIndex(16, 1000)
+    idx.apply([BlockStored([b"e0", b"e1"], None, TOKENS[:256], 128)], now=1.0)
+    assert idx.match(DIGESTS) == 16
+    idx.apply([BlockStored([b"e2"], b"e1", TOKENS[256:384], 128)], now=2.0)
+    assert idx.match(DIGESTS) == 24
+    assert idx.last_event_at == 2.0
+    idx.apply([BlockRemoved([b"e1"])], now=3.0)  # a hole: only the first block still counts
+    assert idx.match(DIGESTS) == 8
+    idx.apply([BlockStored([b"x"], b"never-seen", TOKENS[:128], 128)], now=4.0)
+    assert idx.unplaced == 1  # its parent is unknown: not guessed
+    idx.apply([AllBlocksCleared()], now=5.0)
+    assert idx.match(DIGESTS) == 0 and len(idx) == 0
+
+
+def test_kv_events_with_a_block_size_we_cannot_cut_are_counted_not_guessed():
+    idx = PreciseIndex(16, 1000)
+    idx.apply([BlockStored([b"e0"], None, TOKENS[:24], 24)], now=1.0)
+    assert idx.unplaced == 1 and len(idx) == 0
+
+
+def test_precise_index_falls_back_to_approximate_when_events_stop():
+    view = ReplicaPrefixIndex(1000, 16, events_staleness_s=5.0)
+    view.record(DIGESTS[:4], now=0.0)  # what we sent: 4 blocks
+    assert not view.events_live(0.0) and view.match(DIGESTS, 0.0) == 4
+    view.apply_digests(DIGESTS[:10], [], now=1.0)  # the engine says it holds 10
+    assert view.events_live(1.0) and view.match(DIGESTS, 1.0) == 10
+    assert view.events_live(100.0)  # idle: nothing sent since the last event, nothing to report
+    view.record(DIGESTS[:12], now=101.0)
+    view.record(DIGESTS[:12], now=104.0)
+    assert view.events_live(105.0)  # first unanswered send 4 s ago, within the staleness window
+    assert not view.events_live(106.5)  # sent, and no event for 5.5 s: the publisher went quiet
+    assert view.match(DIGESTS, 106.5) == 12  # the approximate index was fed all along
+    view.apply_digests(DIGESTS[:12], [], now=107.0)  # it speaks again
+    assert view.events_live(107.0) and view.match(DIGESTS, 107.0) == 12
+
+
+def test_precise_index_is_bounded_even_if_removals_are_lost():
+    idx = PreciseIndex(16, 5)
+    for d in DIGESTS[:8]:
+        idx.store(d, (d,))
+    assert len(idx) == 5 and idx.match(DIGESTS) == 0 and idx.match(DIGESTS[3:]) == 5
+
+
+# -- the routers ---------------------------------------------------------------------------------
+def test_prefix_aware_goes_where_the_prefix_is_warm():
+    warm, cold = replica("warm"), replica("cold")
+    warm.prefix.record(DIGESTS, 0.0)
+    router = PrefixAwareRouter()
+    assert router.choose(admission(DIGESTS), [cold, warm], 1.0, {"warm": True, "cold": True}, 16384) is warm
+
+
+def test_sticky_replica_keeps_the_request_within_the_margin_and_loses_it_beyond():
+    cfg = Routing(sticky_margin=0.5, sticky_slack_tokens=0, kv_weight=10.0)
+    sticky, other = replica("sticky"), replica("other")
+    adm = admission(DIGESTS[:32], prompt=1000)
+    sticky.prefix.record(DIGESTS[:32], 0.0)  # holds the whole prompt: 999 tokens cached
+    fresh = {"sticky": True, "other": True}
+    # sticky's KV is fuller, so by cost alone `other` wins; its predicted TTFT (prefill tokens
+    # ahead plus its own) is 400 + 1 against other's 300 + 1000: well within the margin
+    sticky.queued_prefill_tokens, other.queued_prefill_tokens = 400, 300
+    sticky.inflight_blocks = 9000  # 90% KV by our own accounting
+    router = PrefixAwareRouter(cfg)
+    assert router.choose(adm, [sticky, other], 1.0, fresh, 16384) is sticky
+    # a long queue on the sticky replica: 3,000 + 1 > 1.5 x (0 + 1,000)
+    sticky.queued_prefill_tokens, other.queued_prefill_tokens = 3000, 0
+    assert router.choose(adm, [sticky, other], 1.0, fresh, 16384) is other
+
+
+def test_sglang_cache_aware_follows_its_documented_rule():
+    router = SglangCacheAwareRouter(Routing())
+    a, b = replica("a"), replica("b")
+    fresh = {"a": True, "b": True}
+    first = router.choose(admission(DIGESTS[:20]), [a, b], 0.0, fresh, 16384)
+    # balanced and a match over the 0.3 threshold: back to the same worker
+    assert router.choose(admission(DIGESTS[:20]), [a, b], 0.0, fresh, 16384) is first
+    # a prompt matching 5 of 20 blocks (25% < 30%): the smaller tree wins
+    other = b if first is a else a
+    partial = DIGESTS[:5] + chain_block_hashes(list(range(15 * 16)), parent=DIGESTS[4])
+    assert router.choose(admission(partial), [a, b], 0.0, fresh, 16384) is other
+    # imbalanced (100 vs 10 in flight: diff > 64 and ratio > 1.5): shortest queue, warm or not
+    first.inflight = {str(i): None for i in range(100)}
+    other.inflight = {str(i): None for i in range(10)}
+    assert router.choose(admission(DIGESTS[:20]), [a, b], 0.0, fresh, 16384) is other
+    # 100 vs 40: diff 60 is under the absolute threshold, so still cache-aware
+    other.inflight = {str(i): None for i in range(40)}
+    assert router.choose(admission(DIGESTS[:20]), [a, b], 0.0, fresh, 16384) is first
+
+
+def test_routers_are_chosen_by_name_and_unknown_names_are_refused():
+    for name in ("round-robin", "least-loaded", "llmd-scorers", "sglang-cache-aware", "prefix-aware"):
+        assert make_router(name).name == name
+    try:
+        make_router("random")
+    except ValueError as exc:
+        assert "sglang-cache-aware" in str(exc)
+    else:
+        raise AssertionError("an unknown router was accepted")
+
+
+def test_core_counts_only_uncached_prompt_tokens_as_queued_prefill():
+    core = make_core(replicas=1)
+    first = core.offer(info(prompt=64 * 16 + 5, block_digests=DIGESTS), 0.0)
+    (d,) = dispatched(first)
+    r = core.replicas[d.adm.replica]
+    assert r.queued_prefill_tokens == 64 * 16 + 5
+    second = dispatched(core.offer(info(prompt=64 * 16 + 5, block_digests=DIGESTS), 0.1))
+    assert second and second[0].adm.prefill_tokens == 5  # the whole prefix was just sent there
+
+
+def test_core_routes_by_kv_events_and_reports_the_index_mode():
+    core = make_core(replicas=2)
+    names = list(core.replicas)
+    core.kv_events(names[1], [BlockStored(["k0"], None, TOKENS[:128], 16 * 8)], 0.5)
+    snap = core.snapshot(0.5)["models"]["m"]["replicas"]
+    assert snap[names[1]]["prefix_index"]["mode"] == "precise"
+    assert snap[names[1]]["prefix_index"]["precise_blocks"] == 8
+    assert snap[names[0]]["prefix_index"]["mode"] == "approximate"
+    (d,) = dispatched(core.offer(info(prompt=8 * 16 + 3, block_digests=DIGESTS[:8]), 1.0))
+    assert d.adm.replica == names[1]
