@@ -101,6 +101,47 @@ def test_cached_blocks_are_evicted_lru_tail_first_when_memory_is_needed():
     assert engine.counters.prefix_cache_hits == 16
 
 
+def test_a_prefix_evicted_from_the_gpu_is_loaded_back_from_the_cpu_tier():
+    """vLLM's KV offloading: blocks are copied to host memory once computed; a prefix the GPU
+    evicted is loaded back over PCIe (charged to the step) instead of recomputed."""
+    profile = dataclasses.replace(TOY, num_blocks=8)
+    events = []
+    engine = EngineModel(profile, cpu_offload_blocks=100, kv_event_sink=lambda kind, d: events.append((kind, d)))
+    engine.add_request(req("a", list(range(64)), 1))
+    run_to_idle(engine)
+    engine.add_request(req("b", list(range(500, 612)), 1))  # evicts a's last 3 blocks from the GPU
+    run_to_idle(engine)
+    assert any(kind == "removed" for kind, _ in events)
+    offloaded = {d for kind, ds in events if kind == "offloaded" for d in ds}
+    assert len(offloaded) == 4 + 7  # every computed block, write-through
+    engine.add_request(req("c", list(range(64)) + [7], 1))
+    res = engine.step(0.0)
+    c = engine.counters
+    assert c.prefix_cache_hits == 16  # block 0 still on the GPU
+    assert c.external_prefix_cache_hits == 48  # blocks 1..3 from host memory
+    assert res.batched_tokens == 1  # only the tail is computed
+    load = 48 * profile.offload_load_s_per_token
+    assert res.end == pytest.approx(profile.step_time(1, 65) + load)
+    # without the CPU tier the same request recomputes 48 tokens
+    plain = EngineModel(profile)
+    plain.add_request(req("a", list(range(64)), 1))
+    run_to_idle(plain)
+    plain.add_request(req("b", list(range(500, 612)), 1))
+    run_to_idle(plain)
+    plain.add_request(req("c", list(range(64)) + [7], 1))
+    assert plain.step(0.0).batched_tokens == 49
+
+
+def test_the_cpu_tier_is_bounded_and_drops_least_recently_used():
+    events = []
+    engine = EngineModel(TOY, cpu_offload_blocks=5, kv_event_sink=lambda kind, d: events.append((kind, d)))
+    engine.add_request(req("a", list(range(64)), 1))  # 4 blocks
+    engine.add_request(req("b", list(range(500, 564)), 1))  # 4 more: 3 of the oldest are dropped
+    run_to_idle(engine)
+    dropped = [d for kind, ds in events if kind == "dropped" for d in ds]
+    assert len(dropped) == 3 and len(engine.pool._cpu) == 5
+
+
 def test_kv_exhaustion_preempts_last_admitted_and_recomputes():
     profile = dataclasses.replace(TOY, num_blocks=12, max_num_seqs=8)
     engine = EngineModel(profile)

@@ -26,15 +26,17 @@ def test_batches_round_trip_through_the_wire_format():
     assert decode_seq(encode_seq(41)) == 41
 
 
-def test_decodes_the_older_array_form_and_skips_other_tiers():
+def test_decodes_the_older_array_form_and_every_tier():
     payload = msgspec.msgpack.encode([3.0, [
         ["BlockStored", [7], None, list(range(16)), 16, None, None],
-        ["BlockStored", [8], 7, list(range(16)), 16, None, "CPU"],  # offloaded: not reusable as is
+        ["BlockStored", [7], None, [], 16, None, "CPU"],  # the same block offloaded, without tokens
+        ["BlockStored", [9], None, list(range(16)), 16, 3, None],  # a LoRA adapter's: skipped
         {"type": "BlockRemoved", "block_hashes": [7], "medium": "GPU"},
         {"type": "SomethingNew", "x": 1},  # a newer engine's event kind: skipped, not fatal
     ], 0])
     _, events = decode_batch(payload)
-    assert events == [BlockStored([7], None, list(range(16)), 16), BlockRemoved([7])]
+    assert events == [BlockStored([7], None, list(range(16)), 16), BlockStored([7], None, [], 16, "CPU"),
+                      BlockRemoved([7])]
 
 
 @pytest.mark.parametrize("payload", [b"\xc1", msgspec.msgpack.encode({"ts": 1}),

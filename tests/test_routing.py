@@ -33,7 +33,7 @@ def test_only_a_contiguous_prefix_from_the_start_counts():
     assert idx.match(DIGESTS) == 1  # block 1 is missing, so blocks 2..9 do not count
     precise = PreciseIndex(16, 100)
     for d in DIGESTS[3:20]:
-        precise.store(d, (d,))
+        precise.store(("GPU", d), (d,))
     assert precise.match(DIGESTS) == 0
 
 
@@ -66,6 +66,16 @@ def test_kv_events_in_engine_keys_map_onto_our_digests():
     assert idx.match(DIGESTS) == 0 and len(idx) == 0
 
 
+def test_a_prefix_offloaded_to_host_memory_still_counts_after_the_gpu_evicts_it():
+    idx = PreciseIndex(16, 1000)
+    idx.apply([BlockStored([b"e0"], None, TOKENS[:128], 128),
+               BlockStored([b"e0"], None, [], 128, medium="CPU")], now=1.0)  # vLLM's offload copy: no tokens
+    idx.apply([BlockRemoved([b"e0"])], now=2.0)  # gone from the GPU, still in host memory
+    assert idx.match(DIGESTS) == 8
+    idx.apply([BlockRemoved([b"e0"], medium="CPU")], now=3.0)
+    assert idx.match(DIGESTS) == 0
+
+
 def test_kv_events_with_a_block_size_we_cannot_cut_are_counted_not_guessed():
     idx = PreciseIndex(16, 1000)
     idx.apply([BlockStored([b"e0"], None, TOKENS[:24], 24)], now=1.0)
@@ -76,7 +86,7 @@ def test_precise_index_falls_back_to_approximate_when_events_stop():
     view = ReplicaPrefixIndex(1000, 16, events_staleness_s=5.0)
     view.record(DIGESTS[:4], now=0.0)  # what we sent: 4 blocks
     assert not view.events_live(0.0) and view.match(DIGESTS, 0.0) == 4
-    view.apply_digests(DIGESTS[:10], [], now=1.0)  # the engine says it holds 10
+    view.apply_digests([("GPU", d) for d in DIGESTS[:10]], [], now=1.0)  # the engine says it holds 10
     assert view.events_live(1.0) and view.match(DIGESTS, 1.0) == 10
     assert view.events_live(100.0)  # idle: nothing sent since the last event, nothing to report
     view.record(DIGESTS[:12], now=101.0)
@@ -84,14 +94,14 @@ def test_precise_index_falls_back_to_approximate_when_events_stop():
     assert view.events_live(105.0)  # first unanswered send 4 s ago, within the staleness window
     assert not view.events_live(106.5)  # sent, and no event for 5.5 s: the publisher went quiet
     assert view.match(DIGESTS, 106.5) == 12  # the approximate index was fed all along
-    view.apply_digests(DIGESTS[:12], [], now=107.0)  # it speaks again
+    view.apply_digests([("GPU", d) for d in DIGESTS[:12]], [], now=107.0)  # it speaks again
     assert view.events_live(107.0) and view.match(DIGESTS, 107.0) == 12
 
 
 def test_precise_index_is_bounded_even_if_removals_are_lost():
     idx = PreciseIndex(16, 5)
     for d in DIGESTS[:8]:
-        idx.store(d, (d,))
+        idx.store(("GPU", d), (d,))
     assert len(idx) == 5 and idx.match(DIGESTS) == 0 and idx.match(DIGESTS[3:]) == 5
 
 
@@ -100,7 +110,7 @@ def test_prefix_aware_goes_where_the_prefix_is_warm():
     warm, cold = replica("warm"), replica("cold")
     warm.prefix.record(DIGESTS, 0.0)
     router = PrefixAwareRouter()
-    assert router.choose(admission(DIGESTS), [cold, warm], 1.0, {"warm": True, "cold": True}, 16384) is warm
+    assert router.choose(admission(DIGESTS), [cold, warm], 1.0, {"warm": True, "cold": True}, 16384, []) is warm
 
 
 def test_sticky_replica_keeps_the_request_within_the_margin_and_loses_it_beyond():
@@ -114,30 +124,45 @@ def test_sticky_replica_keeps_the_request_within_the_margin_and_loses_it_beyond(
     sticky.queued_prefill_tokens, other.queued_prefill_tokens = 400, 300
     sticky.inflight_blocks = 9000  # 90% KV by our own accounting
     router = PrefixAwareRouter(cfg)
-    assert router.choose(adm, [sticky, other], 1.0, fresh, 16384) is sticky
+    assert router.choose(adm, [sticky, other], 1.0, fresh, 16384, []) is sticky
     # a long queue on the sticky replica: 3,000 + 1 > 1.5 x (0 + 1,000)
     sticky.queued_prefill_tokens, other.queued_prefill_tokens = 3000, 0
-    assert router.choose(adm, [sticky, other], 1.0, fresh, 16384) is other
+    assert router.choose(adm, [sticky, other], 1.0, fresh, 16384, []) is other
+
+
+def test_a_warm_replica_with_a_full_prefill_queue_keeps_its_claim_within_the_margin():
+    cfg = Routing(sticky_margin=0.5, sticky_slack_tokens=0)
+    warm, cold = replica("warm"), replica("cold")
+    adm = admission(DIGESTS[:40], prompt=12_000)  # 640 tokens cached on `warm`
+    warm.prefix.record(DIGESTS[:40], 0.0)
+    fresh = {"warm": True, "cold": True}
+    router = PrefixAwareRouter(cfg)
+    # over the busy threshold, but 17,000 + 11,360 tokens ahead is within 1.5 x (9,000 + 12,000)
+    warm.queued_prefill_tokens, cold.queued_prefill_tokens = 17_000, 9_000
+    assert router.choose(adm, [cold], 1.0, fresh, 16384, backlogged=[warm]) is warm
+    # far over: 40,000 + 11,360 > 31,500
+    warm.queued_prefill_tokens = 40_000
+    assert router.choose(adm, [cold], 1.0, fresh, 16384, backlogged=[warm]) is cold
 
 
 def test_sglang_cache_aware_follows_its_documented_rule():
     router = SglangCacheAwareRouter(Routing())
     a, b = replica("a"), replica("b")
     fresh = {"a": True, "b": True}
-    first = router.choose(admission(DIGESTS[:20]), [a, b], 0.0, fresh, 16384)
+    first = router.choose(admission(DIGESTS[:20]), [a, b], 0.0, fresh, 16384, [])
     # balanced and a match over the 0.3 threshold: back to the same worker
-    assert router.choose(admission(DIGESTS[:20]), [a, b], 0.0, fresh, 16384) is first
+    assert router.choose(admission(DIGESTS[:20]), [a, b], 0.0, fresh, 16384, []) is first
     # a prompt matching 5 of 20 blocks (25% < 30%): the smaller tree wins
     other = b if first is a else a
     partial = DIGESTS[:5] + chain_block_hashes(list(range(15 * 16)), parent=DIGESTS[4])
-    assert router.choose(admission(partial), [a, b], 0.0, fresh, 16384) is other
+    assert router.choose(admission(partial), [a, b], 0.0, fresh, 16384, []) is other
     # imbalanced (100 vs 10 in flight: diff > 64 and ratio > 1.5): shortest queue, warm or not
     first.inflight = {str(i): None for i in range(100)}
     other.inflight = {str(i): None for i in range(10)}
-    assert router.choose(admission(DIGESTS[:20]), [a, b], 0.0, fresh, 16384) is other
+    assert router.choose(admission(DIGESTS[:20]), [a, b], 0.0, fresh, 16384, []) is other
     # 100 vs 40: diff 60 is under the absolute threshold, so still cache-aware
     other.inflight = {str(i): None for i in range(40)}
-    assert router.choose(admission(DIGESTS[:20]), [a, b], 0.0, fresh, 16384) is first
+    assert router.choose(admission(DIGESTS[:20]), [a, b], 0.0, fresh, 16384, []) is first
 
 
 def test_routers_are_chosen_by_name_and_unknown_names_are_refused():

@@ -83,6 +83,8 @@ class Backend(_Strict):
     name: str | None = None
     kv_blocks: int | None = Field(None, ge=1, description="KV blocks; else scraped or from kv_cache_gb")
     kv_cache_gb: float | None = Field(None, gt=0, description="KV memory; blocks = bytes / (geometry x block)")
+    kv_offload_blocks: int = Field(0, ge=0, description="host-memory KV blocks (vLLM --kv-offloading-size); the "
+                                                        "approximate prefix index covers them too")
     kv_events: str | None = Field(None, description="the engine's KV-event publisher (vLLM --kv-events-config "
                                                     "endpoint), e.g. tcp://10.0.0.5:5557; makes the prefix "
                                                     "index precise")
@@ -156,9 +158,10 @@ class Routing(_Strict):
     queue_weight: float = Field(1.0, ge=0)
     prefix_weight: float = Field(1.0, ge=0)
     kv_weight: float = Field(1.0, ge=0)
-    sticky_margin: float = Field(0.5, ge=0, description="relative TTFT excess at which a warm replica "
+    sticky_margin: float = Field(1.0, ge=0, description="relative TTFT excess at which a warm replica "
                                                         "loses its claim")
-    sticky_slack_tokens: int = Field(2048, ge=0, description="absolute prefill-token excess always tolerated")
+    sticky_slack_tokens: int = Field(8192, ge=0, description="absolute prefill-token excess always tolerated "
+                                                             "(one step's batch at vLLM's default budget)")
     kv_events_staleness_s: float = Field(10.0, gt=0, description="no KV event this long after sending work "
                                                                  "there: fall back to the approximate index")
     # sglang-cache-aware, with the SGLang model gateway's defaults (docs/advanced_features/sgl_model_gateway.md)

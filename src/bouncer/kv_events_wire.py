@@ -5,8 +5,8 @@ batch as a ZMQ multipart message `(topic, seq, payload)`: `seq` is an 8-byte big
 and `payload` a msgpack `[ts, events, data_parallel_rank?]`. Each event is a msgspec tagged
 struct: a map with a `type` field in vLLM 0.32 (vllm/distributed/kv_events.py), an array with the
 tag first in older releases. Decoding accepts both and ignores fields it does not use, so newer
-engines with extra fields still decode. Blocks in a tier other than the GPU (vLLM's CPU offload,
-medium "CPU") are skipped: the router scores what prefill can reuse without a transfer.
+engines with extra fields still decode. Blocks in every tier are kept (the GPU, or "CPU" with
+vLLM's KV offloading): a prefix held anywhere is reused without recomputation.
 """
 
 from __future__ import annotations
@@ -16,8 +16,6 @@ from typing import Any
 import msgspec
 
 from bouncer.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
-
-_GPU_MEDIA = (None, "GPU")
 
 
 class WireError(ValueError):
@@ -57,9 +55,10 @@ def encode_batch(ts: float, events: list[KVEvent]) -> bytes:
     out: list[_Stored | _Removed | _Cleared] = []
     for ev in events:
         if isinstance(ev, BlockStored):
-            out.append(_Stored(ev.block_hashes, ev.parent_block_hash, ev.token_ids, ev.block_size, None, "GPU", None))
+            out.append(_Stored(ev.block_hashes, ev.parent_block_hash, ev.token_ids, ev.block_size, None, ev.medium,
+                               None))
         elif isinstance(ev, BlockRemoved):
-            out.append(_Removed(ev.block_hashes, "GPU"))
+            out.append(_Removed(ev.block_hashes, ev.medium))
         else:
             out.append(_Cleared())
     return _encoder.encode(_Batch(ts, out))
@@ -89,15 +88,13 @@ def _event(raw: Any) -> KVEvent | None:
         raise WireError(f"not a KV event: {raw!r:.80}")
     if tag == "BlockStored":
         f = _fields(raw, _STORED_FIELDS)
-        if f.get("medium") not in _GPU_MEDIA or f.get("lora_id") is not None:
-            return None  # another tier, or an adapter's blocks: not what a base-model prompt reuses
-        return BlockStored(list(f["block_hashes"]), f.get("parent_block_hash"), list(f["token_ids"]),
-                           int(f["block_size"]))
+        if f.get("lora_id") is not None:
+            return None  # an adapter's blocks: not what a base-model prompt reuses
+        return BlockStored(list(f["block_hashes"]), f.get("parent_block_hash"), list(f.get("token_ids") or []),
+                           int(f["block_size"]), f.get("medium") or "GPU")
     if tag == "BlockRemoved":
         f = _fields(raw, _REMOVED_FIELDS)
-        if f.get("medium") not in _GPU_MEDIA:
-            return None
-        return BlockRemoved(list(f["block_hashes"]))
+        return BlockRemoved(list(f["block_hashes"]), f.get("medium") or "GPU")
     if tag == "AllBlocksCleared":
         return AllBlocksCleared()
     return None  # an event kind this gateway does not know: skip it, keep the rest

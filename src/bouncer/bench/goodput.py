@@ -41,10 +41,11 @@ LLMD_SCRAPE_INTERVAL_S = 0.05  # llm-d's --refresh-metrics-interval default (50 
 CACHE_DIR = pathlib.Path(os.environ.get("BOUNCER_CACHE_DIR", ".cache")) / "capacity"
 
 
-def _fleet_config(policy: str, replicas: int, profile_name: str, seed: int, max_model_len: int,
+def _fleet_config(policy: str, replicas: int, profile_name: str, seed: int, scenario: Scenario,
                   kv_events: bool = False) -> FleetConfig:
-    profile = dataclasses.replace(get_profile(profile_name), max_model_len=max_model_len)
-    cfg = FleetConfig(replicas=replicas, profile=profile, seed=seed, kv_events=kv_events)
+    profile = dataclasses.replace(get_profile(profile_name), max_model_len=scenario.max_model_len)
+    cfg = FleetConfig(replicas=replicas, profile=profile, seed=seed, kv_events=kv_events,
+                      cpu_offload_gib=scenario.cpu_offload_gib)
     if policy == "vllm-queue-cap":
         cfg.max_num_queued_reqs = VLLM_MAX_QUEUED_REQS
         cfg.max_num_queued_tokens = VLLM_MAX_QUEUED_TOKENS
@@ -74,20 +75,22 @@ def make_policy(name: str, scenario: Scenario, cfg: FleetConfig, routing: str | 
         policy = LLMD_POLICY if name == "llmd-flow-control" else BOUNCER_POLICY
         if routing:
             policy = {**policy, "routing": {**policy.get("routing", {}), "router": routing}}
+        offload = cfg.profile.offload_blocks(cfg.cpu_offload_gib)
         return CorePolicy(name, core_config(_tenant_configs(scenario), cfg.replicas, blocks, cfg.profile.block_size,
-                                           cfg.profile.max_model_len, policy))
+                                           cfg.profile.max_model_len, policy, offload))
     raise ValueError(f"unknown policy {name!r}; known: {', '.join(POLICIES)}")
 
 
 def fleet_capacity(scenario: Scenario, traces, replicas: int, profile: str, seed: int, trace: str | None) -> float:
     """Capacity (req/s) of this fleet for this scenario's mix; measured once and cached."""
     key = hashlib.sha256(json.dumps([scenario.name, replicas, profile, trace or "", scenario.max_model_len,
+                                     scenario.cpu_offload_gib,
                                      [(t.name, t.share, t.trace, t.min_prompt, t.max_tokens) for t in scenario.tenants]]
                                     ).encode()).hexdigest()[:16]
     path = CACHE_DIR / f"{scenario.name}-{replicas}x{profile}-{key}.json"
     if path.exists():
         return json.loads(path.read_text())["capacity_rps"]
-    cfg = _fleet_config("none", replicas, profile, seed, scenario.max_model_len)
+    cfg = _fleet_config("none", replicas, profile, seed, scenario)
     base = [dataclasses.replace(t, bursts=()) for t in scenario.tenants]
     cap = measure_capacity(cfg, lambda: make_policy("none", scenario, cfg), base, traces, seed=seed)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -127,7 +130,7 @@ def run(scenario_name: str, policy: str, load: float, seed: int = 0, replicas: i
     traces = scenario.load(trace)
     capacity = fleet_capacity(scenario, traces, replicas, profile, seed, trace)
     requests = make_requests(scenario.tenants, traces, load * capacity, duration_s, seed)
-    cfg = _fleet_config(policy, replicas, profile, seed, scenario.max_model_len, kv_events)
+    cfg = _fleet_config(policy, replicas, profile, seed, scenario, kv_events)
     gw = make_policy(policy, scenario, cfg, routing)
     result = FleetSim(cfg, gw, gw.replica_names).run(requests)
     out = summarize(scenario, policy, load, seed, replicas, duration_s, capacity, requests, result, routing)

@@ -170,6 +170,7 @@ class AdmissionCore:
                     r = ms.replicas[name] = ReplicaState(name, m.name, b.url, _backend_blocks(m, b), m.block_size)
                     self.replicas[name] = r
                 r.url, r.configured_blocks, r.removed = b.url, _backend_blocks(m, b), False
+                r.offload_blocks = b.kv_offload_blocks
                 r.prefix.events_staleness_s = self.policy.routing.kv_events_staleness_s
                 r.sync_capacity()
             for name, r in ms.replicas.items():
@@ -424,8 +425,10 @@ class AdmissionCore:
         if r is not None:
             r.prefix.apply_events(events, now)
 
-    def kv_digests(self, replica: str, stored: list[int], removed: list[int], now: float) -> None:
-        """The same, from an engine that names blocks by our own digests (the simulator's)."""
+    def kv_digests(self, replica: str, stored: list[tuple[str, int]], removed: list[tuple[str, int]],
+                   now: float) -> None:
+        """The same, from an engine that names blocks by our own digests (the simulator's), as
+        (medium, digest) pairs."""
         r = self.replicas.get(replica)
         if r is not None:
             r.prefix.apply_digests(stored, removed, now)
@@ -532,7 +535,10 @@ class AdmissionCore:
                 return None  # long requests wait while the pool is under pressure
         if not self._within_kv_share(ms, adm, now, fresh):
             return None
-        candidates = []
+        candidates: list[ReplicaState] = []
+        # usable, but full for now (prefill queue, KV headroom): only a replica
+        # holding this prompt's prefix may still get it, if the router's stickiness gate allows
+        backlogged: list[ReplicaState] = []
         for r in ms.replicas.values():
             if not self._usable(r, fresh):
                 continue
@@ -546,17 +552,21 @@ class AdmissionCore:
             elif not r.busy and usage >= p.kv_busy_threshold:
                 r.busy = True
             if r.busy or len(r.inflight) >= min(p.max_inflight_per_replica, r.concurrency_limit):
-                continue
+                continue  # the TPOT guard's limit protects requests already running there
             cap = r.capacity_blocks
             need = num_blocks(adm.info.prompt_tokens + adm.expected_output, r.block_size) / cap if cap else 0.0
             if r.inflight and usage + need > p.kv_busy_threshold:
+                backlogged.append(r)
                 continue
-            if r.queued_prefill_tokens and r.queued_prefill_tokens + adm.info.prompt_tokens > p.prefill_busy_tokens:
+            # its prefill queue is full (what it holds cached adds no prefill work there)
+            if r.queued_prefill_tokens and r.queued_prefill_tokens + adm.info.prompt_tokens \
+                    - cached_tokens(r, adm, now) > p.prefill_busy_tokens:
+                backlogged.append(r)
                 continue
             candidates.append(r)
         if not candidates:
             return None
-        return self.router.choose(adm, candidates, now, fresh, p.prefill_busy_tokens)
+        return self.router.choose(adm, candidates, now, fresh, p.prefill_busy_tokens, backlogged)
 
     def _within_kv_share(self, ms: _ModelState, adm: Admission, now: float, fresh: dict[str, bool]) -> bool:
         """Tenants' KV shares reserve part of the pool; what a tenant does not use is lent out,

@@ -36,6 +36,7 @@ class ReplicaState:
         self.model = model
         self.url = url
         self.configured_blocks = capacity_blocks
+        self.offload_blocks = 0  # host-memory tier behind the GPU's (KV offloading)
         self.block_size = block_size
         self.telemetry: Telemetry | None = None
         self.healthy = True  # last scrape answered
@@ -63,10 +64,11 @@ class ReplicaState:
         return t.num_blocks if t is not None and t.num_blocks else None
 
     def sync_capacity(self) -> None:
-        """The prefix index is bounded by the KV pool, once its size is known."""
+        """The prefix index is bounded by what the engine can cache (its KV pool, plus any host
+        tier), once that is known."""
         cap = self.capacity_blocks
-        if cap and cap != self.prefix.approx.capacity:
-            self.prefix.resize(cap)
+        if cap and cap + self.offload_blocks != self.prefix.approx.capacity:
+            self.prefix.resize(cap + self.offload_blocks)
 
     def telemetry_age(self, now: float) -> float:
         return now - self.telemetry.at if self.telemetry is not None else float("inf")

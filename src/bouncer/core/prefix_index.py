@@ -97,13 +97,14 @@ class ReplicaPrefixIndex:
         self._precise().apply(events, now)
         self.unanswered_since = None
 
-    def apply_digests(self, stored: list[int], removed: list[int], now: float) -> None:
-        """Events from an engine that keys blocks by our own digests (the simulator's model)."""
+    def apply_digests(self, stored: list[tuple[str, int]], removed: list[tuple[str, int]], now: float) -> None:
+        """Events from an engine that keys blocks by our own digests (the simulator's model), as
+        (medium, digest) pairs."""
         p = self._precise()
-        for d in removed:
-            p.remove(d)
-        for d in stored:
-            p.store(d, (d,))
+        for key in removed:
+            p.remove(key)
+        for key in stored:
+            p.store(key, (key[1],))
         p.events += len(stored) + len(removed)
         p.last_event_at = now
         self.unanswered_since = None

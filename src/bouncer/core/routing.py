@@ -26,7 +26,10 @@ class Router(Protocol):
     name: str
 
     def choose(self, adm: Admission, candidates: list[ReplicaState], now: float, fresh: dict[str, bool],
-               prefill_busy_tokens: int) -> ReplicaState: ...
+               prefill_busy_tokens: int, backlogged: list[ReplicaState]) -> ReplicaState:
+        """One of `candidates` (never empty). `backlogged` replicas are usable but full for now
+        (prefill queue or KV headroom): a router may still send a request there
+        when its cache makes up for the wait; the engine queues it."""
 
 
 def cached_tokens(r: ReplicaState, adm: Admission, now: float) -> int:
@@ -41,7 +44,7 @@ class RoundRobinRouter:
     def __init__(self, cfg: Routing | None = None) -> None:
         self._turn = itertools.count()
 
-    def choose(self, adm, candidates, now, fresh, prefill_busy_tokens):
+    def choose(self, adm, candidates, now, fresh, prefill_busy_tokens, backlogged=()):
         return candidates[next(self._turn) % len(candidates)]
 
 
@@ -53,7 +56,7 @@ class LeastLoadedRouter:
     def __init__(self, cfg: Routing | None = None) -> None:
         pass
 
-    def choose(self, adm, candidates, now, fresh, prefill_busy_tokens):
+    def choose(self, adm, candidates, now, fresh, prefill_busy_tokens, backlogged=()):
         return min(candidates, key=lambda r: r.projected_usage(now, fresh[r.name])
                    + r.queued_prefill_tokens / prefill_busy_tokens)
 
@@ -71,7 +74,7 @@ class LlmdScorerRouter:
     def __init__(self, cfg: Routing | None = None) -> None:
         pass
 
-    def choose(self, adm, candidates, now, fresh, prefill_busy_tokens):
+    def choose(self, adm, candidates, now, fresh, prefill_busy_tokens, backlogged=()):
         digests = adm.info.block_digests
         queues = [r.queue_depth(fresh[r.name]) for r in candidates]
         qmin, qmax = min(queues), max(queues)
@@ -111,7 +114,7 @@ class SglangCacheAwareRouter:
             tree = self.trees[r.name] = ApproxPrefixIndex(SGLANG_TREE_BLOCKS)
         return tree
 
-    def choose(self, adm, candidates, now, fresh, prefill_busy_tokens):
+    def choose(self, adm, candidates, now, fresh, prefill_busy_tokens, backlogged=()):
         loads = [len(r.inflight) for r in candidates]
         lo, hi = min(loads), max(loads)
         digests = adm.info.block_digests
@@ -133,14 +136,18 @@ class PrefixAwareRouter:
     """Bouncer's router: cheapest replica by the weighted cost in `Routing`, where a warm prefix
     saves its prefill tokens; but the replica holding the longest cached prefix (the sticky one)
     keeps the request while its predicted TTFT is within the margin of the cheapest's, so a
-    conversation stays where its cache is instead of being copied around the fleet."""
+    conversation stays where its cache is instead of being copied around the fleet. The same gate
+    decides for a sticky replica that is full for now (backlogged): waiting there is often still
+    sooner, and always cheaper for the fleet, than recomputing the prefix elsewhere. (Under
+    overload this is what keeps hit rates up: otherwise the head of the queue goes to whichever
+    replica freed up first.)"""
 
     name = "prefix-aware"
 
     def __init__(self, cfg: Routing | None = None) -> None:
         self.cfg = cfg or Routing()
 
-    def choose(self, adm, candidates, now, fresh, prefill_busy_tokens):
+    def choose(self, adm, candidates, now, fresh, prefill_busy_tokens, backlogged=()):
         c = self.cfg
         prompt = adm.info.prompt_tokens
         best = sticky = None
@@ -152,6 +159,10 @@ class PrefixAwareRouter:
                 + c.kv_weight * r.projected_usage(now, fresh[r.name])
             if cost < best_cost:
                 best, best_cost = r, cost
+            if hit > (cached[sticky.name] if sticky else 0):
+                sticky = r
+        for r in backlogged:
+            cached[r.name] = hit = cached_tokens(r, adm, now)
             if hit > (cached[sticky.name] if sticky else 0):
                 sticky = r
         assert best is not None

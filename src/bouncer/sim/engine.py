@@ -113,6 +113,9 @@ class EngineCounters:
     recomputed_tokens: int = 0  # KV recomputed after preemption (work done twice)
     prefix_cache_queries: int = 0  # tokens looked up
     prefix_cache_hits: int = 0  # tokens found
+    # found in the CPU tier (KV offloading) and loaded instead of recomputed; vLLM counts these
+    # as external_prefix_cache_hits (vllm/v1/metrics/loggers.py)
+    external_prefix_cache_hits: int = 0
     num_preemptions: int = 0
     request_success: dict[str, int] = field(default_factory=lambda: {"length": 0, "stop": 0, "abort": 0})
     admission_rejections: dict[str, int] = field(
@@ -177,11 +180,12 @@ class EngineModel:
                  max_num_batched_tokens: int | None = None, max_model_len: int | None = None,
                  policy: str = "fcfs", enable_prefix_caching: bool = True,
                  max_num_queued_reqs: int | None = None, max_num_queued_tokens: int | None = None,
-                 kv_event_sink: KVEventSink | None = None) -> None:
+                 kv_event_sink: KVEventSink | None = None, cpu_offload_blocks: int = 0) -> None:
         self.profile = profile
         self.block_size = block_size or profile.block_size
         self.pool = KVPool(num_blocks or profile.num_blocks, self.block_size,
-                           enable_prefix_caching, kv_event_sink)
+                           enable_prefix_caching, kv_event_sink, cpu_offload_blocks)
+        self._loaded_tokens = 0  # loaded back from the CPU tier in the step being scheduled
         self.max_num_seqs = max_num_seqs or profile.max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens or profile.max_num_batched_tokens
         self.max_model_len = max_model_len or profile.max_model_len
@@ -269,6 +273,7 @@ class EngineModel:
         and not call `step` again before then. With a `horizon`, a pure-decode step may be
         extended (see module doc).
         """
+        self._loaded_tokens = 0
         scheduled, preempted = self._schedule(now)
         if not scheduled:
             return None
@@ -278,6 +283,10 @@ class EngineModel:
             batched += n
             context += req.num_computed + n
         duration = self.profile.step_time(batched, context)
+        if self._loaded_tokens:
+            # vLLM loads offloaded blocks asynchronously; charging the copy to the step that
+            # admits the request errs on the slow side
+            duration += self._loaded_tokens * self.profile.offload_load_s_per_token
         num_steps = 1
         pure_decode = batched == len(scheduled) and all(r.num_output > 0 for r, _ in scheduled)
         # A pure-decode step that preempted nobody admitted nobody either: the waiting head is
@@ -347,9 +356,14 @@ class EngineModel:
             req = self.waiting.peek()
             if req is None or len(self.running) >= self.max_num_seqs:
                 return
-            # Reuse the longest cached prefix, but always compute at least the last token.
-            hit = pool.longest_cached_prefix(req.block_digests)[: (req.num_tokens - 1) // bs]
-            num_cached = len(hit) * bs
+            # Reuse the longest cached prefix, but always compute at least the last token; where
+            # the GPU cache stops, the CPU tier may hold the next blocks (loaded, not recomputed).
+            max_hit = (req.num_tokens - 1) // bs
+            hit = pool.longest_cached_prefix(req.block_digests)[:max_hit]
+            loaded = 0
+            if pool.cpu_blocks and len(hit) < max_hit:
+                loaded = min(pool.offloaded_run(req.block_digests, len(hit)), max_hit - len(hit))
+            num_cached = (len(hit) + loaded) * bs
             n_new = min(req.num_tokens - num_cached, budget)
             need = num_blocks(num_cached + n_new, bs) - len(hit)
             hit_free = sum(1 for b in hit if pool._ref_cnt[b] == 0)
@@ -362,7 +376,9 @@ class EngineModel:
             req.num_registered = len(hit)
             if req.num_preemptions == 0:  # vLLM keeps re-prefills after preemption out of these
                 self.counters.prefix_cache_queries += req.num_tokens
-                self.counters.prefix_cache_hits += num_cached
+                self.counters.prefix_cache_hits += len(hit) * bs
+                self.counters.external_prefix_cache_hits += loaded * bs
+            self._loaded_tokens += loaded * bs
             self.waiting.pop()
             req.status = Status.RUNNING
             if req.scheduled_at is None:

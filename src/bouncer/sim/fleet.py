@@ -91,7 +91,8 @@ class GatewayPolicy(Protocol):
     def cancel(self, attempt_id: str, now: float) -> list[PolicyEvent]: ...
     def engine_refused(self, attempt_id: str, now: float) -> list[PolicyEvent]: ...
     def observe(self, replica: str, telemetry: Telemetry, now: float) -> list[PolicyEvent]: ...
-    def kv_events(self, replica: str, stored: list[int], removed: list[int], now: float) -> None: ...
+    def kv_events(self, replica: str, stored: list[tuple[str, int]], removed: list[tuple[str, int]],
+                  now: float) -> None: ...
 
 
 @dataclass
@@ -106,6 +107,7 @@ class FleetConfig:
     scrape_interval_s: float = 0.25
     telemetry_delay_s: float = 0.05
     kv_events: bool = False  # engines publish prefix-cache events (vLLM --kv-events-config)
+    cpu_offload_gib: float = 0.0  # host-memory KV tier per engine (vLLM --kv-offloading-size)
     kv_events_delay_s: float = 0.01
     retry_base_s: float = 0.5  # openai-python's initial backoff
     retry_max_s: float = 8.0
@@ -121,7 +123,7 @@ class FleetResult:
     attempts: int
     preemptions: int
     prefix_queries: int
-    prefix_hits: int
+    prefix_hits: int  # in any tier (GPU, or loaded back from CPU offloading)
     recomputed_tokens: int
     samples: list[dict] = field(default_factory=list)  # queue depth / KV usage over time
 
@@ -143,13 +145,15 @@ class FleetSim:
         self.cfg = cfg
         self.policy = policy
         self.rng = random.Random(cfg.seed)
-        # prefix-cache changes of the step in progress, per engine: (stored, removed) digests
-        self._kv_pending: dict[str, tuple[list[int], list[int]]] = {name: ([], []) for name in replica_names}
+        # prefix-cache changes of the step in progress, per engine: (stored, removed) (medium, digest)
+        self._kv_pending: dict[str, tuple[list, list]] = {name: ([], []) for name in replica_names}
+        offload = cfg.profile.offload_blocks(cfg.cpu_offload_gib) if cfg.cpu_offload_gib else 0
         self.engines: dict[str, EngineModel] = {
             name: EngineModel(cfg.profile, num_blocks=cfg.kv_blocks, max_num_seqs=cfg.max_num_seqs,
                               policy=cfg.scheduling_policy, max_num_queued_reqs=cfg.max_num_queued_reqs,
                               max_num_queued_tokens=cfg.max_num_queued_tokens,
-                              kv_event_sink=self._kv_sink(name) if cfg.kv_events else None)
+                              kv_event_sink=self._kv_sink(name) if cfg.kv_events else None,
+                              cpu_offload_blocks=offload)
             for name in replica_names}
         self._busy_until: dict[str, float | None] = dict.fromkeys(replica_names)
         self._heap: list[tuple] = []
@@ -167,8 +171,12 @@ class FleetSim:
     def _kv_sink(self, name: str):
         stored, removed = self._kv_pending[name]
 
+        media = {"stored": (stored, "GPU"), "removed": (removed, "GPU"), "offloaded": (stored, "CPU"),
+                 "dropped": (removed, "CPU")}
+
         def sink(kind: str, digests: list[int]) -> None:
-            (stored if kind == "stored" else removed).extend(digests)
+            out, medium = media[kind]
+            out.extend((medium, d) for d in digests)
         return sink
 
     # -- the event queue -------------------------------------------------------------------------
@@ -189,7 +197,8 @@ class FleetSim:
         counters = [e.counters for e in self.engines.values()]
         return FleetResult(requests, now, time.perf_counter() - wall0, self.refused_by_reason, self.attempts,
                            sum(c.num_preemptions for c in counters), sum(c.prefix_cache_queries for c in counters),
-                           sum(c.prefix_cache_hits for c in counters), sum(c.recomputed_tokens for c in counters),
+                           sum(c.prefix_cache_hits + c.external_prefix_cache_hits for c in counters),
+                           sum(c.recomputed_tokens for c in counters),
                            self.samples)
 
     def run_closed_loop(self, make_request, clients: int, warmup_s: float, measure_s: float) -> float:

@@ -6,8 +6,13 @@ by one or more running requests, or free. Free blocks sit in one queue ordered f
 the prefix cache until the allocator takes it for something else. That is vLLM's design: cached
 blocks cost nothing until memory is needed, and usage counts only held blocks.
 
-Observers of the cache (a precise prefix router) can subscribe to `stored`/`removed` events,
-which carry the same chained digests that `bouncer.core.blocks` computes.
+With `cpu_blocks`, a second tier models vLLM's native CPU offloading (`--kv-offloading-size`):
+every block is copied to host memory once computed (write-through), kept there least-recently-used,
+and a prefix found there is loaded back instead of recomputed (the engine charges the transfer).
+
+Observers of the cache (a precise prefix router) can subscribe to events, which carry the same
+chained digests that `bouncer.core.blocks` computes: `stored`/`removed` for the GPU tier,
+`offloaded`/`dropped` for the CPU tier.
 """
 
 from __future__ import annotations
@@ -15,15 +20,19 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 
-# (kind, digests): kind is "stored" or "removed"
+# (kind, digests): kind is "stored" / "removed" (GPU tier) or "offloaded" / "dropped" (CPU tier)
 KVEventSink = Callable[[str, list[int]], None]
 
 
 class KVPool:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 event_sink: KVEventSink | None = None) -> None:
+                 event_sink: KVEventSink | None = None, cpu_blocks: int = 0) -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError("num_blocks and block_size must be positive")
+        if cpu_blocks < 0:
+            raise ValueError("cpu_blocks must not be negative")
+        self.cpu_blocks = cpu_blocks if enable_prefix_caching else 0
+        self._cpu: OrderedDict[int, None] = OrderedDict()  # offloaded digests, least recently used first
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -49,6 +58,17 @@ class KVPool:
     @property
     def num_cached(self) -> int:
         return len(self._cached)
+
+    def offloaded_run(self, digests: list[int], start: int) -> int:
+        """How many of `digests`, from index `start` on, the CPU tier holds contiguously."""
+        cpu = self._cpu
+        n = 0
+        for d in digests[start:]:
+            if d not in cpu:
+                break
+            cpu.move_to_end(d)
+            n += 1
+        return n
 
     def longest_cached_prefix(self, digests: list[int]) -> list[int]:
         """Block ids of the longest contiguous run of `digests` present in the cache."""
@@ -110,6 +130,22 @@ class KVPool:
         self._cached[digest] = block
         if self.event_sink is not None:
             self.event_sink("stored", [digest])
+        if self.cpu_blocks:
+            self._offload(digest)
+
+    def _offload(self, digest: int) -> None:
+        cpu = self._cpu
+        if digest in cpu:
+            cpu.move_to_end(digest)
+            return
+        cpu[digest] = None
+        dropped = []
+        while len(cpu) > self.cpu_blocks:
+            dropped.append(cpu.popitem(last=False)[0])
+        if self.event_sink is not None:
+            self.event_sink("offloaded", [digest])
+            if dropped:
+                self.event_sink("dropped", dropped)
 
     def reset_prefix_cache(self) -> None:
         removed = [d for d in self._cached]

@@ -76,7 +76,8 @@ class CorePolicy:
     def observe(self, replica: str, telemetry: Telemetry, now: float):
         return self._convert(self.core.observe(replica, telemetry, now))
 
-    def kv_events(self, replica: str, stored: list[int], removed: list[int], now: float) -> None:
+    def kv_events(self, replica: str, stored: list[tuple[str, int]], removed: list[tuple[str, int]],
+                  now: float) -> None:
         self.core.kv_digests(replica, stored, removed, now)
 
 
@@ -242,12 +243,12 @@ def tenant_config(name: str, priority: int, weight: float = 1.0, **kw) -> dict:
 
 
 def core_config(tenants: list[dict], replicas: int, kv_blocks: int, block_size: int, max_model_len: int,
-                policy: dict) -> BouncerConfig:
+                policy: dict, offload_blocks: int = 0) -> BouncerConfig:
     return parse_config({
         "tenants": tenants,
         "models": [{"name": SIM_MODEL, "max_model_len": max_model_len, "block_size": block_size,
-                    "backends": [{"url": f"http://sim-{i}", "name": f"r{i}", "kv_blocks": kv_blocks}
-                                 for i in range(replicas)]}],
+                    "backends": [{"url": f"http://sim-{i}", "name": f"r{i}", "kv_blocks": kv_blocks,
+                                  "kv_offload_blocks": offload_blocks} for i in range(replicas)]}],
         "policy": policy,
     }, "simulated gateway")
 

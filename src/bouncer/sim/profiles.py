@@ -61,6 +61,11 @@ class EngineProfile:
     max_num_batched_tokens: int = 8192
     max_num_seqs: int = 1024
     max_model_len: int = 131072
+    # KV offloading to host memory (vLLM --kv-offloading-size): blocks come back over PCIe. Gen5
+    # x16 is 64 GB/s per direction; 25 GB/s is assumed for copies of scattered 2 MB blocks. Each
+    # GPU of a tensor-parallel group loads its own shard over its own link.
+    pcie_bytes_per_s: float = 25e9
+    gpus: int = 1
 
     def step_time(self, batched_tokens: int, context_tokens: int) -> float:
         return self.a + self.b * batched_tokens + self.c * context_tokens
@@ -68,6 +73,14 @@ class EngineProfile:
     @property
     def kv_tokens(self) -> int:
         return self.num_blocks * self.block_size
+
+    @property
+    def offload_load_s_per_token(self) -> float:
+        return self.kv.bytes_per_token / (self.pcie_bytes_per_s * self.gpus)
+
+    def offload_blocks(self, gib: float) -> int:
+        """Host-memory blocks in `gib` GiB of offloading space (as vLLM sizes it: GiB, not GB)."""
+        return int(gib * (1 << 30) / self.kv.bytes_per_token) // self.block_size
 
 
 def _kv_blocks(card_gb: float, weights_gb_per_gpu: float, kv_bytes_per_token_per_gpu: float,
@@ -99,7 +112,7 @@ PROFILES: dict[str, EngineProfile] = {
             a=141.2 / 4 * GB / _H100_BW + 0.0025,
             b=2 * 70.6e9 / (4 * _PEAK * 0.5),
             c=_LLAMA70.bytes_per_token / 4 / _H100_BW,
-            kv=_LLAMA70, num_blocks=_kv_blocks(80, 141.2 / 4, _LLAMA70.bytes_per_token / 4)),
+            kv=_LLAMA70, num_blocks=_kv_blocks(80, 141.2 / 4, _LLAMA70.bytes_per_token / 4), gpus=4),
         EngineProfile(
             name="qwen3-32b-h200", model="Qwen/Qwen3-32B", hardware="1xH200-141GB",
             a=65.5 * GB / _H200_BW + 0.001,
