@@ -60,3 +60,24 @@ def test_report_writes_markdown_and_plots(tmp_path):
     assert "## surge" in md and "| bouncer |" in md and "| none |" in md
     for png in ("goodput-vs-load.png", "tenant-slo.png", "timeline-surge.png"):
         assert (tmp_path / "report" / png).stat().st_size > 10_000
+
+
+def test_prefix_scenario_compares_routers_against_the_infinite_cache_bound(tmp_path):
+    """Mooncake conversations on 4 replicas: the prefix-aware router keeps conversations where
+    their prefix is cached, round-robin scatters them; the report tabulates both."""
+    runs = {name: goodput.run("prefix", "bouncer", 0.8, duration_s=60, replicas=4, routing=name)
+            for name in ("round-robin", "prefix-aware")}
+    for name, r in runs.items():
+        assert r["routing"] == name and r["lost"] == 0
+        assert {"prefix_hit_rate", "prefix_hit_bound", "kv_imbalance", "ttft_p50_s", "ttft_p99_s"} <= set(r)
+        assert 0 < r["prefix_hit_rate"] <= r["prefix_hit_bound"] < 1
+    assert runs["prefix-aware"]["prefix_hit_bound"] == runs["round-robin"]["prefix_hit_bound"]  # same requests
+    assert runs["prefix-aware"]["prefix_hit_rate"] > 1.3 * runs["round-robin"]["prefix_hit_rate"]
+    for name, r in runs.items():
+        goodput.save(r, str(tmp_path / "results" / f"{name}.json"))
+    proc = subprocess.run([sys.executable, "-m", "bouncer", "bench", "report", str(tmp_path / "results"), "--out",
+                           str(tmp_path / "report")], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    md = (tmp_path / "report" / "report.md").read_text()
+    assert "## prefix: routers" in md and "| 0.8 | bouncer | prefix-aware |" in md
+    assert "| 0.8 | bouncer | round-robin |" in md

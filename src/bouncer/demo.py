@@ -2,16 +2,21 @@
 
 `bouncer serve` with no config starts it. The replicas are deliberately small (Llama-3.1-8B step
 times with a 1,024-block KV pool each: 16k tokens) so that a few hundred concurrent long requests
-overload them: the demo exists to show the protection, not the throughput.
+overload them: the demo exists to show the protection, not the throughput. Each replica publishes
+its KV-cache events as vLLM does (over a local ipc:// socket), so the gateway's prefix index is
+the precise one: `/admin/state` shows it per replica.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import pathlib
+import shutil
+import tempfile
 
 from bouncer.config import BouncerConfig, key_digest, parse_config
-from bouncer.engine_server import EngineServer, serve_engine
+from bouncer.engine_server import EngineServer, KVEventPublisher, serve_engine
 from bouncer.gateway.server import Gateway, serve_gateway
 from bouncer.sim.engine import EngineModel
 from bouncer.sim.profiles import get_profile
@@ -25,7 +30,7 @@ DEMO_PROFILE = "llama-3.1-8b-h100"
 
 
 def demo_config(host: str = "127.0.0.1", port: int = 8000, engine_ports: tuple[int, ...] = (8101, 8102),
-                bundled_tokenizer: str | None = None) -> BouncerConfig:
+                bundled_tokenizer: str | None = None, kv_events: tuple[str, ...] | None = None) -> BouncerConfig:
     from bouncer.tokenizer import default_tokenizer_path
 
     tok = bundled_tokenizer or str(default_tokenizer_path())
@@ -45,7 +50,8 @@ def demo_config(host: str = "127.0.0.1", port: int = 8000, engine_ports: tuple[i
         "models": [{
             "name": DEMO_MODEL, "engine": "vllm", "tokenizer": tok, "max_model_len": 8192, "block_size": 16,
             "kv": {"layers": 32, "kv_heads": 8, "head_dim": 128, "dtype_bytes": 2},
-            "backends": [{"url": f"http://127.0.0.1:{p}", "name": f"replica-{i}"}
+            "backends": [{"url": f"http://127.0.0.1:{p}", "name": f"replica-{i}",
+                          **({"kv_events": kv_events[i]} if kv_events else {})}
                          for i, p in enumerate(engine_ports)],
         }],
         "policy": {"band_ceilings": {10: 1.25}, "telemetry": {"scrape_interval_s": 0.2, "staleness_s": 2.0}},
@@ -58,20 +64,31 @@ def demo_engine() -> EngineModel:
 
 
 async def run_demo(host: str = "127.0.0.1", port: int = 8000, engine_ports: tuple[int, ...] = (8101, 8102)) -> None:
-    config = demo_config(host, port, engine_ports)
-    engines = [asyncio.create_task(serve_engine(EngineServer(demo_engine(), model_name=DEMO_MODEL), "127.0.0.1", p))
-               for p in engine_ports]
-    ready = asyncio.Event()
-    gateway = asyncio.create_task(serve_gateway(Gateway(config), host, port, ready))
-    await ready.wait()
-    print(DEMO_BANNER.format(host=host, port=port, engines=", ".join(f"127.0.0.1:{p}" for p in engine_ports)),
-          flush=True)
-    await asyncio.gather(gateway, *engines)
+    sockets = pathlib.Path(tempfile.mkdtemp(prefix="bouncer-demo-"))
+    try:
+        kv_events = tuple(f"ipc://{sockets}/replica-{i}.kv" for i in range(len(engine_ports)))
+        config = demo_config(host, port, engine_ports, kv_events=kv_events)
+        servers = []
+        for endpoint in kv_events:
+            engine = demo_engine()
+            servers.append(EngineServer(engine, model_name=DEMO_MODEL,
+                                        kv_events=KVEventPublisher(endpoint, "", engine.block_size)))
+        engines = [asyncio.create_task(serve_engine(s, "127.0.0.1", p)) for s, p in zip(servers, engine_ports,
+                                                                                        strict=True)]
+        ready = asyncio.Event()
+        gateway = asyncio.create_task(serve_gateway(Gateway(config), host, port, ready))
+        await ready.wait()
+        print(DEMO_BANNER.format(host=host, port=port, engines=", ".join(f"127.0.0.1:{p}" for p in engine_ports)),
+              flush=True)
+        await asyncio.gather(gateway, *engines)
+    finally:
+        shutil.rmtree(sockets, ignore_errors=True)
 
 
 DEMO_BANNER = """\
 Bouncer demo: gateway on http://{host}:{port}, two simulated Llama-3.1-8B replicas on {engines}
-(1,024 KV blocks each, so a few hundred concurrent long requests overload them).
+(1,024 KV blocks each, so a few hundred concurrent long requests overload them). They publish
+KV-cache events; the gateway routes each prompt where its prefix is cached.
 
 Tenants (API key -> band):  demo-interactive -> priority 10, TTFT SLO 1 s
                             demo-research    -> priority 0

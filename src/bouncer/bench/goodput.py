@@ -14,6 +14,8 @@ import math
 import os
 import pathlib
 
+from bouncer.config import Routing
+from bouncer.core.routing import make_router
 from bouncer.sim.fleet import FleetConfig, FleetSim, SimRequest
 from bouncer.sim.policies import (
     BOUNCER_POLICY,
@@ -64,7 +66,9 @@ def make_policy(name: str, scenario: Scenario, cfg: FleetConfig, routing: str | 
     names = [f"r{i}" for i in range(cfg.replicas)]
     blocks = cfg.kv_blocks or cfg.profile.num_blocks
     if name == "none":
-        return NoAdmission(names)
+        router = make_router(routing, Routing()) if routing else None
+        return NoAdmission(names, router, blocks, cfg.profile.block_size,
+                           cfg.profile.offload_blocks(cfg.cpu_offload_gib))
     if name == "tgi-cap":
         return TgiCap(names)
     if name == "vllm-queue-cap":

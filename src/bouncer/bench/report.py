@@ -2,7 +2,9 @@
 
 Plots: goodput against load for every policy (the cliff), one panel per scenario; per-tenant SLO
 attainment at the highest load; gateway queue and KV usage over time for one scenario at its
-highest load, Bouncer against no admission.
+highest load, Bouncer against no admission. Scenarios whose runs compare routers (one admission
+policy, several `--routing` or `--kv-events` variants) get a routing table instead: prefix hit
+rate against the trace's infinite-cache bound, TTFT, and KV imbalance.
 """
 
 from __future__ import annotations
@@ -61,6 +63,28 @@ def tenant_table(results: list[dict], scenario: str, load: float) -> list[str]:
             cells.append(f"{_fmt(s['slo_attainment'], True)} / {_fmt(s['ttft_p99_s'])} / "
                          f"{_fmt(s['served_token_share'], True)}")
         lines.append(f"| {pol} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def router_label(r: dict) -> str:
+    return r["routing"] + (" + KV events" if r.get("kv_events") else "")
+
+
+def compares_routers(results: list[dict], scenario: str) -> bool:
+    rows = [r for r in results if r["scenario"] == scenario]
+    return len({(r["policy"], r["load"]) for r in rows}) < len(rows)
+
+
+def routing_table(results: list[dict], scenario: str) -> list[str]:
+    rows = sorted((r for r in results if r["scenario"] == scenario),
+                  key=lambda r: (r["load"], r["policy"] != "none", router_label(r)))
+    lines = ["| load | admission | router | prefix hit rate | infinite-cache bound | share of bound | TTFT p50 s "
+             "| TTFT p99 s | KV imbalance (max/mean) | goodput req/s |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        share = r["prefix_hit_rate"] / r["prefix_hit_bound"] if r["prefix_hit_bound"] else None
+        lines.append(f"| {r['load']:g} | {r['policy']} | {router_label(r)} | {_fmt(r['prefix_hit_rate'], True)} | "
+                     f"{_fmt(r['prefix_hit_bound'], True)} | {_fmt(share, True)} | {_fmt(r['ttft_p50_s'])} | "
+                     f"{_fmt(r['ttft_p99_s'])} | {_fmt(r['kv_imbalance'])} | {r['goodput_rps']:.2f} |")
     return lines
 
 
@@ -142,13 +166,24 @@ def write_report(paths: list[str], out_dir: str) -> pathlib.Path:
         raise ValueError("no result files found")
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    plot_cliff(results, out / "goodput-vs-load.png")
-    plot_tenants(results, out / "tenant-slo.png")
+    routing = {sc for sc in {r["scenario"] for r in results} if compares_routers(results, sc)}
+    policies = [r for r in results if r["scenario"] not in routing]
     lines = ["# Goodput report", "",
              f"{len(results)} runs. Goodput: requests per second completed within their tenant's TTFT and TPOT "
-             "SLO, latency measured from the user's first attempt.", "",
-             "![goodput against load](goodput-vs-load.png)", "", "![per-tenant SLO attainment](tenant-slo.png)", ""]
-    for sc in sorted({r["scenario"] for r in results}):
+             "SLO, latency measured from the user's first attempt.", ""]
+    if policies:
+        plot_cliff(policies, out / "goodput-vs-load.png")
+        plot_tenants(policies, out / "tenant-slo.png")
+        lines += ["![goodput against load](goodput-vs-load.png)", "",
+                  "![per-tenant SLO attainment](tenant-slo.png)", ""]
+    for sc in sorted(routing):
+        rows = [r for r in results if r["scenario"] == sc]
+        lines += [f"## {sc}: routers", "", f"Capacity {rows[0]['capacity_rps']:.1f} req/s on {rows[0]['replicas']} "
+                  f"replicas; {rows[0]['duration_s']:g} s of arrivals. Admission `none`: the router alone sends "
+                  "every request at once; `bouncer`: the router ranks what Bouncer's admission lets through.", ""]
+        lines += routing_table(results, sc) + ["", "Requests lost in accounting across these runs: "
+                                                   f"{sum(r['lost'] for r in rows)}.", ""]
+    for sc in sorted({r["scenario"] for r in policies}):
         rows = [r for r in results if r["scenario"] == sc]
         top = max(r["load"] for r in rows)
         lines += [f"## {sc}", "", f"Goodput (req/s), capacity {rows[0]['capacity_rps']:.1f} req/s "

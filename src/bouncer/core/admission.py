@@ -19,6 +19,7 @@ Concurrency model: one writer. The shell calls these from one thread (the event 
 
 from __future__ import annotations
 
+import enum
 import itertools
 from collections import Counter, deque
 from dataclasses import dataclass, field
@@ -95,6 +96,12 @@ class _TenantState:
                                          rl.token_burst, now)
         b = policy_cfg.breaker
         self.breaker = CircuitBreaker(b.failures, b.window_s, b.open_s)
+
+
+class _Room(enum.Enum):
+    YES = "yes"
+    LATER = "later"  # usable but full for now: only a warm prefix may justify sending it there
+    NO = "no"
 
 
 class _ModelState:
@@ -524,6 +531,24 @@ class AdmissionCore:
 
     def _place(self, ms: _ModelState, adm: Admission, now: float, fresh: dict[str, bool]) -> ReplicaState | None:
         """Layer 3: a replica with room for this request's KV, or None (hold it)."""
+        if not self._pool_admits(ms, adm, now, fresh):
+            return None
+        candidates: list[ReplicaState] = []
+        # usable, but full for now (prefill queue, KV headroom): only a replica
+        # holding this prompt's prefix may still get it, if the router's stickiness gate allows
+        backlogged: list[ReplicaState] = []
+        for r in ms.replicas.values():
+            room = self._room(r, adm, now, fresh)
+            if room is _Room.YES:
+                candidates.append(r)
+            elif room is _Room.LATER:
+                backlogged.append(r)
+        if not candidates:
+            return None
+        return self.router.choose(adm, candidates, now, fresh, self.policy.prefill_busy_tokens, backlogged)
+
+    def _pool_admits(self, ms: _ModelState, adm: Admission, now: float, fresh: dict[str, bool]) -> bool:
+        """The checks that look at the whole pool: context squeeze under pressure, KV shares."""
         p = self.policy
         total = adm.info.prompt_tokens + adm.max_tokens
         pressure = self._pool_usage(ms, now, fresh)
@@ -532,41 +557,34 @@ class AdmissionCore:
             cap = t.context_cap or ms.cfg.max_model_len
             squeeze = min(1.0, (pressure - p.context_pressure_start) / max(1e-9, 1 - p.context_pressure_start))
             if total > cap * (1 - (1 - p.context_pressure_min_fraction) * squeeze):
-                return None  # long requests wait while the pool is under pressure
-        if not self._within_kv_share(ms, adm, now, fresh):
-            return None
-        candidates: list[ReplicaState] = []
-        # usable, but full for now (prefill queue, KV headroom): only a replica
-        # holding this prompt's prefix may still get it, if the router's stickiness gate allows
-        backlogged: list[ReplicaState] = []
-        for r in ms.replicas.values():
-            if not self._usable(r, fresh):
-                continue
-            if r.cooldown_until is not None:
-                if now < r.cooldown_until:
-                    continue
-                r.cooldown_until = None
-            usage = self._usage(r, now, fresh[r.name])
-            if r.busy and usage < p.kv_resume_threshold:
-                r.busy = False
-            elif not r.busy and usage >= p.kv_busy_threshold:
-                r.busy = True
-            if r.busy or len(r.inflight) >= min(p.max_inflight_per_replica, r.concurrency_limit):
-                continue  # the TPOT guard's limit protects requests already running there
-            cap = r.capacity_blocks
-            need = num_blocks(adm.info.prompt_tokens + adm.expected_output, r.block_size) / cap if cap else 0.0
-            if r.inflight and usage + need > p.kv_busy_threshold:
-                backlogged.append(r)
-                continue
-            # its prefill queue is full (what it holds cached adds no prefill work there)
-            if r.queued_prefill_tokens and r.queued_prefill_tokens + adm.info.prompt_tokens \
-                    - cached_tokens(r, adm, now) > p.prefill_busy_tokens:
-                backlogged.append(r)
-                continue
-            candidates.append(r)
-        if not candidates:
-            return None
-        return self.router.choose(adm, candidates, now, fresh, p.prefill_busy_tokens, backlogged)
+                return False  # long requests wait while the pool is under pressure
+        return self._within_kv_share(ms, adm, now, fresh)
+
+    def _room(self, r: ReplicaState, adm: Admission, now: float, fresh: dict[str, bool]) -> _Room:
+        """Whether `r` can take `adm` now; updates its busy hysteresis and cooldown."""
+        p = self.policy
+        if not self._usable(r, fresh):
+            return _Room.NO
+        if r.cooldown_until is not None:
+            if now < r.cooldown_until:
+                return _Room.NO
+            r.cooldown_until = None
+        usage = self._usage(r, now, fresh[r.name])
+        if r.busy and usage < p.kv_resume_threshold:
+            r.busy = False
+        elif not r.busy and usage >= p.kv_busy_threshold:
+            r.busy = True
+        if r.busy or len(r.inflight) >= min(p.max_inflight_per_replica, r.concurrency_limit):
+            return _Room.NO  # (the TPOT guard's limit protects requests already running there)
+        cap = r.capacity_blocks
+        need = num_blocks(adm.info.prompt_tokens + adm.expected_output, r.block_size) / cap if cap else 0.0
+        if r.inflight and usage + need > p.kv_busy_threshold:
+            return _Room.LATER
+        # its prefill queue is full (what it holds cached adds no prefill work there)
+        if r.queued_prefill_tokens and r.queued_prefill_tokens + adm.info.prompt_tokens \
+                - cached_tokens(r, adm, now) > p.prefill_busy_tokens:
+            return _Room.LATER
+        return _Room.YES
 
     def _within_kv_share(self, ms: _ModelState, adm: Admission, now: float, fresh: dict[str, bool]) -> bool:
         """Tenants' KV shares reserve part of the pool; what a tenant does not use is lent out,

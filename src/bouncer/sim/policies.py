@@ -7,13 +7,15 @@ sources cited per class). All are driven through the same `GatewayPolicy` interf
 from __future__ import annotations
 
 import itertools
+import math
 
 from bouncer.config import BouncerConfig, key_digest, parse_config
 from bouncer.core.admission import AdmissionCore, Dispatch, Reject
-from bouncer.core.fleet import Telemetry
+from bouncer.core.fleet import ReplicaState, Telemetry
 from bouncer.core.outcomes import Terminal
 from bouncer.core.prefix_index import ApproxPrefixIndex
-from bouncer.core.requests import RequestInfo
+from bouncer.core.requests import Admission, RequestInfo
+from bouncer.core.routing import RoundRobinRouter, Router, cached_tokens
 from bouncer.sim.fleet import Dispatched, PolicyEvent, Refused, SimRequest
 
 SIM_MODEL = "sim-llm"
@@ -123,16 +125,64 @@ class _Passthrough:
 
 
 class NoAdmission(_Passthrough):
-    """`none`: no gateway admission; round-robin routing; each engine queues FCFS without bound."""
+    """`none`: no gateway admission; each engine queues FCFS without bound. Routing is
+    round-robin unless another router is named: then this is that router deployed on its own
+    (the SGLang gateway's cache_aware policy, say), sending every request somewhere at once. The
+    router sees the fleet as the gateway's core would (own in-flight accounting, scraped
+    telemetry, a prefix index of what it sent) but never holds or refuses."""
 
     name = "none"
+    PREFILL_SCALE = 16384  # normaliser for routers that weigh queued prefill tokens (the core's default)
 
-    def __init__(self, replicas: list[str]) -> None:
+    def __init__(self, replicas: list[str], router: Router | None = None, capacity_blocks: int | None = None,
+                 block_size: int = 16, offload_blocks: int = 0) -> None:
         super().__init__(replicas)
-        self._rr = itertools.cycle(replicas)
+        self.router = router or RoundRobinRouter()
+        self.fleet = {name: ReplicaState(name, SIM_MODEL, None, capacity_blocks, block_size) for name in replicas}
+        for r in self.fleet.values():
+            r.offload_blocks = offload_blocks
+            r.sync_capacity()
+        self._fresh = dict.fromkeys(replicas, True)
+        self._adm: dict[str, Admission] = {}
 
     def offer(self, req, now):
-        return self._dispatch(req, next(self._rr))
+        adm = Admission(RequestInfo(req.attempt_id, None, SIM_MODEL, req.prompt_len, req.max_tokens,
+                                    block_digests=req.block_digests),
+                        req.tenant, req.priority, req.max_tokens, req.output_len, now, math.inf, None)
+        r = self.router.choose(adm, list(self.fleet.values()), now, self._fresh, self.PREFILL_SCALE, [])
+        adm.replica, adm.dispatched_at = r.name, now
+        adm.blocks = -(-(req.prompt_len + req.output_len) // r.block_size)
+        adm.prefill_tokens = req.prompt_len - cached_tokens(r, adm, now)
+        r.prefix.record(req.block_digests, now)
+        r.add(adm.request_id, adm, adm.blocks, adm.prefill_tokens)
+        self._adm[req.attempt_id] = adm
+        return self._dispatch(req, r.name)
+
+    def started(self, attempt_id, now):
+        adm = self._adm.get(attempt_id)
+        if adm is not None and adm.first_token_at is None:
+            adm.first_token_at = now
+            self.fleet[adm.replica].mark_started(adm.prefill_tokens, adm.priority)
+
+    def finished(self, attempt_id, now, completed, completion_tokens):
+        adm = self._adm.pop(attempt_id, None)
+        if adm is not None:
+            r = self.fleet[adm.replica]
+            if adm.first_token_at is None:
+                r.mark_started(adm.prefill_tokens, adm.priority)
+            r.remove(attempt_id, adm.blocks)
+        return super().finished(attempt_id, now, completed, completion_tokens)
+
+    def engine_refused(self, attempt_id, now):
+        self.finished(attempt_id, now, False, 0)
+        return super().engine_refused(attempt_id, now)
+
+    def observe(self, replica, telemetry, now):
+        self.fleet[replica].observe(telemetry)
+        return []
+
+    def kv_events(self, replica, stored, removed, now):
+        self.fleet[replica].prefix.apply_digests(stored, removed, now)
 
 
 class VllmQueueCap(NoAdmission):
