@@ -327,8 +327,10 @@ models:
     kv: {layers: 32, kv_heads: 8, head_dim: 128, dtype_bytes: 2}   # GQA: KV heads, not attention heads
     backends:
       - url: http://10.0.0.11:8000   # KV blocks are scraped from vllm:cache_config_info
+        kv_events: tcp://10.0.0.11:5557   # vLLM --kv-events-config publisher: a precise prefix index
       - url: http://10.0.0.12:8000
         kv_cache_gb: 52              # or stated: blocks = bytes / (kv bytes per token x block_size)
+        kv_offload_blocks: 100000    # host-memory KV (vLLM --kv-offloading-size), if any
 
 policy:
   kv_reservation: overcommit   # overcommit: reserve the learned expected output; reserve: max_tokens
@@ -341,4 +343,9 @@ policy:
   band_ceilings: {10: 1.2}     # the top band may run the pool hotter
   telemetry: {scrape_interval_s: 0.25, staleness_s: 2.0, on_stale: fail-closed}
   queues: {max_requests: 2000, tenant_max_requests: 256}
+  routing:
+    router: prefix-aware       # round-robin | least-loaded | llmd-scorers | sglang-cache-aware | prefix-aware
+    sticky_margin: 1.0         # a warm replica keeps a request while its predicted TTFT is within
+    sticky_slack_tokens: 8192  #   (1 + margin) x the cheapest replica's + slack (prefill tokens)
+    kv_events_staleness_s: 10  # no KV event this long after sending work: use the approximate index
 """
