@@ -196,3 +196,16 @@ def test_core_routes_by_kv_events_and_reports_the_index_mode():
     assert snap[names[0]]["prefix_index"]["mode"] == "approximate"
     (d,) = dispatched(core.offer(info(prompt=8 * 16 + 3, block_digests=DIGESTS[:8]), 1.0))
     assert d.adm.replica == names[1]
+
+
+def test_the_router_is_chosen_by_config_and_swapped_by_a_reload():
+    from bouncer.config import parse_config
+    from core_helpers import make_config
+
+    core = make_core()
+    assert core.router.name == "prefix-aware"  # the default
+    before = core.router
+    core.reload(parse_config(make_config()), 1.0)
+    assert core.router is before  # an unrelated reload keeps its state
+    core.reload(parse_config(make_config(policy={"routing": {"router": "sglang-cache-aware"}})), 2.0)
+    assert core.router.name == "sglang-cache-aware"

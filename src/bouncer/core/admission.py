@@ -127,9 +127,9 @@ def _backend_blocks(model: ModelConfig, backend) -> int | None:
 
 
 class AdmissionCore:
-    def __init__(self, config: BouncerConfig, now: float, router: Router | None = None) -> None:
-        self._router_override = router  # the simulator's baselines bring their own
-        self._routing_cfg = None
+    def __init__(self, config: BouncerConfig, now: float) -> None:
+        self.router: Router
+        self._routing_cfg = None  # the routing config the router was built from
         self.stats = CoreStats()
         self.inflight: dict[str, Admission] = {}
         self._seq = itertools.count()
@@ -145,9 +145,7 @@ class AdmissionCore:
         and get nothing new."""
         self.config = config
         self.policy = config.policy
-        if self._router_override is not None:
-            self.router = self._router_override
-        elif self.policy.routing != self._routing_cfg:
+        if self.policy.routing != self._routing_cfg:  # a router's state (turns, trees) survives other reloads
             self.router = make_router(self.policy.routing.router, self.policy.routing)
         self._routing_cfg = self.policy.routing
         self._key_to_tenant = config.tenant_by_key()
