@@ -158,6 +158,18 @@ def test_metrics_endpoint_reports_decisions_and_goodput(fleet):
     assert ready.status == 200
 
 
+def test_x_session_id_makes_a_request_a_step_of_an_agent(fleet):
+    client = openai.OpenAI(base_url=fleet.url + "/v1", api_key="alice", max_retries=0)
+    for _ in range(2):
+        client.completions.create(model="demo-llm", prompt="plan the next tool call", max_tokens=3,
+                                  extra_headers={"x-session-id": "agent-42"}, user="someone")
+    client.completions.create(model="demo-llm", prompt="a chat", max_tokens=3, user="someone-else")
+    agents = fleet.call(lambda: fleet.gateway.core.models["demo-llm"].agents)
+    assert fleet.call(lambda: list(agents.active)) == ["agent-42"]  # `user` alone is not a session
+    text = urllib.request.urlopen(fleet.url + "/metrics", timeout=5).read().decode()
+    assert 'bouncer_active_agents{model="demo-llm"} 1.0' in text and "bouncer_agent_window" in text
+
+
 def test_upstream_refusals_are_held_not_passed_on_including_streaming_200_with_error(bg_loop):
     # An engine that refuses beyond 1 queued request (vLLM's --max-num-queued-reqs: 503, and for
     # streams HTTP 200 with an error event). Bouncer over-sends (it does not know that cap), sees

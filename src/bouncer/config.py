@@ -170,6 +170,36 @@ class Routing(_Strict):
     balance_rel_threshold: float = Field(1.5, ge=1)
 
 
+class AgentWindowConfig(_Strict):
+    """Agent-level admission (bouncer/core/agents.py): a window on active agents, AIMD on pool KV
+    usage and prefix-cache hit rate. Defaults are the CONCUR paper's (alpha 2, beta 0.5, U_low
+    0.2, U_high 0.5, H 0.2). Sessions come from `x-session-id`; with session_from_user the
+    OpenAI `user` field counts too (off by default: chat apps set it per end user, and those are
+    not agents whose steps share a growing prefix)."""
+
+    enabled: bool = True
+    session_from_user: bool = False
+    initial: int = Field(16, ge=1, description="active agents allowed at start")
+    min: int = Field(1, ge=1)
+    max: int = Field(4096, ge=1)
+    alpha: float = Field(2.0, gt=0, description="additive increase while KV usage < u_low")
+    beta: float = Field(0.5, gt=0, lt=1, description="multiplicative decrease while thrashing")
+    u_low: float = Field(0.2, ge=0, le=1)
+    u_high: float = Field(0.5, ge=0, le=1)
+    h_thresh: float = Field(0.2, ge=0, le=1, description="prefix-cache hit rate below which full KV is thrashing")
+    update_interval_s: float = Field(1.0, gt=0)
+    idle_timeout_s: float = Field(30.0, gt=0, description="an agent with no step for this long is no longer active")
+    max_parallel: int = Field(8, ge=1, description="steps of one agent in flight at once (fan-out cap)")
+
+    @model_validator(mode="after")
+    def _ordered(self) -> AgentWindowConfig:
+        if self.min > self.max or not self.min <= self.initial <= self.max:
+            raise ValueError("need min <= initial <= max")
+        if self.u_low > self.u_high:
+            raise ValueError("u_low must not exceed u_high")
+        return self
+
+
 class Policy(_Strict):
     kv_reservation: Literal["overcommit", "reserve"] = "overcommit"
     kv_busy_threshold: float = Field(0.92, gt=0, le=1, description="projected KV usage that marks a replica busy")
@@ -206,6 +236,7 @@ class Policy(_Strict):
     expected_output_default: int = Field(256, ge=1, description="before any request has finished")
     queues: Queues = Queues()
     routing: Routing = Routing()
+    agents: AgentWindowConfig = AgentWindowConfig()
     telemetry: Telemetry = Telemetry()
     breaker: Breaker = Breaker()
     saturation: Saturation = Saturation()

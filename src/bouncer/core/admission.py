@@ -25,6 +25,7 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from bouncer.config import BouncerConfig, ModelConfig, Tenant
+from bouncer.core.agents import AgentWindow
 from bouncer.core.blocks import num_blocks
 from bouncer.core.breaker import CircuitBreaker
 from bouncer.core.fleet import ReplicaState, Telemetry
@@ -35,6 +36,7 @@ from bouncer.core.flow import (
     FlowQueues,
     OrderingPolicy,
     RoundRobin,
+    TenantQueue,
     WeightedDeficitRoundRobin,
 )
 from bouncer.core.kv_events import KVEvent
@@ -44,6 +46,7 @@ from bouncer.core.rate_limit import TenantRateLimiter
 from bouncer.core.requests import Admission, RequestInfo
 from bouncer.core.routing import Router, cached_tokens, make_router
 
+AGENT_LOOKAHEAD = 16  # queued requests of a tenant looked at past a head the agent window holds
 RETRY_AFTER_MIN_S = 0.1  # sub-second values reach clients as `retry-after-ms` (the OpenAI SDKs read it)
 RETRY_AFTER_MAX_S = 60.0
 SERVICE_RATE_WINDOW_S = 30.0  # completions used to estimate how fast the fleet drains a backlog
@@ -111,6 +114,7 @@ class _ModelState:
         self.draining = False
         self.replicas: dict[str, ReplicaState] = {}
         self.completions: deque[float] = deque()  # completion times in the last window: the drain rate
+        self.agents: AgentWindow | None = None  # agent-level admission, when enabled
         self.tpot_target: float | None = None  # strictest TPOT SLO of its tenants, with margin
 
 
@@ -163,6 +167,13 @@ class AdmissionCore:
             if ms is None:
                 ms = self.models[m.name] = _ModelState(m, FlowQueues(self._fairness, self._ordering))
             ms.cfg = m
+            agents_cfg = self.policy.agents
+            if not agents_cfg.enabled:
+                ms.agents = None
+            elif ms.agents is None:
+                ms.agents = AgentWindow(agents_cfg)
+            else:
+                ms.agents.cfg = agents_cfg  # keeps its window and its active agents
             slos = [t.slo.tpot_s for t in config.tenants if t.slo.tpot_s and (not t.models or m.name in t.models)]
             ms.tpot_target = min(slos) * self.policy.tpot_guard_margin if slos else None
             ms.flow.fairness = self._fairness  # queued requests keep their order keys
@@ -259,6 +270,10 @@ class AdmissionCore:
                         expected_output=self._expected_output(tenant, info.model, max_tokens),
                         arrival=now, deadline=now + ttl,
                         ttft_deadline=now + ttft_slo if ttft_slo else None, seq=next(self._seq))
+        if ms.agents is not None:
+            adm.session = info.session_id or (info.user if self.policy.agents.session_from_user else None)
+            # a step of an agent already running goes before new agents: its prefix is warm
+            adm.warm = adm.session is not None and ms.agents.is_active(adm.session)
 
         # layers 4/5 at arrival: drain, usable backends, shedding, waiting-room bounds
         flow = ms.flow
@@ -322,7 +337,7 @@ class AdmissionCore:
         adm = self.inflight.get(request_id)
         if adm is None:
             return []
-        replica = self._release(adm)
+        replica = self._release(adm, now)
         tenant = self.tenants.get(adm.tenant)
         self.stats.outcomes[terminal] += 1
         layer = Layer.UPSTREAM.value if terminal is Terminal.FAILED else "-"
@@ -369,7 +384,7 @@ class AdmissionCore:
         adm = self.inflight.get(request_id)
         if adm is None:
             return []
-        replica = self._release(adm)
+        replica = self._release(adm, now)
         replica.cooldown_until = now + self.policy.upstream_refusal_cooldown_s
         self.stats.decisions[("requeued", Layer.UPSTREAM.value, "upstream_refused", adm.tenant, adm.priority)] += 1
         adm.replica = None
@@ -421,7 +436,21 @@ class AdmissionCore:
         else:
             r.healthy = True
             r.observe(telemetry)
-        return self._dispatch(self.models[r.model], now)
+        ms = self.models[r.model]
+        if ms.agents is not None:
+            self._observe_agents(ms, now)
+        return self._dispatch(ms, now)
+
+    def _observe_agents(self, ms: _ModelState, now: float) -> None:
+        """The agent window's signals: pool KV usage, and the prefix-cache counters summed over
+        the model's replicas (None unless every usable replica reports them)."""
+        fresh = self._freshness(ms, now)
+        usable = [r.telemetry for r in ms.replicas.values() if self._usable(r, fresh) and r.telemetry is not None]
+        queries = hits = None
+        if usable and all(t.prefix_queries is not None and t.prefix_hits is not None for t in usable):
+            queries = sum(t.prefix_queries for t in usable)  # type: ignore[misc]
+            hits = sum(t.prefix_hits for t in usable)  # type: ignore[misc]
+        ms.agents.observe(self._pool_usage(ms, now, fresh), queries, hits, now)  # type: ignore[union-attr]
 
     def kv_events(self, replica: str, events: list[KVEvent], now: float) -> None:
         """KV-cache events an engine published (decoded from its wire format): they make the
@@ -455,6 +484,8 @@ class AdmissionCore:
         times = [d for ms in self.models.values() if (d := ms.flow.next_deadline()) is not None]
         times += [r.cooldown_until for r in self.replicas.values()
                   if r.cooldown_until is not None and len(self.models[r.model].flow)]
+        times += [t for ms in self.models.values() if ms.agents is not None and len(ms.flow)
+                  and (t := ms.agents.next_expiry()) is not None]  # an idle agent frees its slot
         return min(times) if times else None
 
     def drain(self, model: str) -> None:
@@ -480,6 +511,8 @@ class AdmissionCore:
         if ms.draining or not len(flow):
             return events
         fresh = self._freshness(ms, now)
+        if ms.agents is not None:
+            ms.agents.expire(now)
         for band in flow.bands_desc():
             if not band.count:
                 continue
@@ -492,6 +525,11 @@ class AdmissionCore:
                 if q is None:
                     break
                 adm = q.head()
+                if adm.session is not None and ms.agents is not None and not ms.agents.may_dispatch(adm.session, now):
+                    adm = self._next_agent_step(q, ms.agents, now)
+                    if adm is None:
+                        skip.add(q.tenant)  # its agents wait for the window
+                        continue
                 replica = self._place(ms, adm, now, fresh)
                 if replica is None:
                     skip.add(q.tenant)  # its head waits; other tenants may still fit
@@ -504,6 +542,15 @@ class AdmissionCore:
                 break
         return events
 
+    @staticmethod
+    def _next_agent_step(q: TenantQueue, agents: AgentWindow, now: float) -> Admission | None:
+        """The head is a step the agent window holds (a new agent while the window is full, a
+        paused agent, or a fan-out over its cap): the tenant's next request that may go."""
+        for adm in q.first(AGENT_LOOKAHEAD)[1:]:
+            if adm.session is None or agents.may_dispatch(adm.session, now):
+                return adm
+        return None
+
     def _assign(self, adm: Admission, replica: ReplicaState, now: float) -> None:
         adm.replica = replica.name
         adm.dispatched_at = now
@@ -511,13 +558,19 @@ class AdmissionCore:
         adm.prefill_tokens = adm.info.prompt_tokens - cached_tokens(replica, adm, now)
         replica.prefix.record(adm.info.block_digests, now)
         replica.add(adm.request_id, adm, adm.blocks, adm.prefill_tokens)
+        agents = self.models[adm.info.model].agents
+        if adm.session is not None and agents is not None:
+            agents.dispatched(adm.session, now)
         self.tenants[adm.tenant].inflight_blocks += adm.blocks
         self.inflight[adm.request_id] = adm
         self.stats.decisions[("admitted", "-", "-", adm.tenant, adm.priority)] += 1
 
-    def _release(self, adm: Admission) -> ReplicaState:
-        """Undo `_assign`: the permit, the replica's and the tenant's accounting."""
+    def _release(self, adm: Admission, now: float) -> ReplicaState:
+        """Undo `_assign`: the permit, the replica's, the tenant's and the agent's accounting."""
         del self.inflight[adm.request_id]
+        agents = self.models[adm.info.model].agents
+        if adm.session is not None and agents is not None:
+            agents.finished(adm.session, now)
         replica = self.replicas[adm.replica]
         if adm.first_token_at is None:
             replica.mark_started(adm.prefill_tokens, adm.priority)
@@ -723,6 +776,7 @@ class AdmissionCore:
             fresh = self._freshness(ms, now)
             out["models"][name] = {
                 "draining": ms.draining,
+                "agents": None if ms.agents is None else {"window": ms.agents.window, "active": len(ms.agents.active)},
                 "saturation": round(self._saturation(ms, now, fresh), 4),
                 "queued": len(ms.flow),
                 "bands": {b.priority: {"queued": b.count, "tenants": {q.tenant: q.count for q in b.queues.values()

@@ -20,7 +20,8 @@ from bouncer.core.requests import Admission
 
 
 class OrderingPolicy(Protocol):
-    """Orders one tenant's queued requests. `key` must not change while a request is queued."""
+    """Orders one tenant's queued requests. `key` must not change while a request is queued.
+    Steps of active agents (`warm`) come first under either policy."""
 
     name: str
 
@@ -31,7 +32,7 @@ class FCFS:
     name = "fcfs"
 
     def key(self, adm: Admission) -> tuple:
-        return (adm.seq,)
+        return (not adm.warm, adm.seq)
 
 
 class EarliestDeadline:
@@ -41,7 +42,7 @@ class EarliestDeadline:
 
     def key(self, adm: Admission) -> tuple:
         deadline = adm.ttft_deadline if adm.ttft_deadline is not None else adm.deadline
-        return (deadline, adm.seq)
+        return (not adm.warm, deadline, adm.seq)
 
 
 class TenantQueue:
@@ -79,6 +80,12 @@ class TenantQueue:
 
     def __iter__(self) -> Iterator[Admission]:
         return (a for _, a in self._heap if a.request_id in self._live)
+
+    def first(self, k: int) -> list[Admission]:
+        """The next `k` requests in order (O(n log k))."""
+        live = self._live
+        return [a for _, a in heapq.nsmallest(k, (e for e in self._heap if e[1].request_id in live),
+                                              key=lambda e: e[0])]
 
 
 class FairnessPolicy(Protocol):

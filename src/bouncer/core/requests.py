@@ -21,7 +21,8 @@ class RequestInfo:
     ttl_s: float | None = None  # client's shorter TTL (x-bouncer-ttl-ms)
     ttft_slo_s: float | None = None  # client's own SLOs (x-bouncer-ttft-ms / -tpot-ms)
     tpot_slo_s: float | None = None
-    session_id: str | None = None
+    session_id: str | None = None  # x-session-id: the agent this request is a step of
+    user: str | None = None  # the OpenAI `user` field
 
 
 @dataclass(slots=True, eq=False)
@@ -42,6 +43,8 @@ class Admission:
     blocks: int = 0  # projected KV blocks reserved on its replica
     prefill_tokens: int = 0  # uncached prompt tokens it adds to its replica's prefill queue
     seq: int = 0  # arrival order, for FCFS ties
+    session: str | None = None  # the agent it is a step of, when agent-level admission applies
+    warm: bool = False  # a step of an agent already active: ordered before other requests
 
     @property
     def request_id(self) -> str:

@@ -43,6 +43,9 @@ class _CoreCollector:
         queued_tokens = GaugeMetricFamily("bouncer_queue_tokens", "Queued prompt tokens.", labels=["model", "band"])
         sat = GaugeMetricFamily("bouncer_saturation", "Fleet saturation (>= 1 saturated).", labels=["model"])
         draining = GaugeMetricFamily("bouncer_model_draining", "1 while a model is draining.", labels=["model"])
+        agent_window = GaugeMetricFamily("bouncer_agent_window", "Active agents allowed (AIMD window).",
+                                         labels=["model"])
+        active_agents = GaugeMetricFamily("bouncer_active_agents", "Agents (sessions) active now.", labels=["model"])
         snap = core.snapshot(now)
         for name, ms in core.models.items():
             for band in ms.flow.bands_desc():
@@ -50,10 +53,15 @@ class _CoreCollector:
                 queued_tokens.add_metric([name, str(band.priority)], band.tokens)
             sat.add_metric([name], snap["models"][name]["saturation"])
             draining.add_metric([name], 1.0 if ms.draining else 0.0)
+            if ms.agents is not None:
+                agent_window.add_metric([name], ms.agents.window)
+                active_agents.add_metric([name], len(ms.agents.active))
         yield depth
         yield queued_tokens
         yield sat
         yield draining
+        yield agent_window
+        yield active_agents
         age = GaugeMetricFamily("bouncer_replica_telemetry_age_seconds", "Age of the last good scrape.",
                                 labels=["replica"])
         kv = GaugeMetricFamily("bouncer_replica_kv_usage", "Projected KV usage (scraped blended with own).",

@@ -99,12 +99,13 @@ def request_info(request_id: str, kind: str, body: dict[str, Any], headers,
     if num_stop < 0:
         raise ApiError(400, "stop must be a string or a list of strings", param="stop", code="invalid_parameter")
     user = body.get("user")
-    session = headers.get("x-session-id") or (user if isinstance(user, str) and user else None)
+    user = user if isinstance(user, str) and user else None
     return RequestInfo(
         request_id=request_id, key_digest=key_digest_from_headers(headers), model=model,
         prompt_tokens=len(ids), max_tokens=max_tokens,
         block_digests=chain_block_hashes(ids, block_size),
         n=_int_field(body, "n") or 1, best_of=_int_field(body, "best_of"), num_stop=num_stop,
         ttl_s=_header_ms(headers, "x-bouncer-ttl-ms"), ttft_slo_s=_header_ms(headers, "x-bouncer-ttft-ms"),
-        tpot_slo_s=_header_ms(headers, "x-bouncer-tpot-ms"), session_id=session)
+        tpot_slo_s=_header_ms(headers, "x-bouncer-tpot-ms"), session_id=headers.get("x-session-id") or None,
+        user=user)
 

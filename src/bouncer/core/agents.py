@@ -1,0 +1,110 @@
+"""Agent-level admission: how many agents may be active at once (after CONCUR).
+
+An agent is a session (`x-session-id`) whose steps arrive one after another, each a longer prompt
+that shares the previous step's prefix. Admitting requests one at a time lets too many agents be
+active at once: their contexts no longer fit the KV pool, each step finds its prefix evicted and
+recomputes it, and throughput collapses (thrashing). So a window W bounds the *active agents*:
+
+- an agent becomes active with its first admitted step and stays active until it idles past
+  `idle_timeout_s` (agents send no "done"; a pause for tool use is shorter than the timeout);
+- W follows AIMD on engine signals, checked every `update_interval_s`: +alpha while pool KV
+  usage is below U_low; x beta when usage is above U_high *and* the prefix-cache hit rate is
+  below H (memory is full of prefixes nobody reuses: thrashing); held otherwise;
+- a new agent waits while the window is full; an active agent's next step is never held by the
+  window, except when W has shrunk below the active count: then the agents that started last are
+  paused at their next step boundary (never mid-generation) until there is room again;
+- one agent may have at most `max_parallel` steps in flight (sub-agent fan-out).
+
+Pure: every method takes `now`. One instance per model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from bouncer.config import AgentWindowConfig
+
+
+@dataclass(slots=True)
+class _Agent:
+    started_at: float  # when it became active: the last started are paused first
+    last_seen: float  # last step admitted or finished
+    inflight: int = 0
+
+
+class AgentWindow:
+    def __init__(self, cfg: AgentWindowConfig) -> None:
+        self.cfg = cfg
+        self.window = float(cfg.initial)
+        self.active: dict[str, _Agent] = {}
+        self._next_update: float | None = None
+        self._last_counts: tuple[float, float] | None = None  # cumulative (queries, hits) at the last update
+
+    # -- queries from the dispatch loop ---------------------------------------------------------
+    def is_active(self, session: str) -> bool:
+        return session in self.active
+
+    def may_dispatch(self, session: str, now: float) -> bool:
+        """Whether a step of `session` may be dispatched now."""
+        self.expire(now)
+        agent = self.active.get(session)
+        limit = max(self.cfg.min, int(self.window))
+        if agent is None:
+            return len(self.active) < limit
+        if agent.inflight >= self.cfg.max_parallel:
+            return False
+        if agent.inflight == 0 and len(self.active) > limit:
+            # between steps and over the window: the most recently started agents pause first
+            rank = sum(1 for a in self.active.values() if a.started_at < agent.started_at)
+            return rank < limit
+        return True
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    def dispatched(self, session: str, now: float) -> None:
+        agent = self.active.get(session)
+        if agent is None:
+            agent = self.active[session] = _Agent(now, now)
+        agent.inflight += 1
+        agent.last_seen = now
+
+    def finished(self, session: str, now: float) -> None:
+        agent = self.active.get(session)
+        if agent is not None:
+            agent.inflight = max(0, agent.inflight - 1)
+            agent.last_seen = now
+
+    def expire(self, now: float) -> None:
+        """Agents idle past the timeout are no longer active."""
+        timeout = self.cfg.idle_timeout_s
+        idle = [s for s, a in self.active.items() if not a.inflight and now - a.last_seen > timeout]
+        for s in idle:
+            del self.active[s]
+
+    def next_expiry(self) -> float | None:
+        """When the next idle agent times out (a dispatch opportunity)."""
+        times = [a.last_seen + self.cfg.idle_timeout_s for a in self.active.values() if not a.inflight]
+        return min(times) if times else None
+
+    # -- the window -----------------------------------------------------------------------------
+    def observe(self, kv_usage: float, prefix_queries: float | None, prefix_hits: float | None,
+                now: float) -> None:
+        """Pool KV usage and cumulative prefix-cache counters (summed over the model's replicas)."""
+        if self._next_update is not None and now < self._next_update:
+            return
+        self._next_update = now + self.cfg.update_interval_s
+        hit_rate = None
+        if prefix_queries is not None and prefix_hits is not None:
+            if self._last_counts is not None:
+                dq = prefix_queries - self._last_counts[0]
+                dh = prefix_hits - self._last_counts[1]
+                hit_rate = dh / dq if dq > 0 else None
+            self._last_counts = (prefix_queries, prefix_hits)
+        self.step(kv_usage, hit_rate)
+
+    def step(self, kv_usage: float, hit_rate: float | None) -> None:
+        """One AIMD step. Without a hit rate (no reuse measured) only the increase applies."""
+        c = self.cfg
+        if kv_usage < c.u_low:
+            self.window = min(float(c.max), self.window + c.alpha)
+        elif kv_usage > c.u_high and hit_rate is not None and hit_rate < c.h_thresh:
+            self.window = max(float(c.min), self.window * c.beta)

@@ -1,0 +1,111 @@
+"""Agent-level admission: the AIMD window on active agents, pauses at step boundaries only,
+the fan-out cap, and the core holding new agents (never refusing them) while the window is full."""
+
+from __future__ import annotations
+
+import pytest
+
+from bouncer.config import AgentWindowConfig
+from bouncer.core.agents import AgentWindow
+from bouncer.core.outcomes import Terminal
+from core_helpers import dispatched, info, make_core, observe_idle, rejected
+
+
+def window(**kw) -> AgentWindow:
+    return AgentWindow(AgentWindowConfig(**{"initial": 4, "update_interval_s": 1.0, **kw}))
+
+
+def test_window_follows_aimd_on_scripted_signals():
+    w = window(initial=4, max=10)
+    w.step(kv_usage=0.1, hit_rate=0.9)  # memory to spare: +alpha
+    assert w.window == 6
+    w.step(kv_usage=0.3, hit_rate=0.05)  # between U_low and U_high: hold
+    assert w.window == 6
+    w.step(kv_usage=0.7, hit_rate=0.5)  # full, but the prefixes are being reused: hold
+    assert w.window == 6
+    w.step(kv_usage=0.7, hit_rate=0.1)  # full of prefixes nobody reuses: thrashing, x beta
+    assert w.window == 3
+    w.step(kv_usage=0.7, hit_rate=None)  # no lookups measured: no evidence of thrashing
+    assert w.window == 3
+    for _ in range(10):
+        w.step(kv_usage=0.9, hit_rate=0.0)
+    assert w.window == 1  # floored at min
+    for _ in range(10):
+        w.step(kv_usage=0.0, hit_rate=None)
+    assert w.window == 10  # capped at max
+
+
+def test_observe_takes_hit_rate_from_counter_deltas_once_per_interval():
+    w = window(initial=8)
+    w.observe(0.9, prefix_queries=1000, prefix_hits=900, now=0.0)  # first sample: no rate yet
+    assert w.window == 8
+    w.observe(0.9, prefix_queries=2000, prefix_hits=950, now=0.5)  # within the interval: ignored
+    assert w.window == 8
+    w.observe(0.9, prefix_queries=2000, prefix_hits=950, now=1.0)  # 50 hits of 1,000 lookups: 5%
+    assert w.window == 4
+    w.observe(0.9, prefix_queries=3000, prefix_hits=1900, now=2.0)  # 95%: reused, hold
+    assert w.window == 4
+
+
+def test_new_agents_wait_while_the_window_is_full_and_active_ones_keep_going():
+    w = window(initial=2, idle_timeout_s=10)
+    for s in ("a", "b"):
+        assert w.may_dispatch(s, 0.0)
+        w.dispatched(s, 0.0)
+    assert not w.may_dispatch("c", 0.0)
+    w.finished("a", 1.0)
+    assert w.may_dispatch("a", 2.0)  # a's next step: a is still active
+    assert not w.may_dispatch("c", 2.0)
+    assert w.next_expiry() == pytest.approx(11.0)
+    assert w.may_dispatch("c", 11.5)  # a idled past the timeout: its slot is free
+
+
+def test_a_shrinking_window_pauses_agents_only_between_steps_latest_started_first():
+    w = window(initial=3)
+    for t, s in enumerate(("a", "b", "c")):
+        w.dispatched(s, float(t))
+    w.window = 1  # the pool started thrashing
+    # every agent has a step in flight: nothing is interrupted, but no new step may join
+    assert all(w.active[s].inflight == 1 for s in "abc")
+    assert not w.may_dispatch("d", 3.0)
+    for s in "abc":
+        w.finished(s, 4.0)
+    # between steps: only the earliest-started agent may go on; b and c pause
+    assert w.may_dispatch("a", 4.0)
+    assert not w.may_dispatch("b", 4.0) and not w.may_dispatch("c", 4.0)
+
+
+def test_one_agent_fans_out_at_most_max_parallel_steps():
+    w = window(max_parallel=2)
+    w.dispatched("a", 0.0)
+    assert w.may_dispatch("a", 0.0)
+    w.dispatched("a", 0.0)
+    assert not w.may_dispatch("a", 0.0)
+    w.finished("a", 1.0)
+    assert w.may_dispatch("a", 1.0)
+
+
+def test_core_holds_a_new_agent_until_the_window_has_room():
+    core = make_core(policy={"agents": {"initial": 1, "max": 1, "idle_timeout_s": 5}})
+    first = dispatched(core.offer(info(session_id="agent-1"), 0.0))
+    assert first
+    held = core.offer(info(session_id="agent-2"), 0.1)
+    assert not dispatched(held) and not rejected(held) and core.queued == 1  # waits, is not refused
+    # agent-1's next step goes at once, ahead of the waiting agent
+    assert dispatched(core.offer(info(session_id="agent-1"), 0.2))
+    for adm in list(core.inflight.values()):
+        core.finished(adm.request_id, 1.0, Terminal.COMPLETED)
+    assert core.queued == 1  # agent-1 is between steps, still active
+    assert core.next_wakeup() == pytest.approx(6.0)  # when agent-1 times out
+    events = observe_idle(core, 6.5)  # a fresh scrape; the idle agent has timed out by now
+    assert [d.adm.session for d in dispatched(events)] == ["agent-2"]
+    snap = core.snapshot(6.5)["models"]["m"]["agents"]
+    assert snap == {"window": 1.0, "active": 1}
+
+
+def test_requests_without_a_session_are_not_held_by_the_window():
+    core = make_core(policy={"agents": {"initial": 1, "max": 1}})
+    assert dispatched(core.offer(info(session_id="agent-1"), 0.0))
+    assert dispatched(core.offer(info(), 0.1))  # no session: plain admission
+    assert dispatched(core.offer(info(user="end-user-7"), 0.2))  # `user` is not a session by default
+    observe_idle(core, 0.3)
