@@ -109,3 +109,13 @@ def test_requests_without_a_session_are_not_held_by_the_window():
     assert dispatched(core.offer(info(), 0.1))  # no session: plain admission
     assert dispatched(core.offer(info(user="end-user-7"), 0.2))  # `user` is not a session by default
     observe_idle(core, 0.3)
+
+
+def test_an_idle_agent_is_gone_at_exactly_its_expiry_time():
+    """The core wakes at next_expiry(); the agent must be expired then, or the wake-up repeats
+    forever at the same instant (43.2767... + 30 - 43.2767... < 30 in floating point)."""
+    w = window(idle_timeout_s=30.0)
+    w.dispatched("a", 43.27670679050534)
+    w.finished("a", 43.27670679050534)
+    w.expire(w.next_expiry())
+    assert not w.active and w.next_expiry() is None

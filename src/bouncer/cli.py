@@ -153,6 +153,8 @@ def cmd_bench_overhead(args) -> None:
 def cmd_bench_run(args) -> None:
     from bouncer.bench.goodput import run, save
 
+    if args.scenario == "agents":
+        return _bench_agents(args)
     result = run(args.scenario, args.policy, args.load, seed=args.seed, replicas=args.replicas,
                  duration_s=args.duration, trace=args.trace, profile=args.profile, routing=args.routing,
                  kv_events=args.kv_events)
@@ -169,6 +171,23 @@ def cmd_bench_run(args) -> None:
               f"{t['served_token_share']:.1%}")
     print(f"  simulated {result['sim_seconds']:.0f} s in {result['wall_seconds']:.1f} s "
           f"({result['sim_seconds_per_wall_second']:.0f} sim s per wall s)")
+
+
+def _bench_agents(args) -> None:
+    from bouncer.bench import agents
+    from bouncer.bench.goodput import save
+
+    if args.policy not in agents.AGENT_POLICIES:
+        raise SystemExit(f"bouncer: the agents scenario compares {', '.join(agents.AGENT_POLICIES)}")
+    result = agents.run(args.policy, args.sessions, duration_s=args.duration, replicas=args.replicas,
+                        seed=args.seed, trace=args.trace, profile=args.profile)
+    if args.out:
+        save(result, args.out)
+    print(f"agents / {result['policy']} with {result['sessions']} concurrent sessions on {result['replicas']} "
+          f"replicas: {result['sessions_completed_per_hour']:.1f} sessions/h completed "
+          f"({result['sessions_failed']} failed), prefix hit rate {result['prefix_hit_rate']:.1%}, "
+          f"{result['recomputed_tokens']:,} tokens recomputed; simulated {result['sim_seconds']:.0f} s "
+          f"in {result['wall_seconds']:.1f} s")
 
 
 def cmd_bench_report(args) -> None:
@@ -223,7 +242,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_bench_engine)
     p = bench.add_parser("run", help="one goodput run in the fleet simulator")
     p.add_argument("--scenario", required=True, choices=SCENARIOS)
-    p.add_argument("--policy", required=True, choices=POLICIES)
+    p.add_argument("--policy", required=True, choices=POLICIES + ("request-cap",),
+                   help="request-cap: the agents scenario's request-level concurrency cap")
+    p.add_argument("--sessions", type=int, default=32, help="agents scenario: concurrent agent sessions")
     p.add_argument("--load", type=float, default=1.0, help="offered load as a multiple of the fleet's capacity")
     p.add_argument("--trace", help="replace the scenario's main trace (same format)")
     p.add_argument("--replicas", type=int, default=4)

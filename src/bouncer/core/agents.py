@@ -76,7 +76,8 @@ class AgentWindow:
     def expire(self, now: float) -> None:
         """Agents idle past the timeout are no longer active."""
         timeout = self.cfg.idle_timeout_s
-        idle = [s for s, a in self.active.items() if not a.inflight and now - a.last_seen > timeout]
+        # the same expression as next_expiry, so a wake-up at that time always finds it expired
+        idle = [s for s, a in self.active.items() if not a.inflight and a.last_seen + timeout <= now]
         for s in idle:
             del self.active[s]
 

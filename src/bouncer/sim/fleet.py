@@ -225,6 +225,30 @@ class FleetSim:
         self._loop(end)
         return completed / measure_s
 
+    def run_sessions(self, start, follow, sessions: int, until: float) -> float:
+        """Closed loop of agent sessions: `sessions` of them at all times. `start(now)` returns a
+        new session's first request; when a request gets its outcome, `follow(req, now)` returns
+        (delay, next request) of the same session, or None when the session is over (then a new
+        one starts). Stops at `until`; returns the simulated time reached."""
+        def on_done(req: SimRequest, now: float) -> None:
+            if now >= until:
+                return
+            nxt = follow(req, now)
+            delay, new = (0.0, start(now)) if nxt is None else nxt
+            self._open += 1
+            self._push(now + delay, _ARRIVE, new)
+
+        self._on_done = on_done
+        self._open = 0
+        for i in range(sessions):
+            self._open += 1
+            t = i * 1e-3
+            self._push(t, _ARRIVE, start(t))
+        self._start_scrapes()
+        self._sample_until = until
+        self._push(0.0, _SAMPLE, None)
+        return self._loop(until)
+
     def _start_scrapes(self) -> None:
         """The gateway has scraped every (idle) replica once before traffic starts, as a
         deployed gateway would have; later scrapes are staggered, as independent scrapers are."""
@@ -407,4 +431,8 @@ class FleetSim:
                              "running": sum(e.num_running for e in self.engines.values()),
                              "kv_usage_mean": mean, "kv_usage_max": max(usage),
                              "kv_imbalance": max(usage) / mean if mean > 0 else None,
+                             # cumulative, all tiers: hit rate over time comes from their deltas
+                             "prefix_queries": sum(e.counters.prefix_cache_queries for e in self.engines.values()),
+                             "prefix_hits": sum(e.counters.prefix_cache_hits + e.counters.external_prefix_cache_hits
+                                                for e in self.engines.values()),
                              "gateway_queued": getattr(self.policy, "queued", 0)})

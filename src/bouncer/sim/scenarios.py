@@ -27,6 +27,7 @@ TRACES = _traces_dir()
 AZURE_CONV = TRACES / "azure-2023/AzureLLMInferenceTrace_conv.csv"
 AZURE_CODE = TRACES / "azure-2023/AzureLLMInferenceTrace_code.csv"
 MOONCAKE_CONV = TRACES / "mooncake-fast25/conversation_trace.jsonl"
+WEKA_SESSIONS = TRACES / "weka-claude-code/traces"
 
 
 @dataclass
@@ -100,4 +101,5 @@ def get_scenario(name: str, duration_s: float) -> Scenario:
     raise ValueError(f"unknown scenario {name!r}; known: {', '.join(SCENARIOS)}")
 
 
-SCENARIOS = ("rogue-tenant", "consolidation", "fairness", "surge", "prefix")
+# `agents` is closed-loop and lives in bouncer.bench.agents
+SCENARIOS = ("rogue-tenant", "consolidation", "fairness", "surge", "prefix", "agents")

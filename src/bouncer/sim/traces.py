@@ -96,6 +96,77 @@ def load_mooncake(path: str | pathlib.Path, block_size: int = 16) -> list[TraceR
     return out
 
 
+@dataclass(slots=True)
+class AgentStep:
+    prompt_len: int
+    output_len: int
+    block_ids: list[int]  # the session's own ids of `block_tokens`-token blocks, prefix order
+    think_s: float  # pause after the previous step finished (tool use, the user), before this one
+
+
+@dataclass(slots=True)
+class AgentSession:
+    name: str
+    block_tokens: int
+    steps: list[AgentStep]
+
+
+def load_weka(path: str | pathlib.Path) -> list[AgentSession]:
+    """WEKA's Claude Code traces (kv-cache-tester): a folder of one JSON per session,
+    `{id, block_size, hash_id_scope: "local", requests: [{t, type, in, out, hash_ids, think_time}]}`.
+    Hash ids are local to a session, so replays must keep them apart (`session_digests`). Sessions
+    are replayed closed-loop: each step starts its think time after the previous one finished."""
+    import json
+
+    folder = pathlib.Path(path)
+    files = sorted(folder.glob("*.json")) if folder.is_dir() else [folder]
+    sessions = []
+    for f in files:
+        try:
+            d = json.loads(f.read_text())
+            steps = [AgentStep(max(1, int(r["in"])), max(1, int(r["out"])), list(r["hash_ids"]),
+                               float(r.get("think_time") or 0.0)) for r in d["requests"]]
+            sessions.append(AgentSession(str(d.get("id", f.stem)), int(d["block_size"]), steps))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"{f}: not a WEKA agent session trace ({exc!r})") from None
+    if not sessions:
+        raise ValueError(f"{path}: no session JSON files")
+    return sessions
+
+
+class SessionDigests:
+    """Our 16-token chained digests for one replay of a session: each trace block id becomes
+    block_tokens / block_size sub-blocks, keyed by the replay (`instance`) so that two replays of
+    the same session share nothing. Consecutive steps extend the same prefix, so the chain computed
+    for one step is reused by the next."""
+
+    def __init__(self, instance: str, block_tokens: int, block_size: int = 16) -> None:
+        import xxhash
+
+        self._hash = xxhash.xxh3_64_intdigest
+        self.instance = instance
+        self.per_id = max(1, block_tokens // block_size)
+        self.block_size = block_size
+        self._ids: list[int] = []
+        self._digests: list[int] = []
+
+    def of(self, step: AgentStep, max_prompt: int) -> list[int]:
+        ids = step.block_ids
+        common = 0
+        for a, b in zip(ids, self._ids, strict=False):
+            if a != b:
+                break
+            common += 1
+        digests = self._digests[:common * self.per_id]
+        parent = digests[-1] if digests else 0
+        for hid in ids[common:]:
+            for j in range(self.per_id):
+                parent = self._hash(f"{self.instance}:{hid}:{j}".encode(), seed=parent)
+                digests.append(parent)
+        self._ids, self._digests = ids, digests
+        return digests[:min(step.prompt_len, max_prompt) // self.block_size]
+
+
 def load_trace(path: str | pathlib.Path) -> list[TraceRequest]:
     """Detect the format from the file: Azure CSV or Mooncake JSONL."""
     p = pathlib.Path(path)
