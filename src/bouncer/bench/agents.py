@@ -134,5 +134,4 @@ def run(policy: str, sessions: int, duration_s: float = 3600.0, replicas: int = 
         "prefix_hit_rate_over_time": over_time,
         "agent_window": gw.core.models[next(iter(gw.core.models))].agents.window
         if policy == "bouncer" else None,
-        "samples": sim.samples,
     }
