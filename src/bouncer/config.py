@@ -379,4 +379,14 @@ policy:
     sticky_margin: 1.0         # a warm replica keeps a request while its predicted TTFT is within
     sticky_slack_tokens: 8192  #   (1 + margin) x the cheapest replica's + slack (prefill tokens)
     kv_events_staleness_s: 10  # no KV event this long after sending work: use the approximate index
+  agents:                      # requests with x-session-id are steps of an agent
+    enabled: true
+    initial: 16                # active agents allowed; AIMD: +alpha below u_low KV usage,
+    alpha: 2                   #   x beta above u_high when the prefix hit rate is below h_thresh
+    beta: 0.5
+    u_low: 0.2
+    u_high: 0.5
+    h_thresh: 0.2
+    idle_timeout_s: 30         # an agent with no step for this long frees its slot
+    max_parallel: 8            # one agent's steps in flight at once
 """
