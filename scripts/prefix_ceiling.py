@@ -15,6 +15,7 @@ import argparse
 from collections import OrderedDict
 
 from bouncer.bench.goodput import DEFAULT_PROFILE, fleet_capacity, prefix_hit_bound
+from bouncer.core.blocks import leading_run
 from bouncer.sim.profiles import get_profile
 from bouncer.sim.scenarios import get_scenario
 from bouncer.sim.workloads import make_requests
@@ -25,14 +26,7 @@ def lru_hit_rate(requests, caches: int, capacity: int, pick) -> float:
     load = [0] * caches
     hits = total = 0
     for i, r in enumerate(requests):
-        matched = []
-        for c in lru:
-            n = 0
-            for d in r.block_digests:
-                if d not in c:
-                    break
-                n += 1
-            matched.append(n)
+        matched = [leading_run(r.block_digests, c) for c in lru]
         k = pick(i, matched, load)
         hits += min(matched[k] * 16, r.prompt_len - 1)
         total += r.prompt_len

@@ -15,6 +15,7 @@ import os
 import pathlib
 
 from bouncer.config import Routing
+from bouncer.core.blocks import leading_run
 from bouncer.core.routing import make_router
 from bouncer.sim.fleet import FleetConfig, FleetSim, SimRequest
 from bouncer.sim.policies import (
@@ -149,12 +150,7 @@ def prefix_hit_bound(requests: list[SimRequest], block_size: int) -> float:
     seen: set[int] = set()
     hits = total = 0
     for r in sorted(requests, key=lambda r: r.arrival):
-        n = 0
-        for d in r.block_digests:
-            if d not in seen:
-                break
-            n += 1
-        hits += min(n * block_size, r.prompt_len - 1)
+        hits += min(leading_run(r.block_digests, seen) * block_size, r.prompt_len - 1)
         total += r.prompt_len
         seen.update(r.block_digests)
     return hits / total if total else 0.0

@@ -13,6 +13,7 @@ and fast enough that hashing a prompt costs far less than tokenizing it.
 from __future__ import annotations
 
 from array import array
+from collections.abc import Container
 
 import xxhash
 
@@ -34,6 +35,17 @@ def chain_block_hashes(token_ids: list[int] | array, block_size: int = DEFAULT_B
         parent = hasher(raw[start:start + step], seed=parent)
         digests.append(parent)
     return digests
+
+
+def leading_run(digests: list[int], held: Container[int]) -> int:
+    """How many of `digests`, from the first, are in `held`: the usable cached prefix (chained
+    digests make any block after a miss useless)."""
+    n = 0
+    for d in digests:
+        if d not in held:
+            break
+        n += 1
+    return n
 
 
 def num_blocks(num_tokens: int, block_size: int) -> int:

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
 
-from bouncer.core.blocks import ROOT_HASH, chain_block_hashes
+from bouncer.core.blocks import ROOT_HASH, chain_block_hashes, leading_run
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,13 +71,7 @@ class PreciseIndex:
 
     def match(self, digests: list[int]) -> int:
         """Leading blocks of `digests` the engine holds."""
-        ours = self._ours
-        n = 0
-        for d in digests:
-            if d not in ours:
-                break
-            n += 1
-        return n
+        return leading_run(digests, self._ours)
 
     def apply(self, events: Iterable[KVEvent], now: float) -> None:
         for ev in events:

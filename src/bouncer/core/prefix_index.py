@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+from bouncer.core.blocks import leading_run
 from bouncer.core.kv_events import KVEvent, PreciseIndex
 
 
@@ -30,13 +31,7 @@ class ApproxPrefixIndex:
 
     def match(self, digests: list[int]) -> int:
         """Leading blocks of `digests` believed cached here."""
-        blocks = self._blocks
-        n = 0
-        for d in digests:
-            if d not in blocks:
-                break
-            n += 1
-        return n
+        return leading_run(digests, self._blocks)
 
     def record(self, digests: list[int]) -> None:
         """The prompt was sent here: its blocks become the most recently used."""
