@@ -190,6 +190,32 @@ def _bench_agents(args) -> None:
           f"in {result['wall_seconds']:.1f} s")
 
 
+def cmd_bench_feasibility(args) -> None:
+    from bouncer.bench import feasibility
+    from bouncer.bench.goodput import save
+
+    r = feasibility.run(args.scenario, args.load, args.steady_load, args.replicas, args.duration, args.seed,
+                        args.samples)
+    if args.out:
+        save(r, args.out)
+    for kind, e in r["predictor_error"].items():
+        print(f"{kind} predicted at dispatch, load {r['steady_load']}: median error "
+              f"{e['median_abs_rel_error']:.1%}, p90 {e['p90_abs_rel_error']:.1%}, mean predicted / mean observed "
+              f"{e['mean_predicted_over_mean_observed']} ({e['n']} requests)")
+    s = r["shipped"]
+    print(f"{r['scenario']} at load {r['load']}: {s['refused_at_arrival']} refused at arrival as deadline_infeasible; "
+          f"core time of those offers p50 {s['offer_core_ms_p50']} ms, p99 {s['offer_core_ms_p99']} ms, "
+          f"p99.9 {s['offer_core_ms_p999']} ms, "
+          f"max {s['offer_core_ms_max']} ms")
+    for mode, f in r["refused_then_let_through"].items():
+        print(f"  let through ({mode}): {f['missed']} of {f['samples']} missed their TTFT SLO; "
+              f"in-time attempts gained per one let through: {f['in_time_gained_mean']}")
+    e = r["everything_admitted"]
+    print(f"  everything admitted: {e['refused_when_shipped_missed_fraction']:.1%} of the "
+          f"{e['refused_when_shipped']} attempts refused as shipped missed; {e['flagged_missed_fraction']:.1%} of "
+          f"{e['flagged']} flagged missed, and {e['unflagged_missed_fraction']:.1%} of the {e['unflagged']} others")
+
+
 def cmd_bench_report(args) -> None:
     from bouncer.bench.report import write_report
 
@@ -256,6 +282,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="engines publish KV-cache events; Bouncer's prefix index follows them")
     p.add_argument("--out", help="write the result JSON")
     p.set_defaults(func=cmd_bench_run)
+
+    p = bench.add_parser("feasibility", help="latency predictor error, and paired runs that let refused "
+                                             "deadline_infeasible requests through")
+    p.add_argument("--scenario", default="surge", choices=["rogue-tenant", "consolidation", "fairness", "surge"])
+    p.add_argument("--load", type=float, default=2.0, help="load factor of the paired runs")
+    p.add_argument("--steady-load", type=float, default=0.7, help="load factor the predictor error is measured at")
+    p.add_argument("--replicas", type=int, default=2)
+    p.add_argument("--duration", type=float, default=120.0, help="simulated seconds of arrivals")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--samples", type=int, default=30, help="refused requests let through, one paired run each")
+    p.add_argument("--out", help="write the result JSON")
+    p.set_defaults(func=cmd_bench_feasibility)
 
     p = bench.add_parser("report", help="Markdown and plots from `bench run` result files")
     p.add_argument("files", nargs="+", help="result JSON files or folders of them")

@@ -35,6 +35,9 @@ class RateLimit(_Strict):
 class SLO(_Strict):
     ttft_s: float | None = Field(None, gt=0)
     tpot_s: float | None = Field(None, gt=0)
+    on_infeasible: Literal["refuse", "best-effort"] = Field(
+        "refuse", description="a request predicted to miss its TTFT SLO: refuse it (429 deadline_infeasible), "
+                              "or serve it without a deadline in policy.best_effort_priority's band")
 
 
 class Tenant(_Strict):
@@ -105,6 +108,17 @@ class Backend(_Strict):
         return url.rstrip("/")
 
 
+class StepTimeConfig(_Strict):
+    """The engine's step time, a + b x batched tokens + c x context tokens read (the simulator's
+    engine model, docs/engine-model.md): where set, TTFT and TPOT are predicted per replica and
+    corrected online from what the gateway observes."""
+
+    a: float = Field(gt=0, description="seconds per step")
+    b: float = Field(ge=0, description="seconds per batched token")
+    c: float = Field(0.0, ge=0, description="seconds per context token attention reads")
+    max_batched_tokens: int = Field(8192, ge=1, description="the engine's --max-num-batched-tokens")
+
+
 class ModelConfig(_Strict):
     name: str = Field(min_length=1, description="served model name clients ask for")
     engine: EngineKind = "vllm"
@@ -113,6 +127,8 @@ class ModelConfig(_Strict):
     max_model_len: int = Field(8192, ge=16)
     block_size: int = Field(16, ge=1)
     kv: KVGeometryConfig | None = None
+    step_time: StepTimeConfig | None = Field(None, description="enables latency prediction (SLO feasibility, "
+                                                                "the TPOT hold)")
     upstream_model: str | None = Field(None, description="name the backends serve it under; default: name")
 
 
@@ -222,10 +238,17 @@ class Policy(_Strict):
     context_pressure_min_fraction: float = Field(0.25, gt=0, le=1)
     drain_queue_cap: int = Field(64, ge=0, description="requests held per model while draining")
     upstream_refusal_cooldown_s: float = Field(0.5, ge=0, description="rest a replica that refused a request")
-    ttl_within_slo: bool = Field(True, description="a queued request expires after slo_queue_fraction of its "
-                                                   "TTFT SLO: later, it could only be served late")
-    refuse_infeasible: bool = Field(True, description="refuse at arrival (429 deadline_infeasible) when the "
-                                                      "estimated wait exceeds slo_queue_fraction of the TTFT SLO")
+    ttl_within_slo: bool = Field(True, description="a queued request expires once waiting longer would make it late: "
+                                                   "its TTFT SLO minus the best predicted TTFT at arrival (without "
+                                                   "a step-time model, slo_queue_fraction of the SLO)")
+    refuse_infeasible: bool = Field(True, description="act on requests predicted to miss their TTFT SLO (queue "
+                                                      "wait + predicted TTFT on the best replica; without a "
+                                                      "step-time model: wait > slo_queue_fraction of the SLO) as "
+                                                      "their tenant's slo.on_infeasible says; off: only flag them")
+    best_effort_priority: int = Field(-1, description="band of requests served best-effort after their deadline "
+                                                      "was found infeasible")
+    tpot_hold: bool = Field(True, description="hold a request while sending it would raise a replica's predicted "
+                                              "TPOT past the strictest TPOT SLO running there (needs step_time)")
     slo_queue_fraction: float = Field(0.6, gt=0, le=1, description="share of the TTFT SLO a request may spend "
                                                                    "queued; the rest is for prefill")
     tpot_guard: bool = Field(True, description="per replica, cut the in-flight limit when completed requests "

@@ -43,7 +43,7 @@ class _Replay:
     prev_blocks: int = 0  # digests of the previous completed step: what this one could reuse
 
 
-def _policy(name: str, replicas: int, blocks: int, block_size: int, cap: int):
+def _policy(name: str, replicas: int, blocks: int, block_size: int, cap: int, step_time: dict):
     names = [f"r{i}" for i in range(replicas)]
     if name == "none":
         return NoAdmission(names)
@@ -54,7 +54,8 @@ def _policy(name: str, replicas: int, blocks: int, block_size: int, cap: int):
         policy.update(max_inflight_per_replica=cap, agents={"enabled": False})
     elif name != "bouncer":
         raise ValueError(f"unknown policy {name!r} for the agents scenario; known: {', '.join(AGENT_POLICIES)}")
-    return CorePolicy(name, core_config(tenants, replicas, blocks, block_size, MAX_MODEL_LEN, policy))
+    return CorePolicy(name, core_config(tenants, replicas, blocks, block_size, MAX_MODEL_LEN, policy,
+                                        step_time=step_time))
 
 
 def run(policy: str, sessions: int, duration_s: float = 3600.0, replicas: int = 2, seed: int = 0,
@@ -65,7 +66,7 @@ def run(policy: str, sessions: int, duration_s: float = 3600.0, replicas: int = 
                        for a in pool for s in a.steps) / sum(len(a.steps) for a in pool)
     cap = max(1, int(prof.kv_tokens / mean_context))
     cfg = FleetConfig(replicas=replicas, profile=prof, seed=seed)
-    gw = _policy(policy, replicas, prof.num_blocks, prof.block_size, cap)
+    gw = _policy(policy, replicas, prof.num_blocks, prof.block_size, cap, prof.step_time_config)
     sim = FleetSim(cfg, gw, gw.replica_names)
     rng = random.Random(seed)
     replays: dict[str, _Replay] = {}

@@ -44,7 +44,7 @@ LLMD_SCRAPE_INTERVAL_S = 0.05  # llm-d's --refresh-metrics-interval default (50 
 CACHE_DIR = pathlib.Path(os.environ.get("BOUNCER_CACHE_DIR", ".cache")) / "capacity"
 
 
-def _fleet_config(policy: str, replicas: int, profile_name: str, seed: int, scenario: Scenario,
+def fleet_config(policy: str, replicas: int, profile_name: str, seed: int, scenario: Scenario,
                   kv_events: bool = False) -> FleetConfig:
     profile = dataclasses.replace(get_profile(profile_name), max_model_len=scenario.max_model_len)
     cfg = FleetConfig(replicas=replicas, profile=profile, seed=seed, kv_events=kv_events,
@@ -57,7 +57,7 @@ def _fleet_config(policy: str, replicas: int, profile_name: str, seed: int, scen
     return cfg
 
 
-def _tenant_configs(scenario: Scenario) -> list[dict]:
+def tenant_configs(scenario: Scenario) -> list[dict]:
     return [tenant_config(t.name, t.priority, t.weight, max_tokens_cap=t.max_tokens,
                           max_tokens_default=min(512, t.max_tokens), slo={"ttft_s": t.ttft_slo, "tpot_s": t.tpot_slo})
             for t in scenario.tenants]
@@ -81,8 +81,10 @@ def make_policy(name: str, scenario: Scenario, cfg: FleetConfig, routing: str | 
         if routing:
             policy = {**policy, "routing": {**policy.get("routing", {}), "router": routing}}
         offload = cfg.profile.offload_blocks(cfg.cpu_offload_gib)
-        return CorePolicy(name, core_config(_tenant_configs(scenario), cfg.replicas, blocks, cfg.profile.block_size,
-                                           cfg.profile.max_model_len, policy, offload))
+        # Bouncer is told the engine's step-time model (as an operator states it in config); llm-d is not
+        step_time = cfg.profile.step_time_config if name == "bouncer" else None
+        return CorePolicy(name, core_config(tenant_configs(scenario), cfg.replicas, blocks, cfg.profile.block_size,
+                                           cfg.profile.max_model_len, policy, offload, step_time))
     raise ValueError(f"unknown policy {name!r}; known: {', '.join(POLICIES)}")
 
 
@@ -95,7 +97,7 @@ def fleet_capacity(scenario: Scenario, traces, replicas: int, profile: str, seed
     path = CACHE_DIR / f"{scenario.name}-{replicas}x{profile}-{key}.json"
     if path.exists():
         return json.loads(path.read_text())["capacity_rps"]
-    cfg = _fleet_config("none", replicas, profile, seed, scenario)
+    cfg = fleet_config("none", replicas, profile, seed, scenario)
     base = [dataclasses.replace(t, bursts=()) for t in scenario.tenants]
     cap = measure_capacity(cfg, lambda: make_policy("none", scenario, cfg), base, traces, seed=seed)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -135,7 +137,7 @@ def run(scenario_name: str, policy: str, load: float, seed: int = 0, replicas: i
     traces = scenario.load(trace)
     capacity = fleet_capacity(scenario, traces, replicas, profile, seed, trace)
     requests = make_requests(scenario.tenants, traces, load * capacity, duration_s, seed)
-    cfg = _fleet_config(policy, replicas, profile, seed, scenario, kv_events)
+    cfg = fleet_config(policy, replicas, profile, seed, scenario, kv_events)
     gw = make_policy(policy, scenario, cfg, routing)
     result = FleetSim(cfg, gw, gw.replica_names).run(requests)
     out = summarize(scenario, policy, load, seed, replicas, duration_s, capacity, requests, result, routing)

@@ -7,8 +7,10 @@ keeps both, and every load figure the policies read takes the worse of the two.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
+from bouncer.core.latency import LatencyPredictor
 from bouncer.core.prefix_index import ReplicaPrefixIndex
 
 DEFAULT_INDEX_BLOCKS = 100_000  # prefix-index bound while a replica's KV size is not known yet
@@ -52,6 +54,11 @@ class ReplicaState:
         self.unstarted = 0  # dispatched, no first token yet
         self.unstarted_by_band: dict[int, int] = {}  # the same, by priority band
         self.queued_prefill_tokens = 0  # uncached prompt tokens of those
+        self.pending_context = 0  # attention context those will read once decoding
+        self.decoding = 0  # dispatched and past their first token
+        self.decode_context = 0  # context tokens their steps read (prompt + half the expected output)
+        self.tpot_slos: Counter = Counter()  # TPOT SLOs of the requests in flight here
+        self.latency: LatencyPredictor | None = None  # where the model's step times are known
         # what it holds in its prefix cache, as far as we know
         self.prefix = ReplicaPrefixIndex(self.capacity_blocks or DEFAULT_INDEX_BLOCKS, block_size,
                                          kv_events_staleness_s)
@@ -101,31 +108,68 @@ class ReplicaState:
         t = self.telemetry
         return t.waiting if t is not None and fresh else 0
 
-    def add(self, request_id: str, adm: object, blocks: int, prefill_tokens: int) -> None:
+    def add(self, request_id: str, adm, blocks: int, prefill_tokens: int) -> None:
         self.inflight[request_id] = adm
         self.inflight_blocks += blocks
         if self._after_sample(adm):
             self.blocks_since_sample += blocks
         self.unstarted += 1
-        band = adm.priority  # type: ignore[attr-defined]
+        band = adm.priority
         self.unstarted_by_band[band] = self.unstarted_by_band.get(band, 0) + 1
         self.queued_prefill_tokens += prefill_tokens
+        self.pending_context += decode_context(adm)
+        if adm.tpot_slo is not None:
+            self.tpot_slos[adm.tpot_slo] += 1
 
-    def mark_started(self, prefill_tokens: int, band: int) -> None:
+    def mark_started(self, adm) -> None:
+        """Its first token came (or it ended before one): its prefill is done, it decodes."""
         self.unstarted -= 1
-        self.unstarted_by_band[band] -= 1
-        self.queued_prefill_tokens -= prefill_tokens
+        self.unstarted_by_band[adm.priority] -= 1
+        self.queued_prefill_tokens -= adm.prefill_tokens
+        ctx = decode_context(adm)
+        self.pending_context -= ctx
+        self.decoding += 1
+        self.decode_context += ctx
 
     def unstarted_at_or_above(self, band: int) -> int:
         return sum(n for b, n in self.unstarted_by_band.items() if b >= band)
 
     def remove(self, request_id: str, blocks: int) -> None:
+        """Forget a request that was marked started."""
         adm = self.inflight.pop(request_id, None)
         self.inflight_blocks -= blocks
-        if adm is not None and self._after_sample(adm):
+        if adm is None:
+            return
+        if self._after_sample(adm):
             self.blocks_since_sample -= blocks
+        self.decoding -= 1
+        self.decode_context -= decode_context(adm)
+        if adm.tpot_slo is not None:
+            self.tpot_slos[adm.tpot_slo] -= 1
+            if not self.tpot_slos[adm.tpot_slo]:
+                del self.tpot_slos[adm.tpot_slo]
+
+    # -- predicted latency (None where the step-time model is unknown) --------------------------------
+    def predict_ttft(self, own_prefill: int) -> float | None:
+        if self.latency is None:
+            return None
+        return self.latency.ttft(self.queued_prefill_tokens, own_prefill, self.decoding, self.decode_context)
+
+    def predict_tpot(self, adm, now: float) -> float | None:
+        """The TPOT of the batch `adm` would join: what decodes here now, what was sent and has
+        not started yet, and itself."""
+        if self.latency is None:
+            return None
+        return self.latency.tpot(self.decoding + self.unstarted + 1,
+                                 self.decode_context + self.pending_context + decode_context(adm), now)
 
     def _after_sample(self, adm: object) -> bool:
         t = self.telemetry
         # a dispatch at the very instant of the sample counts as after it: the safe side
         return t is None or adm.dispatched_at >= t.at  # type: ignore[attr-defined]
+
+
+def decode_context(adm) -> int:
+    """Context tokens a request's decode steps read, on average over its life: its prompt and
+    half the output expected of it."""
+    return adm.info.prompt_tokens + adm.expected_output // 2

@@ -18,6 +18,9 @@ from typing import Protocol
 
 from bouncer.core.requests import Admission
 
+DISPATCH_WINDOW_S = 10.0  # dispatches the queue's service rate is measured over
+MIN_DISPATCHES_FOR_RATE = 10  # fewer in the window: no estimate
+
 
 class OrderingPolicy(Protocol):
     """Orders one tenant's queued requests. `key` must not change while a request is queued.
@@ -170,6 +173,20 @@ class FlowQueues:
         self._ttl: list[tuple[float, int, Admission]] = []
         self._queued: dict[str, Admission] = {}
         self.tokens = 0
+        self._dispatches: deque[float] = deque()  # when queued requests were dispatched, recently
+
+    def dispatched(self, now: float) -> None:
+        self._dispatches.append(now)
+
+    def dispatch_rate(self, now: float) -> float | None:
+        """Requests per second dispatched from the waiting room recently: the rate at which a
+        newcomer's backlog is served (None with too few to tell)."""
+        d = self._dispatches
+        while d and d[0] < now - DISPATCH_WINDOW_S:
+            d.popleft()
+        if len(d) < MIN_DISPATCHES_FOR_RATE:
+            return None
+        return len(d) / max(1.0, now - d[0])
 
     def __len__(self) -> int:
         return len(self._queued)
@@ -223,7 +240,7 @@ class FlowQueues:
         ttl = self._ttl
         while ttl and ttl[0][0] <= now:
             _, _, adm = heapq.heappop(ttl)
-            if adm.request_id in self._queued:
+            if adm.request_id in self._queued and adm.deadline <= now:  # (a re-pushed one may have a later TTL)
                 out[adm.request_id] = adm
         return list(out.values())
 

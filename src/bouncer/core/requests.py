@@ -37,6 +37,7 @@ class Admission:
     arrival: float
     deadline: float  # TTL: leaves the queue at this time
     ttft_deadline: float | None  # arrival + TTFT SLO
+    tpot_slo: float | None = None  # the TPOT it was promised (request header, else tenant SLO)
     replica: str | None = None  # set when dispatched
     dispatched_at: float | None = None
     first_token_at: float | None = None
@@ -45,6 +46,11 @@ class Admission:
     seq: int = 0  # arrival order, for FCFS ties
     session: str | None = None  # the agent it is a step of, when agent-level admission applies
     warm: bool = False  # a step of an agent already active: ordered before other requests
+    best_effort: bool = False  # its deadline was found infeasible; it runs in the best-effort band
+    predicted_infeasible: bool = False  # found unable to meet its TTFT SLO (refused, demoted, or let through)
+    # uncorrected predictions made at dispatch, to correct the replica's predictor by
+    ttft_raw: float | None = None
+    tpot_raw: float | None = None
 
     @property
     def request_id(self) -> str:

@@ -50,11 +50,13 @@ class CorePolicy:
                                    final=e.terminal is Terminal.EXPIRED))
         return out
 
-    def offer(self, req: SimRequest, now: float) -> list[PolicyEvent]:
-        info = RequestInfo(request_id=req.attempt_id, key_digest=self._keys[req.tenant], model=SIM_MODEL,
+    def _info(self, req: SimRequest) -> RequestInfo:
+        return RequestInfo(request_id=req.attempt_id, key_digest=self._keys[req.tenant], model=SIM_MODEL,
                            prompt_tokens=req.prompt_len, max_tokens=req.max_tokens, block_digests=req.block_digests,
                            ttft_slo_s=req.ttft_slo, tpot_slo_s=req.tpot_slo, session_id=req.session)
-        return self._convert(self.core.offer(info, now))
+
+    def offer(self, req: SimRequest, now: float) -> list[PolicyEvent]:
+        return self._convert(self.core.offer(self._info(req), now))
 
     def tick(self, now):
         return self._convert(self.core.tick(now))
@@ -162,14 +164,14 @@ class NoAdmission(_Passthrough):
         adm = self._adm.get(attempt_id)
         if adm is not None and adm.first_token_at is None:
             adm.first_token_at = now
-            self.fleet[adm.replica].mark_started(adm.prefill_tokens, adm.priority)
+            self.fleet[adm.replica].mark_started(adm)
 
     def finished(self, attempt_id, now, completed, completion_tokens):
         adm = self._adm.pop(attempt_id, None)
         if adm is not None:
             r = self.fleet[adm.replica]
             if adm.first_token_at is None:
-                r.mark_started(adm.prefill_tokens, adm.priority)
+                r.mark_started(adm)
             r.remove(attempt_id, adm.blocks)
         return super().finished(attempt_id, now, completed, completion_tokens)
 
@@ -293,10 +295,12 @@ def tenant_config(name: str, priority: int, weight: float = 1.0, **kw) -> dict:
 
 
 def core_config(tenants: list[dict], replicas: int, kv_blocks: int, block_size: int, max_model_len: int,
-                policy: dict, offload_blocks: int = 0) -> BouncerConfig:
+                policy: dict, offload_blocks: int = 0, step_time: dict | None = None) -> BouncerConfig:
+    """`step_time` (a profile's `step_time_config`) enables latency prediction."""
     return parse_config({
         "tenants": tenants,
         "models": [{"name": SIM_MODEL, "max_model_len": max_model_len, "block_size": block_size,
+                    "step_time": step_time,
                     "backends": [{"url": f"http://sim-{i}", "name": f"r{i}", "kv_blocks": kv_blocks,
                                   "kv_offload_blocks": offload_blocks} for i in range(replicas)]}],
         "policy": policy,
@@ -336,5 +340,6 @@ LLMD_POLICY = {
     "ttl_within_slo": False,  # llm-d's TTL is its own (60 s), not the request's SLO
     "refuse_infeasible": False,
     "tpot_guard": False,
+    "tpot_hold": False,
     "routing": {"router": "llmd-scorers"},
 }

@@ -78,6 +78,12 @@ class EngineProfile:
     def offload_load_s_per_token(self) -> float:
         return self.kv.bytes_per_token / (self.pcie_bytes_per_s * self.gpus)
 
+    @property
+    def step_time_config(self) -> dict:
+        """The `models[].step_time` config section that states this profile to the core's
+        latency predictor."""
+        return {"a": self.a, "b": self.b, "c": self.c, "max_batched_tokens": self.max_num_batched_tokens}
+
     def offload_blocks(self, gib: float) -> int:
         """Host-memory blocks in `gib` GiB of offloading space (as vLLM sizes it: GiB, not GB)."""
         return int(gib * (1 << 30) / self.kv.bytes_per_token) // self.block_size
