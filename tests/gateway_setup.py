@@ -17,7 +17,7 @@ class Fleet:
 
     def __init__(self, bg_loop, tenants: list[dict], engines: int = 1, policy: dict | None = None,
                  engine_kwargs: dict | None = None, speed: float = 1.0, limits: dict | None = None,
-                 admin_key: str | None = "admin"):
+                 admin_key: str | None = "admin", model: dict | None = None):
         self.bg_loop = bg_loop
         self.engines = []
         self._cleanups = []
@@ -30,7 +30,8 @@ class Fleet:
             "tenants": tenants,
             "models": [{"name": "demo-llm", "engine": "vllm", "tokenizer": str(default_tokenizer_path()),
                         "max_model_len": 8192,
-                        "backends": [{"url": base, "name": f"e{i}"} for i, (base, _) in enumerate(self.engines)]}],
+                        "backends": [{"url": base, "name": f"e{i}"} for i, (base, _) in enumerate(self.engines)],
+                        **(model or {})}],
             "policy": {"telemetry": {"scrape_interval_s": 0.05, "staleness_s": 1.0}, **(policy or {})},
         }
         if limits:

@@ -364,12 +364,12 @@ tenants:
     max_tokens_cap: 2048     # larger asks are clamped to this
     context_cap: 8192        # prompt + max_tokens; tightens when the pool is under pressure
     kv_share: 0.3            # 30% of the pool's KV reserved for it; lent to others while idle
-    slo: {ttft_s: 1.0, tpot_s: 0.1}
+    slo: {ttft_s: 1.0, tpot_s: 0.1}   # requests may tighten these: x-bouncer-ttft-ms, x-bouncer-tpot-ms
     queue_ttl_s: 10          # queued longer than this: 503 with Retry-After
   - name: batch
     api_keys_sha256: ["<sha256 of another key>"]
     priority: -1             # sheddable
-    slo: {ttft_s: 30}
+    slo: {ttft_s: 30, on_infeasible: best-effort}   # too late for 30 s: served without a deadline
 
 models:
   - name: llama-3.1-8b
@@ -379,6 +379,9 @@ models:
     max_model_len: 8192
     block_size: 16
     kv: {layers: 32, kv_heads: 8, head_dim: 128, dtype_bytes: 2}   # GQA: KV heads, not attention heads
+    # step time = a + b x batched tokens + c x context tokens (docs/engine-model.md): TTFT and TPOT
+    # are predicted per replica from it, and corrected online from what streams show
+    step_time: {a: 0.007, b: 0.000027, c: 0.00000005, max_batched_tokens: 8192}
     backends:
       - url: http://10.0.0.11:8000   # KV blocks are scraped from vllm:cache_config_info
         kv_events: tcp://10.0.0.11:5557   # vLLM --kv-events-config publisher: a precise prefix index
@@ -391,8 +394,10 @@ policy:
   kv_busy_threshold: 0.92      # projected KV usage that marks a replica busy...
   kv_resume_threshold: 0.85    # ...until it falls below this (hysteresis)
   fairness: wdrr               # wdrr (tokens) | round-robin
-  ordering: fcfs               # fcfs | edf (earliest deadline)
+  ordering: edf                # edf (earliest TTFT deadline) | fcfs
   default_ttl_s: 30
+  refuse_infeasible: true      # 429 deadline_infeasible when queue wait + predicted TTFT > the TTFT SLO
+  tpot_hold: true              # hold a request that would slow a replica past its strictest TPOT SLO
   sheddable_ceiling: 0.8       # bands below 0 dispatch only while fleet saturation < 0.8
   band_ceilings: {10: 1.2}     # the top band may run the pool hotter
   telemetry: {scrape_interval_s: 0.25, staleness_s: 2.0, on_stale: fail-closed}

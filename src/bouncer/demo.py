@@ -50,6 +50,8 @@ def demo_config(host: str = "127.0.0.1", port: int = 8000, engine_ports: tuple[i
         "models": [{
             "name": DEMO_MODEL, "engine": "vllm", "tokenizer": tok, "max_model_len": 8192, "block_size": 16,
             "kv": {"layers": 32, "kv_heads": 8, "head_dim": 128, "dtype_bytes": 2},
+            # the demo engines' own step-time model: latency predictions start right
+            "step_time": get_profile(DEMO_PROFILE).step_time_config,
             "backends": [{"url": f"http://127.0.0.1:{p}", "name": f"replica-{i}",
                           **({"kv_events": kv_events[i]} if kv_events else {})}
                          for i, p in enumerate(engine_ports)],

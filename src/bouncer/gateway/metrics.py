@@ -73,6 +73,9 @@ class _CoreCollector:
                                     "1 while the replica's prefix index follows its KV events.", labels=["replica"])
         blocks = GaugeMetricFamily("bouncer_replica_prefix_index_blocks", "Blocks in the replica's prefix index.",
                                    labels=["replica", "source"])
+        correction = GaugeMetricFamily("bouncer_replica_latency_correction",
+                                       "Observed / modelled latency the replica's predictor has learned "
+                                       "(1 = the step-time model is right).", labels=["replica", "kind"])
         for ms in snap["models"].values():
             for rname, r in ms["replicas"].items():
                 age.add_metric([rname], -1.0 if r["telemetry_age_s"] is None else r["telemetry_age_s"])
@@ -84,12 +87,16 @@ class _CoreCollector:
                 blocks.add_metric([rname, "approximate"], idx["approx_blocks"])
                 if "precise_blocks" in idx:
                     blocks.add_metric([rname, "kv-events"], idx["precise_blocks"])
+                if r["latency"] is not None:
+                    correction.add_metric([rname, "ttft"], r["latency"]["ttft_factor"])
+                    correction.add_metric([rname, "tpot"], r["latency"]["tpot_factor"])
         yield age
         yield kv
         yield busy
         yield inflight
         yield precise
         yield blocks
+        yield correction
         batches = CounterMetricFamily("bouncer_kv_event_batches", "KV-event batches received.", labels=["replica"])
         gaps = CounterMetricFamily("bouncer_kv_event_gaps", "KV-event batches missed (sequence gaps).",
                                    labels=["replica"])
