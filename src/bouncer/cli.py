@@ -272,7 +272,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="request-cap: the agents scenario's request-level concurrency cap")
     p.add_argument("--sessions", type=int, default=32, help="agents scenario: concurrent agent sessions")
     p.add_argument("--load", type=float, default=1.0, help="offered load as a multiple of the fleet's capacity")
-    p.add_argument("--trace", help="replace the scenario's main trace (same format)")
+    p.add_argument("--trace", help="replace the scenario's main trace (same format); a ServeGen client folder "
+                                    "replaces its tenants: one per client")
     p.add_argument("--replicas", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--duration", type=float, default=300.0, help="simulated seconds of arrivals")

@@ -2,6 +2,12 @@
 
 Each scenario draws on real traces (../shared/traces); `--trace PATH` swaps the default trace for
 another file of the same format. Shares are of the offered load at load factor 1.
+
+A ServeGen folder as `--trace` replaces the scenario's tenants too: every client active in the
+replayed span (the day's busiest hour) becomes a tenant with its share of the requests, under the
+scenario's first tenant's SLO and token cap. Bands follow one stated rule: a client sending at
+least 10% of the span's requests is a bulk client in band 0; every other client is in band 1, so
+a heavy client's burst cannot starve the many light ones.
 """
 
 from __future__ import annotations
@@ -10,6 +16,7 @@ import os
 import pathlib
 from dataclasses import dataclass, field, replace
 
+from bouncer.sim.servegen import client_traces, is_servegen, load_servegen
 from bouncer.sim.traces import TraceRequest, load_trace
 from bouncer.sim.workloads import Burst, TenantSpec
 
@@ -42,11 +49,27 @@ class Scenario:
     loaded: dict[str, list[TraceRequest]] = field(default_factory=dict)
 
     def load(self, override: str | None = None) -> dict[str, list[TraceRequest]]:
-        """The scenario's traces; `override` replaces its first (main) trace."""
+        """The scenario's traces; `override` replaces its first (main) trace, or, as a ServeGen
+        folder, all of them and the tenants (module doc)."""
         if not self.loaded:
+            if override and is_servegen(override):
+                self.loaded = client_traces(load_servegen(override), seed=0)
+                self.tenants = servegen_tenants(self.loaded, self.tenants[0])
+                self.traces = {}
+                return self.loaded
             for i, (key, path) in enumerate(self.traces.items()):
                 self.loaded[key] = load_trace(override if override and i == 0 else path)
         return self.loaded
+
+
+BULK_CLIENT_SHARE = 0.10  # a ServeGen client with at least this share of the requests is bulk (band 0)
+
+
+def servegen_tenants(traces: dict[str, list[TraceRequest]], template: TenantSpec) -> list[TenantSpec]:
+    total = sum(len(t) for t in traces.values())
+    return [replace(template, name=f"client-{cid}", priority=0 if len(reqs) / total >= BULK_CLIENT_SHARE else 1,
+                    share=len(reqs) / total, trace=cid, weight=1.0, min_prompt=None, bursts=())
+            for cid, reqs in sorted(traces.items(), key=lambda kv: -len(kv[1]))]
 
 
 def _bursting(tenants: list[TenantSpec], name: str, duration_s: float, multiplier: float) -> list[TenantSpec]:

@@ -170,6 +170,9 @@ class SessionDigests:
 def load_trace(path: str | pathlib.Path) -> list[TraceRequest]:
     """Detect the format from the file: Azure CSV or Mooncake JSONL."""
     p = pathlib.Path(path)
+    if p.is_dir():
+        raise ValueError(f"{path}: a folder; of trace folders only ServeGen's (chunk-<client>-trace.csv) is "
+                         f"known, and it replaces a scenario's tenants")
     if not p.is_file():
         raise ValueError(f"{path}: no such trace file")
     with open(p) as f:
