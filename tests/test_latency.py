@@ -123,7 +123,11 @@ def test_a_best_effort_tenant_is_demoted_instead_of_refused():
     adm = core.models["m"].flow.get(req.request_id)
     assert (adm.priority, adm.best_effort, adm.ttft_deadline) == (-1, True, None)
     assert adm.deadline == pytest.approx(30.0)  # the TTL is no longer cut to the SLO
-    (d,) = dispatched(core.tick(0.01))
+    # behind band 0, which still sends: it waits while that prefill queue would delay band 0's next
+    assert core.tick(0.01) == []
+    for rid in list(core.inflight):
+        core.started(rid, 0.5)
+    (d,) = dispatched(core.tick(0.5))
     assert d.adm.request_id == req.request_id
 
 
@@ -198,3 +202,19 @@ def test_a_paired_run_is_the_same_run_until_the_request_it_lets_through(capacity
         assert len(runs) == 2
         # (paired() asserts each let-through attempt arrived at the same instant and was not refused)
         assert all(x["missed"] == (x["ttft_s"] is None or x["ttft_s"] > x["ttft_slo_s"]) for x in runs)
+
+
+def test_lower_bands_keep_the_prefill_queue_short_while_a_higher_band_is_sending():
+    core = core_with_steps([tenant("rt", 10, slo={"ttft_s": 0.5}), tenant("std")],
+                           policy={"prefill_busy_tokens": 10**6})
+    (d,) = dispatched(core.offer(info("rt", prompt=10), 0.0))
+    core.started(d.adm.request_id, 0.05)
+    # 900 queued prefill tokens: a realtime request would start after one step (0.1 s), within a
+    # quarter of its 0.5 s SLO (ttft_reserve_fraction); 1,800 would take two steps (0.22 s)
+    assert dispatched(core.offer(info("std", prompt=900), 0.1))
+    held = info("std", prompt=900)
+    assert core.offer(held, 0.1) == []
+    assert dispatched(observe_idle(core, 9.0) + core.tick(9.0)) == []
+    # ten seconds without a realtime request: the reserve lifts (at the next scrape)
+    (d,) = dispatched(observe_idle(core, 10.2))
+    assert d.adm.request_id == held.request_id

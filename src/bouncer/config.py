@@ -249,6 +249,11 @@ class Policy(_Strict):
                                                       "was found infeasible")
     tpot_hold: bool = Field(True, description="hold a request while sending it would raise a replica's predicted "
                                               "TPOT past the strictest TPOT SLO running there (needs step_time)")
+    ttft_reserve_fraction: float = Field(0.25, ge=0, le=1, description="a lower band's request is held where it "
+                                                                       "would push the predicted TTFT of a higher "
+                                                                       "band's next request past this share of "
+                                                                       "that band's TTFT SLO (0: off; needs "
+                                                                       "step_time)")
     slo_queue_fraction: float = Field(0.6, gt=0, le=1, description="share of the TTFT SLO a request may spend "
                                                                    "queued; the rest is for prefill")
     tpot_guard: bool = Field(True, description="per replica, cut the in-flight limit when completed requests "
@@ -398,6 +403,8 @@ policy:
   default_ttl_s: 30
   refuse_infeasible: true      # 429 deadline_infeasible when queue wait + predicted TTFT > the TTFT SLO
   tpot_hold: true              # hold a request that would slow a replica past its strictest TPOT SLO
+  ttft_reserve_fraction: 0.25  # while a higher band sends, lower bands keep prefill queues short enough
+                               #   for its next request to start within 25% of its TTFT SLO
   sheddable_ceiling: 0.8       # bands below 0 dispatch only while fleet saturation < 0.8
   band_ceilings: {10: 1.2}     # the top band may run the pool hotter
   telemetry: {scrape_interval_s: 0.25, staleness_s: 2.0, on_stale: fail-closed}

@@ -53,6 +53,7 @@ RETRY_AFTER_MAX_S = 60.0
 SERVICE_RATE_WINDOW_S = 30.0  # completions used to estimate how fast the fleet drains a backlog
 MIN_COMPLETIONS_FOR_RATE = 10  # fewer than this in the window: no estimate (no refusal on a guess)
 UNKNOWN_TENANT = "-"
+BAND_ACTIVE_S = 10.0  # a band that sent a request this recently has its TTFT protected from lower bands
 
 
 @dataclass(slots=True)
@@ -124,6 +125,7 @@ class _ModelState:
         self.completions: deque[float] = deque()  # completion times in the last window: the drain rate
         self.agents: AgentWindow | None = None  # agent-level admission, when enabled
         self.tpot_target: float | None = None  # strictest TPOT SLO of its tenants, with margin
+        self.band_ttft: dict[int, tuple[float, float]] = {}  # band -> (strictest recent TTFT SLO, last arrival)
 
 
 def backend_name(model: str, index: int, explicit: str | None) -> str:
@@ -288,6 +290,8 @@ class AdmissionCore:
             # leaves after the best predicted TTFT (without a step-time model, a fixed share).
             budget = ttft_slo - best_ttft if best_ttft is not None else ttft_slo * self.policy.slo_queue_fraction
             adm.deadline = min(adm.deadline, now + max(0.0, budget))
+        if ttft_slo:
+            self._note_band_ttft(ms, band, ttft_slo, now)
         if ms.agents is not None:
             adm.session = info.session_id or (info.user if self.policy.agents.session_from_user else None)
             # a step of an agent already running goes before new agents: its prefix is warm
@@ -733,6 +737,13 @@ class AdmissionCore:
             strictest = min(min(r.tpot_slos, default=float("inf")), adm.tpot_slo or float("inf"))
             if strictest < float("inf") and r.predict_tpot(adm, now) > strictest * p.tpot_guard_margin:  # type: ignore[operator]
                 return _Room.NO
+        if r.latency is not None and p.ttft_reserve_fraction > 0:
+            # keep the prefill queue short enough for a higher band's next request to start in time
+            protected = self._protected_ttft(self.models[r.model], adm.priority, now)
+            if protected < float("inf") and r.latency.ttft(
+                    r.queued_prefill_tokens + adm.info.prompt_tokens - cached_tokens(r, adm, now), 1,
+                    r.decoding, r.decode_context) > protected * p.ttft_reserve_fraction:
+                return _Room.NO
         cap = r.capacity_blocks
         need = num_blocks(adm.info.prompt_tokens + adm.expected_output, r.block_size) / cap if cap else 0.0
         if r.inflight and usage + need > p.kv_busy_threshold:
@@ -742,6 +753,18 @@ class AdmissionCore:
                 - cached_tokens(r, adm, now) > p.prefill_busy_tokens:
             return _Room.LATER
         return _Room.YES
+
+    @staticmethod
+    def _note_band_ttft(ms: _ModelState, band: int, ttft_slo: float, now: float) -> None:
+        prev = ms.band_ttft.get(band)
+        recent = prev is not None and now - prev[1] <= BAND_ACTIVE_S
+        ms.band_ttft[band] = (min(prev[0], ttft_slo) if recent else ttft_slo, now)  # type: ignore[index]
+
+    @staticmethod
+    def _protected_ttft(ms: _ModelState, priority: int, now: float) -> float:
+        """The strictest TTFT SLO of bands above `priority` that sent requests recently."""
+        return min((slo for band, (slo, seen) in ms.band_ttft.items()
+                    if band > priority and now - seen <= BAND_ACTIVE_S), default=float("inf"))
 
     def _within_kv_share(self, ms: _ModelState, adm: Admission, now: float, fresh: dict[str, bool]) -> bool:
         """Tenants' KV shares reserve part of the pool; what a tenant does not use is lent out,
