@@ -352,8 +352,8 @@ class AdmissionCore:
                            now: float) -> float | None:
         """How far past its TTFT SLO a queued newcomer is predicted to start (None: in time, or
         no estimate): the wait in the gateway's queue, then the best predicted TTFT, from the
-        prefill work on the replica.
-        Without a step-time model: the wait against slo_queue_fraction of the SLO."""
+        prefill work on the replica. Without a step-time model: the wait (to its first token)
+        against slo_queue_fraction of the SLO."""
         if best_ttft is None:
             wait = self.estimated_wait(ms, adm.priority, now, adm.tenant)
             budget = ttft_slo * self.policy.slo_queue_fraction
