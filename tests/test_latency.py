@@ -218,3 +218,18 @@ def test_lower_bands_keep_the_prefill_queue_short_while_a_higher_band_is_sending
     # ten seconds without a realtime request: the reserve lifts (at the next scrape)
     (d,) = dispatched(observe_idle(core, 10.2))
     assert d.adm.request_id == held.request_id
+
+
+def test_the_tpot_guard_cuts_a_replica_for_requests_slower_than_their_own_tpot_slo():
+    core = core_with_steps([tenant("rt", 10, slo={"tpot_s": 0.05}), tenant("std", slo={"tpot_s": 0.15})])
+    r = core.replicas["m/0"]
+
+    def complete(name: str, tpot: float, now: float) -> None:
+        (d,) = dispatched(core.offer(info(name, prompt=10, max_tokens=101), now))
+        core.started(d.adm.request_id, now)
+        core.finished(d.adm.request_id, now + 100 * tpot, Terminal.COMPLETED, 101)
+
+    complete("std", 0.10, 0.0)  # slower than realtime's SLO, within its own: no cut
+    assert r.concurrency_limit == float("inf")
+    complete("rt", 0.06, 0.5)  # slower than its own 50 ms (x 0.9): cut
+    assert r.concurrency_limit == core.policy.min_inflight_per_replica

@@ -474,11 +474,13 @@ class AdmissionCore:
 
     def _tpot_guard(self, ms: _ModelState, r: ReplicaState, adm: Admission, now: float, tokens: int) -> None:
         """AIMD on a replica's in-flight limit, driven by the decode speed its completed requests
-        saw: each request slower than the strictest TPOT SLO among this model's tenants cuts the
-        limit to 80% of what was in flight (at most once per second); each fast one adds
-        `tpot_guard_increase`."""
+        saw: each request slower than its own TPOT SLO (x tpot_guard_margin; without one, the
+        strictest among this model's tenants) cuts the limit to 80% of what was in flight (at
+        most once per second); each fast one adds `tpot_guard_increase`. Its own SLO, not the
+        strictest: a standard request running at its own 150 ms is no sign of trouble, and the
+        TPOT hold already keeps batches within the strictest SLO running on each replica."""
         p = self.policy
-        target = ms.tpot_target
+        target = adm.tpot_slo * p.tpot_guard_margin if adm.tpot_slo else ms.tpot_target
         if not p.tpot_guard or target is None or adm.first_token_at is None or tokens < 2:
             return
         tpot = (now - adm.first_token_at) / (tokens - 1)
