@@ -233,3 +233,15 @@ def test_the_tpot_guard_cuts_a_replica_for_requests_slower_than_their_own_tpot_s
     assert r.concurrency_limit == float("inf")
     complete("rt", 0.06, 0.5)  # slower than its own 50 ms (x 0.9): cut
     assert r.concurrency_limit == core.policy.min_inflight_per_replica
+
+
+def test_a_request_warm_on_a_replica_passes_the_tpot_guards_limit_a_cold_one_waits():
+    core = core_with_steps([tenant("a"), tenant("b")])
+    r = core.replicas["m/0"]
+    prefix = list(range(1, 33))  # 32 blocks of 16 tokens
+    assert dispatched(core.offer(info("a", prompt=512, block_digests=prefix), 0.0))
+    r.concurrency_limit = 1  # as if the guard had cut it: one in flight already
+    cold = info("b", prompt=512, block_digests=list(range(100, 132)))
+    assert core.offer(cold, 0.1) == []
+    (d,) = dispatched(core.offer(info("a", prompt=600, block_digests=prefix), 0.1))
+    assert d.adm.prefill_tokens == 600 - 512  # only what it does not share is computed

@@ -732,8 +732,13 @@ class AdmissionCore:
             r.busy = False
         elif not r.busy and usage >= p.kv_busy_threshold:
             r.busy = True
-        if r.busy or len(r.inflight) >= min(p.max_inflight_per_replica, r.concurrency_limit):
-            return _Room.NO  # (the TPOT guard's limit protects requests already running there)
+        if r.busy or len(r.inflight) >= p.max_inflight_per_replica:
+            return _Room.NO
+        # The TPOT guard's limit protects requests already running there. A request whose prefix
+        # is cached there adds little prefill, and the TPOT hold below still checks the batch it
+        # joins: the coarse limit would only send it to a cold replica to recompute its prompt.
+        if len(r.inflight) >= r.concurrency_limit and not (r.latency is not None and cached_tokens(r, adm, now)):
+            return _Room.NO
         if p.tpot_hold and r.inflight and r.latency is not None:
             # the batch it would join must stay within the strictest TPOT promised there
             strictest = min(min(r.tpot_slos, default=float("inf")), adm.tpot_slo or float("inf"))
