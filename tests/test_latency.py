@@ -245,3 +245,18 @@ def test_a_request_warm_on_a_replica_passes_the_tpot_guards_limit_a_cold_one_wai
     assert core.offer(cold, 0.1) == []
     (d,) = dispatched(core.offer(info("a", prompt=600, block_digests=prefix), 0.1))
     assert d.adm.prefill_tokens == 600 - 512  # only what it does not share is computed
+
+
+def test_a_warm_request_is_not_turned_away_by_the_busy_marks_hysteresis():
+    # (saturation read from KV alone, so that it does not stop dispatch first)
+    core = core_with_steps([tenant("a"), tenant("b")], policy={"saturation": {"kv_threshold": 1.0}})
+    prefix = list(range(1, 33))
+    assert dispatched(core.offer(info("a", prompt=512, block_digests=prefix), 0.0))
+    core.observe("m/0", Telemetry(at=0.1, kv_usage=0.95, running=1, waiting=0), 0.1)
+    cold = info("b", prompt=512, block_digests=list(range(100, 132)))
+    assert core.offer(cold, 0.1) == []  # marked busy at 95%
+    # back to 88%: still busy until 85% (hysteresis), so the cold request keeps waiting ...
+    assert dispatched(core.observe("m/0", Telemetry(at=0.2, kv_usage=0.88, running=1, waiting=0), 0.2)) == []
+    # ... but one that shares the cached prefix needs only a few new blocks, and fits under 92%
+    (d,) = dispatched(core.offer(info("a", prompt=600, block_digests=prefix), 0.2))
+    assert d.adm.prefill_tokens == 600 - 512

@@ -732,12 +732,15 @@ class AdmissionCore:
             r.busy = False
         elif not r.busy and usage >= p.kv_busy_threshold:
             r.busy = True
-        if r.busy or len(r.inflight) >= p.max_inflight_per_replica:
+        # A request whose prefix is cached here is warm: it adds little prefill and few new blocks,
+        # and the checks below (predicted TPOT, the KV it still needs) look at what it adds. The
+        # coarse brakes (the busy mark's hysteresis, the TPOT guard's in-flight limit) would only
+        # send it to a cold replica to compute its whole prompt again.
+        cached = cached_tokens(r, adm, now)
+        warm = cached > 0 and r.latency is not None
+        if (r.busy and not warm) or len(r.inflight) >= p.max_inflight_per_replica:
             return _Room.NO
-        # The TPOT guard's limit protects requests already running there. A request whose prefix
-        # is cached there adds little prefill, and the TPOT hold below still checks the batch it
-        # joins: the coarse limit would only send it to a cold replica to recompute its prompt.
-        if len(r.inflight) >= r.concurrency_limit and not (r.latency is not None and cached_tokens(r, adm, now)):
+        if len(r.inflight) >= r.concurrency_limit and not warm:
             return _Room.NO
         if p.tpot_hold and r.inflight and r.latency is not None:
             # the batch it would join must stay within the strictest TPOT promised there
@@ -747,17 +750,20 @@ class AdmissionCore:
         if r.latency is not None and p.ttft_reserve_fraction > 0:
             # keep the prefill queue short enough for a higher band's next request to start in time
             protected = self._protected_ttft(self.models[r.model], adm.priority, now)
-            if protected < float("inf") and r.latency.ttft(
-                    r.queued_prefill_tokens + adm.info.prompt_tokens - cached_tokens(r, adm, now), 1,
-                    r.decoding, r.decode_context) > protected * p.ttft_reserve_fraction:
+            if protected < float("inf") and r.latency.ttft(r.queued_prefill_tokens + adm.info.prompt_tokens - cached,
+                                                           1, r.decoding, r.decode_context) \
+                    > protected * p.ttft_reserve_fraction:
                 return _Room.NO
+        # the blocks it still needs: its cached prefix is in the pool already (counted in usage
+        # while others use it; where it sits evictable, this underestimates, and the engine may
+        # have to preempt: measured, rarely)
         cap = r.capacity_blocks
-        need = num_blocks(adm.info.prompt_tokens + adm.expected_output, r.block_size) / cap if cap else 0.0
+        need = num_blocks(adm.info.prompt_tokens - cached + adm.expected_output, r.block_size) / cap if cap else 0.0
         if r.inflight and usage + need > p.kv_busy_threshold:
             return _Room.LATER
         # its prefill queue is full (what it holds cached adds no prefill work there)
-        if r.queued_prefill_tokens and r.queued_prefill_tokens + adm.info.prompt_tokens \
-                - cached_tokens(r, adm, now) > p.prefill_busy_tokens:
+        uncached = adm.info.prompt_tokens - cached
+        if r.queued_prefill_tokens and r.queued_prefill_tokens + uncached > p.prefill_busy_tokens:
             return _Room.LATER
         return _Room.YES
 
