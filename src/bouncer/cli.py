@@ -190,6 +190,12 @@ def _bench_agents(args) -> None:
           f"in {result['wall_seconds']:.1f} s")
 
 
+def cmd_bench_hashing(args) -> None:
+    from bouncer.bench.hashing import main as hashing
+
+    hashing(args.tokens, args.repeats, args.out)
+
+
 def cmd_bench_feasibility(args) -> None:
     from bouncer.bench import feasibility
     from bouncer.bench.goodput import save
@@ -283,6 +289,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="engines publish KV-cache events; Bouncer's prefix index follows them")
     p.add_argument("--out", help="write the result JSON")
     p.set_defaults(func=cmd_bench_run)
+
+    p = bench.add_parser("hashing", help="chained block hashes against tokenizing, on one long prompt")
+    p.add_argument("--tokens", type=int, default=131_072, help="prompt length")
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--out", help="write the numbers as JSON")
+    p.set_defaults(func=cmd_bench_hashing)
 
     p = bench.add_parser("feasibility", help="latency predictor error, and paired runs that let refused "
                                              "deadline_infeasible requests through")
