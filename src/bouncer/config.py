@@ -245,6 +245,10 @@ class Policy(_Strict):
                                                       "wait + predicted TTFT on the best replica; without a "
                                                       "step-time model: wait > slo_queue_fraction of the SLO) as "
                                                       "their tenant's slo.on_infeasible says; off: only flag them")
+    ttft_safety_factor: float = Field(2.0, ge=1, description="a queued request's budget leaves room for this many "
+                                                             "times its best predicted TTFT (the prediction's p90 "
+                                                             "error is ~45%): it is refused at arrival, or leaves "
+                                                             "the queue, that much earlier")
     best_effort_priority: int = Field(-1, description="band of requests served best-effort after their deadline "
                                                       "was found infeasible")
     tpot_hold: bool = Field(True, description="hold a request while sending it would raise a replica's predicted "

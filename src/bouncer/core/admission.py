@@ -287,8 +287,10 @@ class AdmissionCore:
         best_ttft = self._best_ttft(ms, adm, now) if ttft_slo else None
         if ttft_slo and self.policy.ttl_within_slo:
             # Waiting longer, it could only be served late: its queueing budget is what its SLO
-            # leaves after the best predicted TTFT (without a step-time model, a fixed share).
-            budget = ttft_slo - best_ttft if best_ttft is not None else ttft_slo * self.policy.slo_queue_fraction
+            # leaves after the best predicted TTFT, with room for that prediction's error
+            # (without a step-time model, a fixed share of the SLO).
+            budget = (ttft_slo - self.policy.ttft_safety_factor * best_ttft if best_ttft is not None
+                      else ttft_slo * self.policy.slo_queue_fraction)
             adm.deadline = min(adm.deadline, now + max(0.0, budget))
         if ttft_slo:
             self._note_band_ttft(ms, band, ttft_slo, now)
@@ -352,14 +354,14 @@ class AdmissionCore:
                            now: float) -> float | None:
         """How far past its TTFT SLO a queued newcomer is predicted to start (None: in time, or
         no estimate): the wait in the gateway's queue, then the best predicted TTFT, from the
-        prefill work on the replica. Without a step-time model: the wait (to its first token)
-        against slo_queue_fraction of the SLO."""
+        prefill work on the replica, x ttft_safety_factor. Without a step-time model: the wait
+        (to its first token) against slo_queue_fraction of the SLO."""
         if best_ttft is None:
             wait = self.estimated_wait(ms, adm.priority, now, adm.tenant)
             budget = ttft_slo * self.policy.slo_queue_fraction
             return wait - budget if wait is not None and wait > budget else None
         wait = self.queue_wait(ms, adm.priority, now, adm.tenant) or 0.0
-        late = wait + best_ttft - ttft_slo
+        late = wait + self.policy.ttft_safety_factor * best_ttft - ttft_slo
         return late if late > 0 else None
 
     def acts_on_infeasible(self, adm: Admission) -> bool:
