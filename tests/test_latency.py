@@ -25,7 +25,8 @@ def core_with_steps(tenants, step=None, policy=None, replicas: int = 1) -> Admis
         "models": [{"name": "m", "max_model_len": 32768, "block_size": 16, "step_time": step or STEP,
                     "backends": [{"url": f"http://127.0.0.1:{9000 + i}", "kv_blocks": 100_000}
                                  for i in range(replicas)]}],
-        "policy": policy or {},
+        # these tests build long prefill queues on purpose: a replica is not full for that alone
+        "policy": {"prefill_busy_tokens": 10**6, **(policy or {})},
     }
     core = AdmissionCore(parse_config(cfg), 0.0)
     observe_idle(core, 0.0)

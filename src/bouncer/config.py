@@ -220,7 +220,10 @@ class Policy(_Strict):
     kv_reservation: Literal["overcommit", "reserve"] = "overcommit"
     kv_busy_threshold: float = Field(0.92, gt=0, le=1, description="projected KV usage that marks a replica busy")
     kv_resume_threshold: float = Field(0.85, gt=0, le=1, description="busy replica is usable again below this")
-    prefill_busy_tokens: int = Field(16384, ge=1, description="queued prefill tokens that mark a replica busy")
+    prefill_busy_tokens: int = Field(8192, ge=1, description="queued prefill tokens that mark a replica full for "
+                                                               "now: about one engine step (vLLM's default budget), "
+                                                               "so backlogs wait in the gateway, where they are "
+                                                               "ordered by priority and fairness")
     max_inflight_per_replica: int = Field(1024, ge=1)
     fairness: Literal["round-robin", "wdrr"] = "wdrr"
     wdrr_quantum_tokens: int = Field(4096, ge=1)
@@ -239,8 +242,9 @@ class Policy(_Strict):
     drain_queue_cap: int = Field(64, ge=0, description="requests held per model while draining")
     upstream_refusal_cooldown_s: float = Field(0.5, ge=0, description="rest a replica that refused a request")
     ttl_within_slo: bool = Field(True, description="a queued request expires once waiting longer would make it late: "
-                                                   "its TTFT SLO minus the best predicted TTFT at arrival (without "
-                                                   "a step-time model, slo_queue_fraction of the SLO)")
+                                                   "its TTFT SLO minus ttft_safety_factor x the best predicted TTFT "
+                                                   "at arrival (without a step-time model, slo_queue_fraction of "
+                                                   "the SLO)")
     refuse_infeasible: bool = Field(True, description="act on requests predicted to miss their TTFT SLO (queue "
                                                       "wait + predicted TTFT on the best replica; without a "
                                                       "step-time model: wait > slo_queue_fraction of the SLO) as "
@@ -406,6 +410,7 @@ policy:
   ordering: edf                # edf (earliest TTFT deadline) | fcfs
   default_ttl_s: 30
   refuse_infeasible: true      # 429 deadline_infeasible when queue wait + predicted TTFT > the TTFT SLO
+  ttft_safety_factor: 2        #   (the predicted TTFT counted this many times over: its error)
   tpot_hold: true              # hold a request that would slow a replica past its strictest TPOT SLO
   ttft_reserve_fraction: 0.25  # while a higher band sends, lower bands keep prefill queues short enough
                                #   for its next request to start within 25% of its TTFT SLO

@@ -134,7 +134,7 @@ class NoAdmission(_Passthrough):
     telemetry, a prefix index of what it sent) but never holds or refuses."""
 
     name = "none"
-    PREFILL_SCALE = 16384  # normaliser for routers that weigh queued prefill tokens (the core's default)
+    PREFILL_SCALE = 16384  # normaliser for routers that weigh queued prefill tokens (two engine steps)
 
     def __init__(self, replicas: list[str], router: Router | None = None, capacity_blocks: int | None = None,
                  block_size: int = 16, offload_blocks: int = 0) -> None:
