@@ -197,29 +197,10 @@ def cmd_bench_hashing(args) -> None:
 
 
 def cmd_bench_feasibility(args) -> None:
-    from bouncer.bench import feasibility
-    from bouncer.bench.goodput import save
+    from bouncer.bench.feasibility import main as feasibility
 
-    r = feasibility.run(args.scenario, args.load, args.steady_load, args.replicas, args.duration, args.seed,
-                        args.samples)
-    if args.out:
-        save(r, args.out)
-    for kind, e in r["predictor_error"].items():
-        print(f"{kind} predicted at dispatch, load {r['steady_load']}: median error "
-              f"{e['median_abs_rel_error']:.1%}, p90 {e['p90_abs_rel_error']:.1%}, mean predicted / mean observed "
-              f"{e['mean_predicted_over_mean_observed']} ({e['n']} requests)")
-    s = r["shipped"]
-    print(f"{r['scenario']} at load {r['load']}: {s['refused_at_arrival']} refused at arrival as deadline_infeasible; "
-          f"core time of those offers p50 {s['offer_core_ms_p50']} ms, p99 {s['offer_core_ms_p99']} ms, "
-          f"p99.9 {s['offer_core_ms_p999']} ms, "
-          f"max {s['offer_core_ms_max']} ms")
-    for mode, f in r["refused_then_let_through"].items():
-        print(f"  let through ({mode}): {f['missed']} of {f['samples']} missed their TTFT SLO; "
-              f"in-time attempts gained per one let through: {f['in_time_gained_mean']}")
-    e = r["everything_admitted"]
-    print(f"  everything admitted: {e['refused_when_shipped_missed_fraction']:.1%} of the "
-          f"{e['refused_when_shipped']} attempts refused as shipped missed; {e['flagged_missed_fraction']:.1%} of "
-          f"{e['flagged']} flagged missed, and {e['unflagged_missed_fraction']:.1%} of the {e['unflagged']} others")
+    feasibility(args.scenario, args.load, args.steady_load, args.replicas, args.duration, args.seed, args.samples,
+                args.out)
 
 
 def cmd_bench_report(args) -> None:

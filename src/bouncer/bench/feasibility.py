@@ -245,3 +245,28 @@ def run(scenario: str = "surge", load: float = 2.0, steady_load: float = 0.7, re
            **paired(scenario, load, replicas, duration_s, seed, samples, profile)}
     out["wall_seconds"] = round(time.perf_counter() - t0, 1)
     return out
+
+
+def main(scenario: str, load: float, steady_load: float, replicas: int, duration_s: float, seed: int, samples: int,
+         out: str | None) -> dict:
+    from bouncer.bench.goodput import save
+
+    r = run(scenario, load, steady_load, replicas, duration_s, seed, samples)
+    if out:
+        save(r, out)
+    for kind, e in r["predictor_error"].items():
+        print(f"{kind} predicted at dispatch, load {r['steady_load']}: median error "
+              f"{e['median_abs_rel_error']:.1%}, p90 {e['p90_abs_rel_error']:.1%}, mean predicted / mean observed "
+              f"{e['mean_predicted_over_mean_observed']} ({e['n']} requests)")
+    s = r["shipped"]
+    print(f"{r['scenario']} at load {r['load']}: {s['refused_at_arrival']} refused at arrival as deadline_infeasible; "
+          f"core time of those offers p50 {s['offer_core_ms_p50']} ms, p99 {s['offer_core_ms_p99']} ms, "
+          f"p99.9 {s['offer_core_ms_p999']} ms, max {s['offer_core_ms_max']} ms")
+    for mode, f in r["refused_then_let_through"].items():
+        print(f"  let through ({mode}): {f['missed']} of {f['samples']} missed their TTFT SLO; "
+              f"in-time attempts gained per one let through: {f['in_time_gained_mean']}")
+    e = r["everything_admitted"]
+    print(f"  everything admitted: {e['refused_when_shipped_missed_fraction']:.1%} of the "
+          f"{e['refused_when_shipped']} attempts refused as shipped missed; {e['flagged_missed_fraction']:.1%} of "
+          f"{e['flagged']} flagged missed, and {e['unflagged_missed_fraction']:.1%} of the {e['unflagged']} others")
+    return r
