@@ -262,3 +262,19 @@ def test_a_warm_request_is_not_turned_away_by_the_busy_marks_hysteresis():
     # ... but one that shares the cached prefix needs only a few new blocks, and fits under 92%
     (d,) = dispatched(core.offer(info("a", prompt=600, block_digests=prefix), 0.2))
     assert d.adm.prefill_tokens == 600 - 512
+
+
+def test_bench_feasibility_command_saves_what_it_prints(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "f.json"
+    proc = subprocess.run([sys.executable, "-m", "bouncer", "bench", "feasibility", "--duration", "20", "--replicas",
+                           "1", "--samples", "1", "--load", "3", "--out", str(out)], capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "BOUNCER_CACHE_DIR": str(tmp_path / "cache")})
+    assert proc.returncode == 0, proc.stderr
+    r = json.loads(out.read_text())
+    assert r["shipped"]["refused_at_arrival"] > 0 and f"{r['shipped']['refused_at_arrival']} refused" in proc.stdout
+    assert set(r["refused_then_let_through"]) == {"admitted", "admitted_no_expiry"}

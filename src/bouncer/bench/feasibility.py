@@ -255,6 +255,9 @@ def main(scenario: str, load: float, steady_load: float, replicas: int, duration
     if out:
         save(r, out)
     for kind, e in r["predictor_error"].items():
+        if not e["n"]:
+            print(f"{kind}: no requests dispatched after the 20 s warm-up")
+            continue
         print(f"{kind} predicted at dispatch, load {r['steady_load']}: median error "
               f"{e['median_abs_rel_error']:.1%}, p90 {e['p90_abs_rel_error']:.1%}, mean predicted / mean observed "
               f"{e['mean_predicted_over_mean_observed']} ({e['n']} requests)")
