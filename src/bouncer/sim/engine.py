@@ -101,6 +101,7 @@ class StepResult:
     tokens: list[tuple[EngineRequest, int]]  # new output tokens per request, produced at `end`
     finished: list[EngineRequest]
     preempted: list[EngineRequest]
+    started: list[EngineRequest] = field(default_factory=list)  # whose first token this step produced
 
 
 @dataclass(slots=True)
@@ -298,8 +299,8 @@ class EngineModel:
         end = now + duration
         self.counters.steps += num_steps
         self.counters.busy_time += duration
-        tokens, finished = self._apply(scheduled, num_steps, end)
-        return StepResult(now, end, num_steps, batched, tokens, finished, preempted)
+        tokens, finished, started = self._apply(scheduled, num_steps, end)
+        return StepResult(now, end, num_steps, batched, tokens, finished, preempted, started)
 
     def _schedule(self, now: float) -> tuple[list[tuple[EngineRequest, int]], list[EngineRequest]]:
         budget = self.max_num_batched_tokens
@@ -439,12 +440,13 @@ class EngineModel:
         return extra, elapsed
 
     def _apply(self, scheduled: list[tuple[EngineRequest, int]], num_steps: int,
-               end: float) -> tuple[list[tuple[EngineRequest, int]], list[EngineRequest]]:
+               end: float) -> tuple[list[tuple[EngineRequest, int]], list[EngineRequest], list[EngineRequest]]:
         pool = self.pool
         bs = self.block_size
         counters = self.counters
         tokens: list[tuple[EngineRequest, int]] = []
         finished: list[EngineRequest] = []
+        started: list[EngineRequest] = []
         max_model_len = self.max_model_len
         extra = num_steps - 1
         for req, n in scheduled:
@@ -474,6 +476,7 @@ class EngineModel:
             counters.generation_tokens += num_steps
             if req.first_token_at is None:
                 req.first_token_at = end
+                started.append(req)
                 counters.prompt_tokens += req.prompt_len
                 counters.prompt_tokens_cached += req.num_cached_tokens
             tokens.append((req, num_steps))
@@ -490,4 +493,4 @@ class EngineModel:
             req.finish_reason = "length"
             counters.request_success["length"] += 1
             del self.requests[req.request_id]
-        return tokens, finished
+        return tokens, finished, started

@@ -386,9 +386,9 @@ class FleetSim:
     def _step_end(self, data, now: float) -> None:
         name, result = data
         events: list[PolicyEvent] = []
-        for ereq, _n in result.tokens:
+        for ereq in result.started:  # (not every token: the batch is hundreds of requests)
             req = self._by_attempt.get(ereq.request_id)
-            if req is None or ereq.num_output != _n:
+            if req is None:
                 continue
             if req.first_token_at is None:
                 req.first_token_at = now
