@@ -406,6 +406,7 @@ policy:
   kv_reservation: overcommit   # overcommit: reserve the learned expected output; reserve: max_tokens
   kv_busy_threshold: 0.92      # projected KV usage that marks a replica busy...
   kv_resume_threshold: 0.85    # ...until it falls below this (hysteresis)
+  prefill_busy_tokens: 8192    # queued prefill that makes a replica full for now (about one engine step)
   fairness: wdrr               # wdrr (tokens) | round-robin
   ordering: edf                # edf (earliest TTFT deadline) | fcfs
   default_ttl_s: 30
