@@ -28,7 +28,7 @@ from bouncer.config import BouncerConfig, ModelConfig, Tenant
 from bouncer.core.agents import AgentWindow
 from bouncer.core.blocks import num_blocks
 from bouncer.core.breaker import CircuitBreaker
-from bouncer.core.fleet import ReplicaState, Telemetry, decode_context
+from bouncer.core.fleet import ReplicaState, Telemetry
 from bouncer.core.flow import (
     FCFS,
     EarliestDeadline,
@@ -284,7 +284,8 @@ class AdmissionCore:
                         arrival=now, deadline=now + ttl,
                         ttft_deadline=now + ttft_slo if ttft_slo else None,
                         tpot_slo=info.tpot_slo_s or t.slo.tpot_s, seq=next(self._seq))
-        best_ttft = self._best_ttft(ms, adm, now) if ttft_slo else None
+        fresh = self._freshness(ms, now)
+        best_ttft = self._best_ttft(ms, adm, now, fresh) if ttft_slo else None
         if ttft_slo and self.policy.ttl_within_slo:
             # Waiting longer, it could only be served late: its queueing budget is what its SLO
             # leaves after the best predicted TTFT, with room for that prediction's error
@@ -306,7 +307,6 @@ class AdmissionCore:
                 return refuse(Layer.FLOW, "draining", f"model `{info.model}` is draining for a swap",
                               self.retry_after(ms, band, now))
         else:
-            fresh = self._freshness(ms, now)
             if not any(self._usable(r, fresh) for r in ms.replicas.values()):
                 return refuse(Layer.QUEUE, "no_backend", f"no usable backend for model `{info.model}`",
                               self.retry_after(ms, band, now))
@@ -342,10 +342,9 @@ class AdmissionCore:
                 events.extend(self._infeasible(ms, adm, now, late))
         return events
 
-    def _best_ttft(self, ms: _ModelState, adm: Admission, now: float) -> float | None:
+    def _best_ttft(self, ms: _ModelState, adm: Admission, now: float, fresh: dict[str, bool]) -> float | None:
         """The lowest TTFT predicted for `adm` on a usable replica, were it sent now (None
         without a step-time model)."""
-        fresh = self._freshness(ms, now)
         ttfts = [ttft for r in ms.replicas.values() if self._usable(r, fresh)
                  and (ttft := r.predict_ttft(adm.info.prompt_tokens - cached_tokens(r, adm, now))) is not None]
         return min(ttfts) if ttfts else None
@@ -640,13 +639,10 @@ class AdmissionCore:
         adm.dispatched_at = now
         adm.blocks = num_blocks(adm.info.prompt_tokens + adm.expected_output, replica.block_size)
         adm.prefill_tokens = adm.info.prompt_tokens - cached_tokens(replica, adm, now)
-        lat = replica.latency
-        if lat is not None:  # what it is predicted to see, kept to correct the predictor by
-            adm.ttft_raw = lat.raw_ttft(replica.queued_prefill_tokens, adm.prefill_tokens, replica.decoding,
-                                        replica.decode_context)
-            adm.tpot_raw = lat.raw_tpot(replica.decoding + replica.unstarted + 1,
-                                        replica.decode_context + replica.pending_context + decode_context(adm), now)
-            lat.dispatched(adm.prefill_tokens, now)
+        if replica.latency is not None:  # what it is predicted to see, kept to correct the predictor by
+            adm.ttft_raw = replica.predict_ttft(adm.prefill_tokens, raw=True)
+            adm.tpot_raw = replica.predict_tpot(adm, now, raw=True)
+            replica.latency.dispatched(adm.prefill_tokens, now)
         replica.prefix.record(adm.info.block_digests, now)
         replica.add(adm.request_id, adm, adm.blocks, adm.prefill_tokens)
         agents = self.models[adm.info.model].agents
@@ -682,8 +678,10 @@ class AdmissionCore:
         # usable, but full for now (prefill queue, KV headroom): only a replica
         # holding this prompt's prefix may still get it, if the router's stickiness gate allows
         backlogged: list[ReplicaState] = []
+        cached = {r.name: cached_tokens(r, adm, now) for r in ms.replicas.values()}
+        protected = self._protected_ttft(ms, adm.priority, now)
         for r in ms.replicas.values():
-            room = self._room(r, adm, now, fresh)
+            room = self._room(r, adm, cached[r.name], protected, now, fresh)
             if room is _Room.YES:
                 candidates.append(r)
             elif room is _Room.LATER:
@@ -692,7 +690,7 @@ class AdmissionCore:
             return None
         if adm.ttft_deadline is not None and candidates[0].latency is not None:
             budget = adm.ttft_deadline - now
-            ttfts = [self._ttft(r, adm, now) for r in candidates]
+            ttfts = [r.predict_ttft(adm.info.prompt_tokens - cached[r.name]) or 0.0 for r in candidates]
             in_time = [r for r, ttft in zip(candidates, ttfts, strict=True) if ttft <= budget]
             if not in_time:
                 if self.acts_on_infeasible(adm):
@@ -700,12 +698,9 @@ class AdmissionCore:
                 adm.predicted_infeasible = True  # only flagged: it goes where the router says
             else:
                 candidates = in_time
-                backlogged = [r for r in backlogged if self._ttft(r, adm, now) <= budget]
+                backlogged = [r for r in backlogged
+                              if (r.predict_ttft(adm.info.prompt_tokens - cached[r.name]) or 0.0) <= budget]
         return self.router.choose(adm, candidates, now, fresh, self.policy.prefill_busy_tokens, backlogged)
-
-    @staticmethod
-    def _ttft(r: ReplicaState, adm: Admission, now: float) -> float:
-        return r.predict_ttft(adm.info.prompt_tokens - cached_tokens(r, adm, now)) or 0.0
 
     def _pool_admits(self, ms: _ModelState, adm: Admission, now: float, fresh: dict[str, bool]) -> bool:
         """The checks that look at the whole pool: context squeeze under pressure, KV shares."""
@@ -720,8 +715,11 @@ class AdmissionCore:
                 return False  # long requests wait while the pool is under pressure
         return self._within_kv_share(ms, adm, now, fresh)
 
-    def _room(self, r: ReplicaState, adm: Admission, now: float, fresh: dict[str, bool]) -> _Room:
-        """Whether `r` can take `adm` now; updates its busy hysteresis and cooldown."""
+    def _room(self, r: ReplicaState, adm: Admission, cached: int, protected_ttft: float, now: float,
+              fresh: dict[str, bool]) -> _Room:
+        """Whether `r` can take `adm` now, `cached` of its prompt tokens being cached there and
+        `protected_ttft` the TTFT SLO of a higher band it must leave room for; updates the
+        replica's busy hysteresis and cooldown."""
         p = self.policy
         if not self._usable(r, fresh):
             return _Room.NO
@@ -738,7 +736,6 @@ class AdmissionCore:
         # and the checks below (predicted TPOT, the KV it still needs) look at what it adds. The
         # coarse brakes (the busy mark's hysteresis, the TPOT guard's in-flight limit) would only
         # send it to a cold replica to compute its whole prompt again.
-        cached = cached_tokens(r, adm, now)
         warm = cached > 0 and r.latency is not None
         if (r.busy and not warm) or len(r.inflight) >= p.max_inflight_per_replica:
             return _Room.NO
@@ -751,10 +748,9 @@ class AdmissionCore:
                 return _Room.NO
         if r.latency is not None and p.ttft_reserve_fraction > 0:
             # keep the prefill queue short enough for a higher band's next request to start in time
-            protected = self._protected_ttft(self.models[r.model], adm.priority, now)
-            if protected < float("inf") and r.latency.ttft(r.queued_prefill_tokens + adm.info.prompt_tokens - cached,
-                                                           1, r.decoding, r.decode_context) \
-                    > protected * p.ttft_reserve_fraction:
+            if protected_ttft < float("inf") and r.latency.ttft(r.queued_prefill_tokens + adm.info.prompt_tokens
+                                                                - cached, 1, r.decoding, r.decode_context) \
+                    > protected_ttft * p.ttft_reserve_fraction:
                 return _Room.NO
         # the blocks it still needs: its cached prefix is in the pool already (counted in usage
         # while others use it; where it sits evictable, this underestimates, and the engine may

@@ -150,18 +150,21 @@ class ReplicaState:
                 del self.tpot_slos[adm.tpot_slo]
 
     # -- predicted latency (None where the step-time model is unknown) --------------------------------
-    def predict_ttft(self, own_prefill: int) -> float | None:
+    def predict_ttft(self, own_prefill: int, raw: bool = False) -> float | None:
+        """TTFT if sent here now (`raw`: before the replica's online correction)."""
         if self.latency is None:
             return None
-        return self.latency.ttft(self.queued_prefill_tokens, own_prefill, self.decoding, self.decode_context)
+        predict = self.latency.raw_ttft if raw else self.latency.ttft
+        return predict(self.queued_prefill_tokens, own_prefill, self.decoding, self.decode_context)
 
-    def predict_tpot(self, adm, now: float) -> float | None:
+    def predict_tpot(self, adm, now: float, raw: bool = False) -> float | None:
         """The TPOT of the batch `adm` would join: what decodes here now, what was sent and has
-        not started yet, and itself."""
+        not started yet, and itself (`raw`: before the online correction)."""
         if self.latency is None:
             return None
-        return self.latency.tpot(self.decoding + self.unstarted + 1,
-                                 self.decode_context + self.pending_context + decode_context(adm), now)
+        predict = self.latency.raw_tpot if raw else self.latency.tpot
+        return predict(self.decoding + self.unstarted + 1,
+                       self.decode_context + self.pending_context + decode_context(adm), now)
 
     def _after_sample(self, adm: object) -> bool:
         t = self.telemetry
