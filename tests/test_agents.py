@@ -47,6 +47,21 @@ def test_observe_takes_hit_rate_from_counter_deltas_once_per_interval():
     assert w.window == 4
 
 
+def test_thrashing_does_not_shrink_the_window_below_the_agents_the_pool_holds():
+    w = window(initial=16)
+    for i, blocks in enumerate((5_000, 6_000, 7_000)):  # three agents, 6,000 blocks on average
+        w.dispatched(f"a{i}", 0.0, blocks)
+    assert w.agents_that_fit(pool_blocks=50_000) == 8
+    assert w.agents_that_fit(pool_blocks=None) == 0  # pool size unknown: no floor
+    w.observe(0.9, prefix_queries=1000, prefix_hits=0, now=0.0, pool_blocks=50_000)
+    w.observe(0.9, prefix_queries=2000, prefix_hits=0, now=1.0, pool_blocks=50_000)  # no reuse
+    assert w.window == 8  # 16 x 0.5, at the floor
+    w.observe(0.9, prefix_queries=3000, prefix_hits=0, now=2.0, pool_blocks=50_000)
+    assert w.window == 8  # still thrashing, but 8 agents' contexts fit: it holds
+    w.observe(0.9, prefix_queries=4000, prefix_hits=0, now=3.0, pool_blocks=20_000)  # pool shrank
+    assert w.window == 4
+
+
 def test_new_agents_wait_while_the_window_is_full_and_active_ones_keep_going():
     w = window(initial=2, idle_timeout_s=10)
     for s in ("a", "b"):

@@ -529,7 +529,9 @@ class AdmissionCore:
         if usable and all(t.prefix_queries is not None and t.prefix_hits is not None for t in usable):
             queries = sum(t.prefix_queries for t in usable)  # type: ignore[misc]
             hits = sum(t.prefix_hits for t in usable)  # type: ignore[misc]
-        ms.agents.observe(self._pool_usage(ms, now, fresh), queries, hits, now)  # type: ignore[union-attr]
+        sizes = [t.num_blocks for t in usable]
+        pool_blocks = sum(sizes) if sizes and all(sizes) else None  # type: ignore[arg-type]
+        ms.agents.observe(self._pool_usage(ms, now, fresh), queries, hits, now, pool_blocks)  # type: ignore[union-attr]
 
     def kv_events(self, replica: str, events: list[KVEvent], now: float) -> None:
         """KV-cache events an engine published (decoded from its wire format): they make the
@@ -647,7 +649,7 @@ class AdmissionCore:
         replica.add(adm.request_id, adm, adm.blocks, adm.prefill_tokens)
         agents = self.models[adm.info.model].agents
         if adm.session is not None and agents is not None:
-            agents.dispatched(adm.session, now)
+            agents.dispatched(adm.session, now, adm.blocks)
         self.tenants[adm.tenant].inflight_blocks += adm.blocks
         self.inflight[adm.request_id] = adm
         self.stats.decisions[("admitted", "-", "-", adm.tenant, adm.priority)] += 1

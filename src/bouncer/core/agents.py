@@ -10,6 +10,12 @@ recomputes it, and throughput collapses (thrashing). So a window W bounds the *a
 - W follows AIMD on engine signals, checked every `update_interval_s`: +alpha while pool KV
   usage is below U_low; x beta when usage is above U_high *and* the prefix-cache hit rate is
   below H (memory is full of prefixes nobody reuses: thrashing); held otherwise;
+- W never falls below the number of agents whose contexts the pool holds at once (pool KV
+  blocks over the mean KV blocks of the active agents' latest steps). Below that, misses are
+  not thrashing: the window only idles replicas. CONCUR's thresholds assume an agent is a small
+  fraction of the pool; with 90k-token contexts one agent is a quarter of a replica, KV usage
+  is above U_high whenever three run, and every interval without reuse halved W far below
+  what fits;
 - a new agent waits while the window is full; an active agent's next step is never held by the
   window, except when W has shrunk below the active count: then the agents that started last are
   paused at their next step boundary (never mid-generation) until there is room again;
@@ -30,6 +36,7 @@ class _Agent:
     started_at: float  # when it became active: the last started are paused first
     last_seen: float  # last step admitted or finished
     inflight: int = 0
+    blocks: int = 0  # KV blocks of its latest step: its context
 
 
 class AgentWindow:
@@ -60,12 +67,13 @@ class AgentWindow:
         return True
 
     # -- lifecycle ------------------------------------------------------------------------------
-    def dispatched(self, session: str, now: float) -> None:
+    def dispatched(self, session: str, now: float, blocks: int = 0) -> None:
         agent = self.active.get(session)
         if agent is None:
             agent = self.active[session] = _Agent(now, now)
         agent.inflight += 1
         agent.last_seen = now
+        agent.blocks = max(agent.blocks, blocks)
 
     def finished(self, session: str, now: float) -> None:
         agent = self.active.get(session)
@@ -88,8 +96,9 @@ class AgentWindow:
 
     # -- the window -----------------------------------------------------------------------------
     def observe(self, kv_usage: float, prefix_queries: float | None, prefix_hits: float | None,
-                now: float) -> None:
-        """Pool KV usage and cumulative prefix-cache counters (summed over the model's replicas)."""
+                now: float, pool_blocks: int | None = None) -> None:
+        """Pool KV usage, cumulative prefix-cache counters and KV blocks (summed over the model's
+        replicas; None where not every replica reports them)."""
         if self._next_update is not None and now < self._next_update:
             return
         self._next_update = now + self.cfg.update_interval_s
@@ -100,12 +109,22 @@ class AgentWindow:
                 dh = prefix_hits - self._last_counts[1]
                 hit_rate = dh / dq if dq > 0 else None
             self._last_counts = (prefix_queries, prefix_hits)
-        self.step(kv_usage, hit_rate)
+        self.step(kv_usage, hit_rate, self.agents_that_fit(pool_blocks))
 
-    def step(self, kv_usage: float, hit_rate: float | None) -> None:
-        """One AIMD step. Without a hit rate (no reuse measured) only the increase applies."""
+    def agents_that_fit(self, pool_blocks: int | None) -> int:
+        """How many agents of the active agents' mean context the pool holds at once."""
+        contexts = [a.blocks for a in self.active.values() if a.blocks]
+        if not pool_blocks or not contexts:
+            return 0
+        return int(pool_blocks * len(contexts) / sum(contexts))
+
+    def step(self, kv_usage: float, hit_rate: float | None, fit: int = 0) -> None:
+        """One AIMD step. Without a hit rate (no reuse measured) only the increase applies. `fit`:
+        the agents the pool holds at once, below which W does not go."""
         c = self.cfg
+        floor = float(min(c.max, max(c.min, fit)))
         if kv_usage < c.u_low:
             self.window = min(float(c.max), self.window + c.alpha)
         elif kv_usage > c.u_high and hit_rate is not None and hit_rate < c.h_thresh:
-            self.window = max(float(c.min), self.window * c.beta)
+            self.window = self.window * c.beta
+        self.window = max(floor, self.window)
