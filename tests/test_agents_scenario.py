@@ -34,6 +34,14 @@ def test_agents_run_reports_sessions_hit_rate_and_recomputation(tmp_path):
         assert key in r
     assert r["steps_completed"] > 20 and r["prefix_hit_rate"] > 0.5  # steps reuse their own context
 
+    report = tmp_path / "report"
+    proc = subprocess.run([sys.executable, "-m", "bouncer", "bench", "report", str(out), "--out", str(report)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    md = (report / "report.md").read_text()
+    assert "## agents" in md and f"| 0.25 | 6 | bouncer | {r['sessions_completed_per_hour']:.1f} |" in md
+    assert (report / "agents-hit-rate.png").stat().st_size > 10_000
+
 
 def test_request_cap_is_sized_to_the_kv_pool():
     r = agents.run("request-cap", 4, duration_s=120, replicas=1)

@@ -4,7 +4,9 @@ Plots: goodput against load for every policy (the cliff), one panel per scenario
 attainment at the highest load; gateway queue and KV usage over time for one scenario at its
 highest load, Bouncer against no admission. Scenarios whose runs compare routers (one admission
 policy, several `--routing` or `--kv-events` variants) get a routing table instead: prefix hit
-rate against the trace's infinite-cache bound, TTFT, and KV imbalance.
+rate against the trace's infinite-cache bound, TTFT, and KV imbalance. Runs of the closed-loop
+`agents` scenario get their own table (sessions and steps per hour, hit rate, recomputed tokens)
+and a plot of the prefix-cache hit rate over time, one panel per concurrency.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 POLICY_ORDER = ["none", "tgi-cap", "vllm-queue-cap", "llmd-flow-control", "dynamo-busy", "bouncer"]
+AGENT_POLICY_ORDER = ["none", "request-cap", "bouncer"]
 
 
 def load_results(paths: list[str]) -> list[dict]:
@@ -160,17 +163,60 @@ def plot_timeline(results: list[dict], scenario: str, out: pathlib.Path) -> bool
     return True
 
 
+def _agent_runs(results: list[dict]) -> list[dict]:
+    return sorted(results, key=lambda r: (r["duration_s"], r["sessions"], AGENT_POLICY_ORDER.index(r["policy"])))
+
+
+def agents_table(results: list[dict]) -> list[str]:
+    lines = ["| hours | sessions | policy | sessions/h | steps/h | prefix hit rate | lowest 5-min hit rate "
+             "after the first 20 min | recomputed tokens | preemptions |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in _agent_runs(results):
+        later = [x["prefix_hit_rate"] for x in r["prefix_hit_rate_over_time"]
+                 if x["t"] > 1200 and x["prefix_hit_rate"] is not None]
+        lines.append(f"| {r['duration_s'] / 3600:g} | {r['sessions']} | {r['policy']} | "
+                     f"{r['sessions_completed_per_hour']:.1f} | {r['steps_completed_per_hour']:.0f} | "
+                     f"{_fmt(r['prefix_hit_rate'], True)} | {_fmt(min(later) if later else None, True)} | "
+                     f"{r['recomputed_tokens'] / 1e6:.1f} M | {r['preemptions']} |")
+    return lines
+
+
+def plot_agent_hit_rate(results: list[dict], out: pathlib.Path) -> None:
+    """Hit rate over time per policy, one panel per concurrency (the longest run of each)."""
+    panels = sorted({r["sessions"] for r in results})
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4), squeeze=False, sharey=True)
+    for ax, n in zip(axes[0], panels, strict=True):
+        longest = max(r["duration_s"] for r in results if r["sessions"] == n)
+        for r in _agent_runs([r for r in results if r["sessions"] == n and r["duration_s"] == longest]):
+            pts = [(x["t"] / 60, x["prefix_hit_rate"]) for x in r["prefix_hit_rate_over_time"]
+                   if x["prefix_hit_rate"] is not None]
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], label=r["policy"],
+                    linewidth=2.5 if r["policy"] == "bouncer" else 1.2)
+        ax.set_title(f"{n} agents")
+        ax.set_xlabel("minutes")
+        ax.set_ylim(0, 1.02)
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("prefix-cache hit rate (5-min windows)")
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+
+
 def write_report(paths: list[str], out_dir: str) -> pathlib.Path:
     results = load_results(paths)
     if not results:
         raise ValueError("no result files found")
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    agents = [r for r in results if r["scenario"] == "agents"]
+    results = [r for r in results if r["scenario"] != "agents"]
     routing = {sc for sc in {r["scenario"] for r in results} if compares_routers(results, sc)}
     policies = [r for r in results if r["scenario"] not in routing]
-    lines = ["# Goodput report", "",
-             f"{len(results)} runs. Goodput: requests per second completed within their tenant's TTFT and TPOT "
-             "SLO, latency measured from the user's first attempt.", ""]
+    lines = ["# Benchmark report", "", f"{len(results) + len(agents)} runs."]
+    if results:
+        lines[-1] += (" Goodput: requests per second completed within their tenant's TTFT and TPOT SLO, latency "
+                      "measured from the user's first attempt.")
+    lines.append("")
     if policies:
         plot_cliff(policies, out / "goodput-vs-load.png")
         plot_tenants(policies, out / "tenant-slo.png")
@@ -195,6 +241,10 @@ def write_report(paths: list[str], out_dir: str) -> pathlib.Path:
         lines.append("")
         if plot_timeline(results, sc, out / f"timeline-{sc}.png"):
             lines += [f"![queue and KV over time](timeline-{sc}.png)", ""]
+    if agents:
+        plot_agent_hit_rate(agents, out / "agents-hit-rate.png")
+        lines += ["## agents", "", f"Closed loop on {agents[0]['replicas']} replicas; `sessions` agents run at all "
+                  "times.", ""] + agents_table(agents) + ["", "![hit rate over time](agents-hit-rate.png)", ""]
     path = out / "report.md"
     path.write_text("\n".join(lines))
     return path
