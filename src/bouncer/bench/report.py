@@ -22,6 +22,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 POLICY_ORDER = ["none", "tgi-cap", "vllm-queue-cap", "llmd-flow-control", "dynamo-busy", "bouncer"]
 AGENT_POLICY_ORDER = ["none", "request-cap", "bouncer"]
+AGENT_POLICY_COLORS = {"none": "tab:blue", "request-cap": "tab:orange", "bouncer": "tab:green"}
 
 
 def load_results(paths: list[str]) -> list[dict]:
@@ -190,13 +191,13 @@ def plot_agent_hit_rate(results: list[dict], out: pathlib.Path) -> None:
             pts = [(x["t"] / 60, x["prefix_hit_rate"]) for x in r["prefix_hit_rate_over_time"]
                    if x["prefix_hit_rate"] is not None]
             ax.plot([p[0] for p in pts], [p[1] for p in pts], label=r["policy"],
-                    linewidth=2.5 if r["policy"] == "bouncer" else 1.2)
-        ax.set_title(f"{n} agents")
+                    color=AGENT_POLICY_COLORS[r["policy"]], linewidth=2.5 if r["policy"] == "bouncer" else 1.2)
+        ax.set_title(f"{n} agents, {longest / 3600:g} h")
+        ax.legend(fontsize=7)
         ax.set_xlabel("minutes")
         ax.set_ylim(0, 1.02)
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("prefix-cache hit rate (5-min windows)")
-    axes[0][0].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out, dpi=100)
     plt.close(fig)
