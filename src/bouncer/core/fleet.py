@@ -51,6 +51,9 @@ class ReplicaState:
         self.inflight: dict[str, object] = {}
         self.inflight_blocks = 0
         self.blocks_since_sample = 0  # blocks dispatched after the last telemetry sample
+        # the requests those are: request id -> (dispatched_at, blocks), in dispatch order, so a
+        # new sample drops the ones it includes from the front instead of scanning every request
+        self._since_sample: dict[str, tuple[float, int]] = {}
         self.unstarted = 0  # dispatched, no first token yet
         self.unstarted_by_band: dict[int, int] = {}  # the same, by priority band
         self.queued_prefill_tokens = 0  # uncached prompt tokens of those
@@ -96,11 +99,24 @@ class ReplicaState:
         return max(own, scraped) if reserve else scraped
 
     def observe(self, telemetry: Telemetry) -> None:
+        previous = self.telemetry
         self.telemetry = telemetry
         self.sync_capacity()
         # what we sent after this sample was taken is not in its figures yet
-        self.blocks_since_sample = sum(adm.blocks for adm in self.inflight.values()  # type: ignore[attr-defined]
-                                       if self._after_sample(adm))
+        since = self._since_sample
+        if previous is not None and telemetry.at < previous.at:  # an older sample, late: count afresh
+            since.clear()
+            for rid, adm in self.inflight.items():
+                if self._after_sample(adm):
+                    since[rid] = (adm.dispatched_at, adm.blocks)  # type: ignore[attr-defined]
+            self.blocks_since_sample = sum(blocks for _, blocks in since.values())
+            return
+        while since:
+            rid, (dispatched_at, blocks) = next(iter(since.items()))
+            if dispatched_at >= telemetry.at:  # a dispatch at the very instant of the sample counts as after it
+                break
+            del since[rid]
+            self.blocks_since_sample -= blocks
 
     def queue_depth(self, fresh: bool) -> int:
         """Requests waiting at the engine, as last scraped (0 when the scrape is stale: then
@@ -112,6 +128,7 @@ class ReplicaState:
         self.inflight[request_id] = adm
         self.inflight_blocks += blocks
         if self._after_sample(adm):
+            self._since_sample[request_id] = (adm.dispatched_at, blocks)
             self.blocks_since_sample += blocks
         self.unstarted += 1
         band = adm.priority
@@ -140,7 +157,7 @@ class ReplicaState:
         self.inflight_blocks -= blocks
         if adm is None:
             return
-        if self._after_sample(adm):
+        if self._since_sample.pop(request_id, None) is not None:
             self.blocks_since_sample -= blocks
         self.decoding -= 1
         self.decode_context -= decode_context(adm)
