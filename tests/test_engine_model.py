@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import random
+from collections import OrderedDict
 
 import pytest
 
-from bouncer.core.blocks import chain_block_hashes
+from bouncer.core.blocks import chain_block_hashes, num_blocks
 from bouncer.sim.engine import EngineModel, EngineRequest, QueueFull, RequestTooLong, Status
+from bouncer.sim.kv_pool import KVPool
 from bouncer.sim.profiles import PROFILES, EngineProfile, KVGeometry
 
 # A small, round profile so expected step times are easy to write down.
@@ -273,3 +276,239 @@ def test_published_profiles_are_sane():
         assert profile.kv_tokens > 100_000
         # a 4k-token prefill chunk should take longer than a decode step, and far less than a second
         assert profile.a < profile.step_time(4096, 4096) < 1.0
+
+
+# -- the decode cohort against per-request accounting ---------------------------------------------
+
+def per_request(engine: EngineModel) -> EngineModel:
+    """The same engine with its decode cohort switched off: nobody ever joins it, so every
+    request is scheduled and accounted one by one, every step (the plain vLLM loop)."""
+    engine._cohort.join = lambda req: None
+    return engine
+
+
+def _random_case(seed: int):
+    rng = random.Random(seed)
+    bs = rng.choice([16, 16, 8, 32])  # digests are made for 16: finer or coarser engine blocks
+    profile = dataclasses.replace(
+        TOY, num_blocks=rng.randint(24, 160), max_num_seqs=rng.choice([2, 4, 8, 32]),
+        max_num_batched_tokens=rng.choice([6, 24, 96, 512]), max_model_len=rng.choice([200, 4096]))
+    kwargs = dict(block_size=bs, policy=rng.choice(["fcfs", "priority"]),
+                  cpu_offload_blocks=rng.choice([0, 0, 40]))
+    prefixes = [list(range(k * 1000, k * 1000 + rng.randint(16, 120))) for k in range(3)]
+    specs = []
+    t = 0.0
+    for i in range(rng.randint(10, 40)):
+        t += rng.expovariate(20.0)
+        prompt = (rng.choice(prefixes) if rng.random() < 0.6 else []) + \
+            [rng.randrange(10**6) for _ in range(rng.randint(1, 80))]
+        prompt = prompt[:profile.max_model_len]
+        out = rng.randint(1, 60)
+        if num_blocks(len(prompt) + out, bs) > profile.num_blocks:
+            continue
+        specs.append((t, f"r{i}", prompt, out, rng.randint(0, 3)))
+    aborts = {spec[1]: spec[0] + rng.uniform(0.0, 1.0) for spec in specs if rng.random() < 0.15}
+    horizons = [rng.choice([None, "arrival", "far"]) for _ in range(100_000)]
+    return profile, kwargs, specs, aborts, horizons
+
+
+def _request_state(r: EngineRequest):
+    return (r.request_id, r.status, r.num_output, r.num_computed, r.max_computed, list(r.blocks),
+            r.num_registered, r.num_cached_tokens, r.scheduled_at, r.first_token_at, r.finished_at,
+            r.finish_reason, r.num_preemptions)
+
+
+def _drive(engine: EngineModel, specs, aborts, horizons, events):
+    """Replay the case, recording every step's result and the engine's state after it."""
+    requests = {rid: EngineRequest(rid, len(p), out, chain_block_hashes(p, 16), t, prio)
+                for t, rid, p, out, prio in specs}
+    pending = sorted(specs)
+    abort_at = sorted((t, rid) for rid, t in aborts.items())
+    trace = []
+    now = 0.0
+    for kind in horizons:
+        while abort_at and abort_at[0][0] <= now:
+            aborted = engine.abort(abort_at.pop(0)[1], now)
+            trace.append(("abort", aborted and _request_state(aborted)))
+        while pending and pending[0][0] <= now:
+            engine.add_request(requests[pending.pop(0)[1]])
+        upcoming = ([pending[0][0]] if pending else []) + ([abort_at[0][0]] if abort_at else [])
+        next_event = min(upcoming, default=None)
+        horizon = {"arrival": next_event, "far": float("inf"), None: None}[kind]
+        res = engine.step(now, horizon)
+        if res is None:
+            if next_event is None:
+                break
+            now = max(now, next_event)
+            continue
+        trace.append(((res.start, res.end, res.num_steps, res.batched_tokens),
+                      [(r.request_id, n) for r, n in res.tokens],
+                      [r.request_id for r in res.finished], [r.request_id for r in res.preempted],
+                      [r.request_id for r in res.started],
+                      [_request_state(r) for r in engine.running],
+                      [r.request_id for r in engine.waiting],
+                      dataclasses.asdict(engine.counters), engine.pool.num_free, len(events)))
+        now = res.end
+    trace.append([_request_state(r) for r in requests.values()])
+    return trace
+
+
+def _record(seed: int, cohort: bool):
+    profile, kwargs, specs, aborts, horizons = _random_case(seed)
+    events = []
+    engine = EngineModel(profile, kv_event_sink=lambda kind, d: events.append((kind, d)), **kwargs)
+    if not cohort:
+        per_request(engine)
+    return _drive(engine, specs, aborts, horizons, events), events
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_the_decode_cohort_steps_exactly_as_request_by_request(seed):
+    """Preemption, chunked prefill, prefix (and CPU-tier) hits, aborts, both policies, extended
+    steps: the cohort must give the same results, state, block ids and cache events."""
+    fast, fast_events = _record(seed, cohort=True)
+    slow, slow_events = _record(seed, cohort=False)
+    assert len(fast) == len(slow)
+    for step, (a, b) in enumerate(zip(fast, slow, strict=True)):
+        assert a == b, f"diverged at step {step}"
+    assert fast_events == slow_events
+
+
+class _CountingEngine(EngineModel):
+    """Counts the steps its cohort carries (with more than one member) and those that dissolve it."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.led = self.dissolved = 0
+
+    def _cohort_runs_as_is(self) -> bool:
+        runs = super()._cohort_runs_as_is()
+        self.led += runs and self._cohort.size > 1
+        self.dissolved += not runs
+        return runs
+
+
+def test_random_cases_cover_the_cohort_and_its_fallbacks():
+    """The cases above exercise what they claim: a cohort that carries the batch, and steps
+    that dissolve it (a block shortage that preempts, a request left out of the cohort)."""
+    led = dissolved = preemptions = 0
+    for seed in range(60):
+        profile, kwargs, specs, aborts, horizons = _random_case(seed)
+        engine = _CountingEngine(profile, **kwargs)
+        _drive(engine, specs, aborts, horizons, [])
+        led += engine.led
+        dissolved += engine.dissolved
+        preemptions += engine.counters.num_preemptions
+    assert led > 2000 and dissolved > 200 and preemptions > 50
+
+
+def test_request_progress_reads_the_same_inside_and_outside_the_cohort():
+    engine = EngineModel(TOY)
+    engine.add_request(req("a", 40, 30))
+    engine.add_request(req("b", 20, 30))
+    now = engine.step(0.0).end  # both prefilled in one step, and now decoding
+    a = engine.requests["a"]
+    assert a._cohort is not None
+    for _ in range(5):
+        now = engine.step(now).end
+    assert (a.num_output, a.num_computed, a.max_computed, a.num_tokens) == (6, 45, 45, 46)
+    assert len(a.blocks) == 3  # 45 computed tokens: the third block came at token 33
+    engine.abort("a", now)  # leaves the cohort with its progress written back
+    assert a._cohort is None and (a.num_output, a.max_computed) == (6, 45)
+    assert engine._cohort.size == 1
+
+
+def test_step_tokens_list_every_request_in_batch_order():
+    engine = EngineModel(dataclasses.replace(TOY, num_blocks=128))
+    for i in range(3):
+        engine.add_request(req(f"d{i}", 20 + i, 50))
+    now = engine.step(0.0).end
+    engine.add_request(req("p", 300, 5, at=now))
+    res = engine.step(now)  # three decoders (the cohort), then the newcomer's prefill
+    assert [(r.request_id, n) for r, n in res.tokens] == [("d0", 1), ("d1", 1), ("d2", 1), ("p", 1)]
+    assert res.started == [engine.requests["p"]]
+
+
+# -- the KV pool against a plain LRU model --------------------------------------------------------
+
+class _ReferencePool:
+    """The pool as first written: reference counts per block and an OrderedDict of free blocks."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.ref = [0] * num_blocks
+        self.free = OrderedDict.fromkeys(range(num_blocks))
+        self.digest: dict[int, int] = {}  # block -> digest
+        self.cached: dict[int, int] = {}  # digest -> block
+
+    def allocate(self, n):
+        if n > len(self.free):
+            return None, []
+        out, removed = [], []
+        for _ in range(n):
+            block, _ = self.free.popitem(last=False)
+            if block in self.digest:
+                removed.append(self.digest.pop(block))
+                del self.cached[removed[-1]]
+            self.ref[block] = 1
+            out.append(block)
+        return out, removed
+
+    def release(self, blocks):
+        for block in reversed(blocks):
+            self.ref[block] -= 1
+            if self.ref[block] == 0:
+                self.free[block] = None
+
+    def acquire(self, blocks):
+        for block in blocks:
+            if self.ref[block] == 0:
+                del self.free[block]
+            self.ref[block] += 1
+
+    def register(self, block, digest):
+        if block not in self.digest and digest not in self.cached:
+            self.digest[block] = digest
+            self.cached[digest] = block
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_kv_pool_allocates_and_evicts_as_a_plain_lru(seed):
+    rng = random.Random(seed)
+    num_blocks = rng.choice([8, 32, 100])
+    events = []
+    pool = KVPool(num_blocks, 16, event_sink=lambda kind, d: events.append((kind, d)))
+    ref = _ReferencePool(num_blocks)
+    held: list[list[int]] = []  # one list per holder, as requests hold them
+    digests = [rng.randrange(2**62) for _ in range(3 * num_blocks)]
+    for _ in range(3000):
+        op = rng.random()
+        if op < 0.35:
+            n = rng.randint(1, 6)
+            events.clear()
+            got = pool.allocate(n)
+            want, removed = ref.allocate(n)
+            assert got == want
+            assert [d for kind, ds in events if kind == "removed" for d in ds] == removed
+            if got:
+                held.append(got)
+        elif op < 0.65 and held:
+            blocks = held.pop(rng.randrange(len(held)))
+            pool.release(blocks)
+            ref.release(blocks)
+        elif op < 0.8 and held:
+            blocks = rng.choice(held)
+            k = rng.randrange(len(blocks))
+            digest = rng.choice(digests)
+            pool.register(blocks[k], digest)
+            ref.register(blocks[k], digest)
+        else:
+            chain = rng.sample(list(ref.cached), k=min(len(ref.cached), rng.randint(0, 4)))
+            hit = pool.longest_cached_prefix(chain)
+            assert hit == [ref.cached[d] for d in chain]
+            assert pool.count_free(hit) == sum(1 for b in hit if ref.ref[b] == 0)
+            pool.acquire(hit)
+            ref.acquire(hit)
+            if hit:
+                held.append(hit)
+        assert pool.num_free == len(ref.free)
+        assert pool.num_cached == len(ref.cached)

@@ -24,6 +24,18 @@ pure decode and cannot admit anyone is then extended over as many identical-shap
 before the horizon, the next finish, or the next block shortage. That gives the same state and
 timing as stepping one by one (tested) at a fraction of the cost.
 
+A batch is mostly requests that only decode, and a step gives each of them one token, so the
+model keeps them in a decode cohort (`_DecodeCohort`) instead of touching each one every step:
+their progress is one shared tick plus a per-request offset, read back on demand; the few that
+need a new KV block at a given tick are found by residue bucket, those that finish by a heap, and
+the batch's context tokens are a running sum. Only the rest of `running` (normally at most one
+request, mid-prefill, at its tail), admissions, block crossings and finishes cost Python work per
+step. The cohort leads `running`, so it is scheduled first, as the per-request loop would, and
+blocks are handed out in running order. A step in which that loop could treat the cohort
+differently (a block shortage would preempt, or a request outside the cohort sits among its
+members) first dissolves it and runs request by request; the cohort re-forms from the requests
+that decode after that step. Step results and state are the same either way (tested).
+
 Priorities use vLLM's polarity here (lower value served first), because this is a model of vLLM.
 """
 
@@ -34,6 +46,7 @@ import itertools
 from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
+from operator import attrgetter
 
 from bouncer.core.blocks import num_blocks
 from bouncer.sim.kv_pool import KVEventSink, KVPool
@@ -68,13 +81,10 @@ class EngineRequest:
     block_digests: list[int]  # chained digests of the prompt's full blocks
     arrival: float
     priority: int = 0  # vLLM polarity: lower value is served first
-    # progress, vLLM's names
-    num_computed: int = 0
-    num_output: int = 0
+    # progress, vLLM's names (num_computed, num_output and max_computed are properties below)
     blocks: list[int] = field(default_factory=list)
     num_registered: int = 0  # prompt blocks made findable in the prefix cache
     num_cached_tokens: int = 0  # prefix-cache hit at the last (re)admission
-    max_computed: int = 0  # high-water mark of num_computed: what lies below it is recomputation
     status: Status = Status.WAITING
     scheduled_at: float | None = None
     first_token_at: float | None = None
@@ -82,6 +92,42 @@ class EngineRequest:
     finish_reason: str | None = None
     num_preemptions: int = 0
     _seq: int = 0  # tie-break for the priority queue
+    # Outside the decode cohort these hold the progress; inside it, the cohort's tick does.
+    _num_computed: int = field(default=0, init=False, repr=False)
+    _num_output: int = field(default=0, init=False, repr=False)
+    _max_computed: int = field(default=0, init=False, repr=False)
+    _cohort: _DecodeCohort | None = field(default=None, init=False, repr=False)
+    _offset: int = field(default=0, init=False, repr=False)  # num_output - cohort tick, in the cohort
+    _order: int = field(default=0, init=False, repr=False)  # increases along `running`
+
+    @property
+    def num_output(self) -> int:
+        cohort = self._cohort
+        return self._num_output if cohort is None else cohort.tick + self._offset
+
+    @num_output.setter
+    def num_output(self, value: int) -> None:
+        self._num_output = value
+
+    @property
+    def num_computed(self) -> int:
+        cohort = self._cohort
+        # a decoding request has computed every token but the one it sampled last
+        return self._num_computed if cohort is None else self.prompt_len + cohort.tick + self._offset - 1
+
+    @num_computed.setter
+    def num_computed(self, value: int) -> None:
+        self._num_computed = value
+
+    @property
+    def max_computed(self) -> int:
+        """High-water mark of num_computed: what lies below it is recomputation."""
+        # in the cohort num_computed grows every step, so it is its own high-water mark
+        return self._max_computed if self._cohort is None else self.num_computed
+
+    @max_computed.setter
+    def max_computed(self, value: int) -> None:
+        self._max_computed = value
 
     @property
     def num_tokens(self) -> int:
@@ -98,10 +144,18 @@ class StepResult:
     end: float
     num_steps: int  # >1 when a decode-only step was extended
     batched_tokens: int  # of the first step
-    tokens: list[tuple[EngineRequest, int]]  # new output tokens per request, produced at `end`
     finished: list[EngineRequest]
     preempted: list[EngineRequest]
-    started: list[EngineRequest] = field(default_factory=list)  # whose first token this step produced
+    started: list[EngineRequest]  # whose first token this step produced
+    decoders: list[EngineRequest]  # the decode cohort, which produced `num_steps` tokens each
+    other_tokens: list[tuple[EngineRequest, int]]  # new output tokens of the other requests
+
+    @property
+    def tokens(self) -> list[tuple[EngineRequest, int]]:
+        """New output tokens per request, produced at `end`, in batch order. Built on demand:
+        the simulator does not need it, and a batch is hundreds of requests."""
+        n = self.num_steps
+        return [(req, n) for req in self.decoders] + self.other_tokens
 
 
 @dataclass(slots=True)
@@ -175,6 +229,98 @@ class _WaitingQueue:
             self._live -= 1  # its heap entry is dropped lazily
 
 
+_RUNNING_ORDER = attrgetter("_order")
+
+
+class _DecodeCohort:
+    """Running requests that only decode, advanced together: a step that schedules them gives
+    each one token, so their progress is the shared `tick` plus a per-request offset.
+
+    What differs per request is found by index, not by a scan: a request needs a new KV block
+    in the step that starts at a tick congruent to its `_due` residue (its computed tokens are
+    then a multiple of the block size), and it finishes at the tick its finish-heap key names.
+    """
+
+    def __init__(self, block_size: int, max_model_len: int) -> None:
+        self.tick = 0
+        self.size = 0
+        self._block_size = block_size
+        self._max_model_len = max_model_len
+        self._due: list[set[EngineRequest]] = [set() for _ in range(block_size)]  # by tick % block size
+        self._finish: list[tuple[int, int, EngineRequest]] = []  # (tick, running order, request)
+        self._context_base = 0  # sum of prompt_len + offset: context tokens less size * tick
+
+    def join(self, req: EngineRequest) -> None:
+        """Take over a request that has just sampled a token and has nothing left to prefill."""
+        offset = req.num_output - self.tick
+        req._offset = offset
+        req._cohort = self
+        self.size += 1
+        self._context_base += req.prompt_len + offset
+        self._due[self._residue(req)].add(req)
+        finish_tick = min(req.max_output, self._max_model_len - req.prompt_len) - offset
+        heapq.heappush(self._finish, (finish_tick, req._order, req))
+
+    def leave(self, req: EngineRequest) -> None:
+        """Hand a request back to per-request accounting (its finish-heap entry goes stale)."""
+        self._due[self._residue(req)].discard(req)
+        self._context_base -= req.prompt_len + req._offset
+        self.size -= 1
+        self._materialize(req)
+
+    def dissolve(self) -> None:
+        for bucket in self._due:
+            for req in bucket:
+                self._materialize(req)
+            bucket.clear()
+        self._finish.clear()
+        self._context_base = 0
+        self.size = 0
+
+    def context_tokens(self) -> int:
+        """Context tokens of the cohort in the step starting now (computed + the new token)."""
+        return self._context_base + self.size * self.tick
+
+    def due(self, tick: int) -> set[EngineRequest]:
+        """Members that need one more KV block in the step starting at `tick`."""
+        return self._due[tick % self._block_size]
+
+    def blocks_due_by_residue(self) -> list[int]:
+        """How many members need a new block in a step starting at a tick, by tick % block size."""
+        return [len(bucket) for bucket in self._due]
+
+    def first_finish(self) -> int:
+        """The tick at which the next member finishes (at least one member must be left)."""
+        heap = self._finish
+        while heap[0][2]._cohort is not self:  # left early (aborted)
+            heapq.heappop(heap)
+        return heap[0][0]
+
+    def pop_finished(self) -> list[EngineRequest]:
+        """Members whose output is complete at the current tick, in running order, removed.
+        Steps never run past a member's finish, so those due now share one key and the heap
+        yields them by running order."""
+        heap = self._finish
+        done = []
+        while heap and (heap[0][0] <= self.tick or heap[0][2]._cohort is not self):
+            req = heapq.heappop(heap)[2]
+            if req._cohort is self:
+                self.leave(req)
+                done.append(req)
+        return done
+
+    def _residue(self, req: EngineRequest) -> int:
+        # computed tokens at tick t are prompt_len + offset + t - 1: a multiple of the block
+        # size, so the step needs a new block, when t = 1 - prompt_len - offset (mod block size)
+        return (1 - req.prompt_len - req._offset) % self._block_size
+
+    def _materialize(self, req: EngineRequest) -> None:
+        num_output = self.tick + req._offset
+        req._num_output = num_output
+        req._num_computed = req._max_computed = req.prompt_len + num_output - 1
+        req._cohort = None
+
+
 class EngineModel:
     def __init__(self, profile: EngineProfile, *, num_blocks: int | None = None,
                  block_size: int | None = None, max_num_seqs: int | None = None,
@@ -197,6 +343,9 @@ class EngineModel:
         self.requests: dict[str, EngineRequest] = {}
         self.counters = EngineCounters()
         self._seq = itertools.count()
+        self._order = itertools.count()  # running order: stamped on each request as it is admitted
+        # leads `running`: running[:cohort.size] are its members, in running order
+        self._cohort = _DecodeCohort(self.block_size, self.max_model_len)
 
     # -- state seen from outside ------------------------------------------------------------
     @property
@@ -217,7 +366,8 @@ class EngineModel:
 
     def queued_prompt_tokens(self) -> int:
         """Prompt tokens of requests not yet through prefill (what `max_num_queued_tokens` caps)."""
-        running = sum(r.prompt_len - r.num_computed for r in self.running if not r.is_prefill_done)
+        running = sum(r.prompt_len - r.num_computed for r in self.running
+                      if r._cohort is None and not r.is_prefill_done)  # the cohort is past prefill
         return running + sum(r.prompt_len - r.num_computed for r in self.waiting)
 
     # -- requests in and out ----------------------------------------------------------------
@@ -255,6 +405,8 @@ class EngineModel:
         if req is None:
             return None
         if req.status is Status.RUNNING:
+            if req._cohort is not None:
+                self._cohort.leave(req)
             self.running.remove(req)
             self.pool.release(req.blocks)
             req.blocks = []
@@ -275,11 +427,15 @@ class EngineModel:
         extended (see module doc).
         """
         self._loaded_tokens = 0
+        cohort = self._cohort
+        if cohort.size and not self._cohort_runs_as_is():
+            cohort.dissolve()
+        decoders = self.running[:cohort.size]
         scheduled, preempted = self._schedule(now)
-        if not scheduled:
+        if not scheduled and not decoders:
             return None
-        batched = 0
-        context = 0
+        batched = len(decoders)
+        context = cohort.context_tokens()
         for req, n in scheduled:
             batched += n
             context += req.num_computed + n
@@ -289,7 +445,7 @@ class EngineModel:
             # admits the request errs on the slow side
             duration += self._loaded_tokens * self.profile.offload_load_s_per_token
         num_steps = 1
-        pure_decode = batched == len(scheduled) and all(r.num_output > 0 for r, _ in scheduled)
+        pure_decode = batched == len(decoders) + len(scheduled) and all(r.num_output > 0 for r, _ in scheduled)
         # A pure-decode step that preempted nobody admitted nobody either: the waiting head is
         # blocked by blocks, seats or budget, and stays blocked until a request finishes.
         if horizon is not None and pure_decode and not preempted:
@@ -299,31 +455,59 @@ class EngineModel:
         end = now + duration
         self.counters.steps += num_steps
         self.counters.busy_time += duration
-        tokens, finished, started = self._apply(scheduled, num_steps, end)
-        return StepResult(now, end, num_steps, batched, tokens, finished, preempted, started)
+        tokens, finished, started = self._apply(scheduled, len(decoders), num_steps, end)
+        return StepResult(now, end, num_steps, batched, finished, preempted, started, decoders, tokens)
+
+    def _cohort_runs_as_is(self) -> bool:
+        """Whether the per-request loop would give every cohort member its token and preempt
+        nobody: the cohort leads `running`, and the blocks it and the requests after it ask
+        for this step are free. (The budget cannot bind within the cohort: requests are only
+        admitted while budget is left after every running one got a token, so `running` never
+        outnumbers the budget.)"""
+        size = self._cohort.size
+        budget = self.max_num_batched_tokens - size
+        rest = self.running[size:]
+        if any(req._cohort is not None for req in rest):
+            return False
+        need = len(self._cohort.due(self._cohort.tick))
+        for req in rest:
+            if budget <= 0:
+                break
+            n_new, blocks = self._demand(req, budget)
+            need += blocks
+            budget -= n_new
+        return need <= self.pool.num_free
+
+    def _demand(self, req: EngineRequest, budget: int) -> tuple[int, int]:
+        """Tokens a running request is scheduled for under `budget`, and the new blocks they
+        need (it holds exactly the blocks of its computed tokens)."""
+        computed = req.num_computed
+        n_new = min(req.num_tokens - computed, budget)
+        return n_new, -(-(computed + n_new) // self.block_size) - len(req.blocks)
 
     def _schedule(self, now: float) -> tuple[list[tuple[EngineRequest, int]], list[EngineRequest]]:
-        budget = self.max_num_batched_tokens
-        bs = self.block_size
+        """The batch after the cohort (which gets one token each): running requests, then
+        admitted ones; and whom it preempted."""
+        cohort = self._cohort
         pool = self.pool
+        for req in sorted(cohort.due(cohort.tick), key=_RUNNING_ORDER):
+            req.blocks.extend(pool.allocate(1))
+        budget = self.max_num_batched_tokens - cohort.size
         scheduled: list[tuple[EngineRequest, int]] = []
         preempted: list[EngineRequest] = []
         running = self.running
 
-        i = 0
+        i = cohort.size
         while i < len(running) and budget > 0:
             req = running[i]
-            computed = req.num_computed
-            n_new = req.prompt_len + req.num_output - computed  # num_tokens - num_computed, inlined: hot
-            if n_new > budget:
-                n_new = budget
-            need = -(-(computed + n_new) // bs) - len(req.blocks)
+            n_new, need = self._demand(req, budget)
             can_run = True
             while need > 0:
                 new = pool.allocate(need)
                 if new is not None:
                     req.blocks.extend(new)
                     break
+                # (never a cohort member: this runs with a cohort only when nobody is preempted)
                 victim = self._pick_victim()
                 victim_index = running.index(victim)
                 running.pop(victim_index)
@@ -367,8 +551,7 @@ class EngineModel:
             num_cached = (len(hit) + loaded) * bs
             n_new = min(req.num_tokens - num_cached, budget)
             need = num_blocks(num_cached + n_new, bs) - len(hit)
-            hit_free = sum(1 for b in hit if pool._ref_cnt[b] == 0)
-            if need + hit_free > pool.num_free:
+            if need + pool.count_free(hit) > pool.num_free:
                 return
             pool.acquire(hit)
             req.blocks = hit + (pool.allocate(need) or [])
@@ -384,6 +567,7 @@ class EngineModel:
             req.status = Status.RUNNING
             if req.scheduled_at is None:
                 req.scheduled_at = now
+            req._order = next(self._order)
             self.running.append(req)
             scheduled.append((req, n_new))
             budget -= n_new
@@ -406,20 +590,26 @@ class EngineModel:
     def _extension(self, scheduled: list[tuple[EngineRequest, int]], first_end: float,
                    horizon: float, batched: int, context: int) -> tuple[int, float]:
         """How many more identical decode steps fit before the horizon, the next finish and
-        the next block shortage; and their total duration."""
+        the next block shortage; and their total duration. `scheduled` is the batch less the
+        cohort."""
         bs = self.block_size
-        max_extra = min(min(r.max_output - r.num_output, self.max_model_len - r.num_tokens)
-                        for r, _ in scheduled) - 1
+        cohort = self._cohort
+        tick = cohort.tick
+        tokens_left = [min(r.max_output - r.num_output, self.max_model_len - r.num_tokens) for r, _ in scheduled]
+        if cohort.size:
+            tokens_left.append(cohort.first_finish() - tick)
+        max_extra = min(tokens_left) - 1
         if max_extra <= 0:
             return 0, 0.0
-        # Block headroom: extra step j (1-based) needs num_tokens + j tokens of KV per request, so
-        # it needs one more block for each request whose num_tokens + j - 1 is a multiple of the
-        # block size. Counting requests by num_tokens mod block size makes each step O(1).
+        # Block headroom: extra step j (1-based) starts at tick + j, and needs one more block for
+        # each request whose computed tokens are then a multiple of the block size. Counting
+        # requests by that tick's residue makes each step O(1).
         free = self.pool.num_free
-        residues = [0] * bs
+        blocks_due = cohort.blocks_due_by_residue()
         for r, _ in scheduled:
-            residues[(r.prompt_len + r.num_output) % bs] += 1
-        base = sum(-(-(r.prompt_len + r.num_output) // bs) - len(r.blocks) for r, _ in scheduled)
+            blocks_due[(tick + 1 - r.num_tokens) % bs] += 1
+        # (cohort members already hold the blocks of this step's tokens)
+        base = sum(-(-r.num_tokens // bs) - len(r.blocks) for r, _ in scheduled)
         need = base
         extra = 0
         elapsed = 0.0
@@ -429,7 +619,7 @@ class EngineModel:
         step_fixed = p.a + p.b * batched
         while extra < max_extra and start < horizon:
             j = extra + 1
-            need += residues[(1 - j) % bs]
+            need += blocks_due[(tick + j) % bs]
             if need > free:
                 break
             ctx += batched
@@ -439,8 +629,48 @@ class EngineModel:
             start += d
         return extra, elapsed
 
-    def _apply(self, scheduled: list[tuple[EngineRequest, int]], num_steps: int,
+    def _apply(self, scheduled: list[tuple[EngineRequest, int]], num_decoders: int, num_steps: int,
                end: float) -> tuple[list[tuple[EngineRequest, int]], list[EngineRequest], list[EngineRequest]]:
+        """Account the step's work: the cohort's `num_decoders` members in bulk, then the rest of
+        the batch request by request. Returns the rest's (tokens, finished, started), with the
+        cohort's finishes leading `finished`."""
+        cohort = self._cohort
+        counters = self.counters
+        if num_steps > 1:
+            self._extend_cohort_blocks(num_steps - 1)
+        tokens, finished, started = self._apply_each(scheduled, num_steps, end)
+        cohort.tick += num_steps
+        counters.generation_tokens += num_decoders * num_steps
+        finished[:0] = cohort.pop_finished()
+        for req in finished:
+            self.running.remove(req)
+            self.pool.release(req.blocks)
+            req.blocks = []
+            req.status = Status.FINISHED
+            req.finished_at = end
+            req.finish_reason = "length"
+            counters.request_success["length"] += 1
+            del self.requests[req.request_id]
+        for req, _ in tokens:
+            # decoding from now on, unless it still has prompt blocks to publish (digests
+            # finer than the engine's blocks)
+            if req.status is Status.RUNNING and req.num_registered >= len(req.block_digests):
+                cohort.join(req)
+        return tokens, finished, started
+
+    def _extend_cohort_blocks(self, extra: int) -> None:
+        """Give the cohort the blocks its `extra` more tokens each need, in running order (as
+        `_apply_each` would). Only members due a block at one of those ticks need any."""
+        cohort = self._cohort
+        bs = self.block_size
+        ticks = range(cohort.tick + 1, cohort.tick + min(extra, bs) + 1)
+        crossing = itertools.chain.from_iterable(cohort.due(tick) for tick in ticks)
+        for req in sorted(crossing, key=_RUNNING_ORDER):
+            req.blocks.extend(self.pool.allocate(-(-(req.num_tokens + extra) // bs) - len(req.blocks)))
+
+    def _apply_each(self, scheduled: list[tuple[EngineRequest, int]], num_steps: int,
+                    end: float) -> tuple[list[tuple[EngineRequest, int]], list[EngineRequest], list[EngineRequest]]:
+        """Account the requests outside the cohort, one by one."""
         pool = self.pool
         bs = self.block_size
         counters = self.counters
@@ -453,7 +683,7 @@ class EngineModel:
             computed = req.num_computed
             if computed < req.max_computed:
                 counters.recomputed_tokens += min(n, req.max_computed - computed)
-            num_tokens = req.prompt_len + req.num_output
+            num_tokens = req.num_tokens
             if extra:
                 # extended decode: allocate the blocks the extra tokens need
                 need = -(-(num_tokens + extra) // bs) - len(req.blocks)
@@ -480,17 +710,6 @@ class EngineModel:
                 counters.prompt_tokens += req.prompt_len
                 counters.prompt_tokens_cached += req.num_cached_tokens
             tokens.append((req, num_steps))
-            if req.num_output >= req.max_output or req.prompt_len + req.num_output >= max_model_len:
+            if req.num_output >= req.max_output or req.num_tokens >= max_model_len:
                 finished.append(req)
-        if finished:
-            self.running = [r for r in self.running if r.num_output < r.max_output
-                            and r.prompt_len + r.num_output < max_model_len]
-        for req in finished:
-            pool.release(req.blocks)
-            req.blocks = []
-            req.status = Status.FINISHED
-            req.finished_at = end
-            req.finish_reason = "length"
-            counters.request_success["length"] += 1
-            del self.requests[req.request_id]
         return tokens, finished, started
