@@ -39,6 +39,19 @@ def test_result_json_has_the_agreed_keys_and_loses_nothing(tmp_path):
     assert abs(sum(t["served_token_share"] for t in r["tenants"].values()) - 1.0) < 1e-9
 
 
+def test_only_tenants_replays_the_same_arrivals_of_one_band_alone():
+    mix = goodput.run("consolidation", "none", 2.0, duration_s=20, replicas=1)
+    alone = goodput.run("consolidation", "none", 2.0, duration_s=20, replicas=1, only_tenants=["realtime"])
+    assert alone["capacity_rps"] == mix["capacity_rps"]  # load still counts the whole mix
+    assert set(alone["tenants"]) == {"realtime"} and alone["only_tenants"] == ["realtime"]
+    assert alone["offered"] == alone["tenants"]["realtime"]["offered"] == mix["tenants"]["realtime"]["offered"] > 0
+    assert alone["lost"] == 0
+    # without the standard band's work in the engines, the realtime band does at least as well
+    assert alone["tenants"]["realtime"]["slo_attainment"] >= mix["tenants"]["realtime"]["slo_attainment"]
+    with pytest.raises(ValueError, match="unknown tenant"):
+        goodput.run("consolidation", "none", 2.0, duration_s=5, replicas=1, only_tenants=["nobody"])
+
+
 def test_bouncer_keeps_goodput_where_no_admission_collapses():
     none = goodput.run("surge", "none", 2.0, duration_s=30, replicas=1)
     bouncer = goodput.run("surge", "bouncer", 2.0, duration_s=30, replicas=1)

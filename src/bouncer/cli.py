@@ -157,7 +157,7 @@ def cmd_bench_run(args) -> None:
         return _bench_agents(args)
     result = run(args.scenario, args.policy, args.load, seed=args.seed, replicas=args.replicas,
                  duration_s=args.duration, trace=args.trace, profile=args.profile, routing=args.routing,
-                 kv_events=args.kv_events)
+                 kv_events=args.kv_events, only_tenants=args.only_tenants.split(",") if args.only_tenants else None)
     if args.out:  # first: the summary below may go to a pipe that closes early
         save(result, args.out)
     o = result["outcomes"]
@@ -268,6 +268,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--routing", choices=sorted(ROUTERS), help="override the policy's router")
     p.add_argument("--kv-events", action="store_true",
                    help="engines publish KV-cache events; Bouncer's prefix index follows them")
+    p.add_argument("--only-tenants", metavar="NAME,...",
+                   help="send only these tenants' requests (the same arrivals; capacity and load still "
+                        "count the whole mix): what a band gets with the others perfectly isolated")
     p.add_argument("--out", help="write the result JSON")
     p.set_defaults(func=cmd_bench_run)
 

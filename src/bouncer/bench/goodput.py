@@ -130,18 +130,28 @@ def _good(r: SimRequest) -> bool:
 
 def run(scenario_name: str, policy: str, load: float, seed: int = 0, replicas: int = 4, duration_s: float = 300.0,
         trace: str | None = None, profile: str = DEFAULT_PROFILE, routing: str | None = None,
-        kv_events: bool = False) -> dict:
+        kv_events: bool = False, only_tenants: list[str] | None = None) -> dict:
     """One run. `routing` overrides the policy's router; `kv_events` has the engines publish their
-    prefix-cache changes, which Bouncer's core uses to make its prefix index precise."""
+    prefix-cache changes, which Bouncer's core uses to make its prefix index precise;
+    `only_tenants` drops the other tenants' requests (capacity and arrivals stay those of the
+    whole mix)."""
     scenario = get_scenario(scenario_name, duration_s)
     traces = scenario.load(trace)
     capacity = fleet_capacity(scenario, traces, replicas, profile, seed, trace)
     requests = make_requests(scenario.tenants, traces, load * capacity, duration_s, seed)
+    if only_tenants:
+        unknown = set(only_tenants) - {t.name for t in scenario.tenants}
+        if unknown:
+            raise ValueError(f"unknown tenant(s) {', '.join(sorted(unknown))} in scenario {scenario_name!r}; "
+                             f"known: {', '.join(t.name for t in scenario.tenants)}")
+        scenario.tenants = [t for t in scenario.tenants if t.name in only_tenants]
+        requests = [r for r in requests if r.tenant in only_tenants]
     cfg = fleet_config(policy, replicas, profile, seed, scenario, kv_events)
     gw = make_policy(policy, scenario, cfg, routing)
     result = FleetSim(cfg, gw, gw.replica_names).run(requests)
     out = summarize(scenario, policy, load, seed, replicas, duration_s, capacity, requests, result, routing)
     out["kv_events"] = kv_events
+    out["only_tenants"] = only_tenants
     return out
 
 
