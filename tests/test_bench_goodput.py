@@ -94,3 +94,24 @@ def test_prefix_scenario_compares_routers_against_the_infinite_cache_bound(tmp_p
     md = (tmp_path / "report" / "report.md").read_text()
     assert "## prefix: routers" in md and "| 0.8 | bouncer | prefix-aware |" in md
     assert "| 0.8 | bouncer | round-robin |" in md
+
+
+def test_report_groups_many_tenants_by_band():
+    from bouncer.bench.report import tenant_groups, tenant_table
+
+    def tenant(prio, offered, att, p99, share):
+        return {"priority": prio, "offered": offered, "slo_attainment": att, "ttft_p99_s": p99,
+                "served_token_share": share}
+
+    tenants = {f"light-{i}": tenant(1, 10, 1.0, 0.5 + i, 0.05) for i in range(6)}
+    tenants |= {"heavy-a": tenant(0, 100, 0.5, 2.0, 0.5), "heavy-b": tenant(0, 300, 0.1, 9.0, 0.2)}
+    result = {"scenario": "surge", "load": 3.0, "policy": "bouncer", "tenants": tenants}
+    groups = tenant_groups(result)
+    assert list(groups) == ["band 1 (6 tenants)", "band 0 (2 tenants)"]
+    heavy = groups["band 0 (2 tenants)"]
+    assert heavy["slo_attainment"] == (0.5 * 100 + 0.1 * 300) / 400  # over all the band's requests
+    assert heavy["ttft_p99_s"] == 9.0 and heavy["served_token_share"] == pytest.approx(0.7)
+    assert groups["band 1 (6 tenants)"]["offered"] == 60
+    assert "band 0 (2 tenants) SLO att." in tenant_table([result], "surge", 3.0)[0]
+    few = {"scenario": "surge", "load": 3.0, "policy": "bouncer", "tenants": dict(list(tenants.items())[:3])}
+    assert tenant_groups(few) == few["tenants"]  # a handful of tenants are shown one by one

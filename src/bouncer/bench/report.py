@@ -53,17 +53,43 @@ def goodput_table(results: list[dict], scenario: str) -> list[str]:
     return lines
 
 
+MAX_TENANT_COLUMNS = 6  # beyond this (a ServeGen pool of clients), tenants are shown by band
+
+
+def tenant_groups(result: dict) -> dict[str, dict]:
+    """The run's tenants; or, when there are too many to read side by side, one group per
+    priority band: SLO attainment over all its requests, the worst tenant's TTFT p99, the summed
+    token share."""
+    tenants = result["tenants"]
+    if len(tenants) <= MAX_TENANT_COLUMNS:
+        return tenants
+    groups: dict[str, dict] = {}
+    for prio in sorted({t["priority"] for t in tenants.values()}, reverse=True):
+        members = [t for t in tenants.values() if t["priority"] == prio]
+        judged = [t for t in members if t["slo_attainment"] is not None]
+        offered = sum(t["offered"] for t in judged)
+        p99s = [t["ttft_p99_s"] for t in members if t["ttft_p99_s"] is not None]
+        groups[f"band {prio} ({len(members)} tenants)"] = {
+            "priority": prio, "offered": sum(t["offered"] for t in members),
+            "slo_attainment": sum(t["slo_attainment"] * t["offered"] for t in judged) / offered if offered else None,
+            "ttft_p99_s": max(p99s) if p99s else None,
+            "served_token_share": sum(t["served_token_share"] or 0 for t in members)}
+    return groups
+
+
 def tenant_table(results: list[dict], scenario: str, load: float) -> list[str]:
     rows = {r["policy"]: r for r in results if r["scenario"] == scenario and r["load"] == load}
     if not rows:
         return []
-    tenants = list(next(iter(rows.values()))["tenants"])
-    lines = ["| policy | " + " | ".join(f"{t} SLO att. / TTFT p99 s / token share" for t in tenants) + " |",
+    tenants = list(tenant_groups(next(iter(rows.values()))))
+    worst = " (worst tenant)" if len(next(iter(rows.values()))["tenants"]) > MAX_TENANT_COLUMNS else ""
+    lines = ["| policy | " + " | ".join(f"{t} SLO att. / TTFT p99 s{worst} / token share" for t in tenants) + " |",
              "|---|" + "---|" * len(tenants)]
     for pol in [p for p in POLICY_ORDER if p in rows]:
         cells = []
+        groups = tenant_groups(rows[pol])
         for t in tenants:
-            s = rows[pol]["tenants"][t]
+            s = groups[t]
             cells.append(f"{_fmt(s['slo_attainment'], True)} / {_fmt(s['ttft_p99_s'])} / "
                          f"{_fmt(s['served_token_share'], True)}")
         lines.append(f"| {pol} | " + " | ".join(cells) + " |")
@@ -120,13 +146,13 @@ def plot_tenants(results: list[dict], out: pathlib.Path) -> None:
     for ax, sc in zip(axes[0], scenarios, strict=True):
         rows = [r for r in results if r["scenario"] == sc]
         top = max(r["load"] for r in rows)
-        rows = {r["policy"]: r for r in rows if r["load"] == top}
-        tenants = list(next(iter(rows.values()))["tenants"])
-        pols = [p for p in POLICY_ORDER if p in rows]
+        groups = {r["policy"]: tenant_groups(r) for r in rows if r["load"] == top}
+        tenants = list(next(iter(groups.values())))
+        pols = [p for p in POLICY_ORDER if p in groups]
         width = 0.8 / len(tenants)
         for i, t in enumerate(tenants):
             ax.bar([j + i * width for j in range(len(pols))],
-                   [rows[p]["tenants"][t]["slo_attainment"] or 0 for p in pols], width, label=t)
+                   [groups[p][t]["slo_attainment"] or 0 for p in pols], width, label=t)
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(pols))], pols, rotation=45, ha="right", fontsize=7)
         ax.set_title(f"{sc}, load {top:g}")
         ax.set_ylabel("SLO attainment")
