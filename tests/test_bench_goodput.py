@@ -36,6 +36,8 @@ def test_result_json_has_the_agreed_keys_and_loses_nothing(tmp_path):
     assert set(r["tenants"]) == {"sla", "research", "free"}
     for t in r["tenants"].values():
         assert TENANT_KEYS <= set(t)
+        # every request outside goodput has one stated reason
+        assert round(t["slo_attainment"] * t["offered"]) + sum(t["slo_misses"].values()) == t["offered"]
     assert abs(sum(t["served_token_share"] for t in r["tenants"].values()) - 1.0) < 1e-9
 
 

@@ -128,6 +128,22 @@ def _good(r: SimRequest) -> bool:
     return r.tpot_slo is None or tpot is None or tpot <= r.tpot_slo
 
 
+def _misses(requests: list[SimRequest]) -> dict[str, int]:
+    """Why requests did not count toward goodput: not completed (by outcome); or completed late
+    on TTFT, on the first attempt or on a retry (latency counts from the first); or on TPOT."""
+    out = {"late_ttft_first_attempt": 0, "late_ttft_on_retry": 0, "late_tpot": 0}
+    for r in requests:
+        if _good(r):
+            continue
+        if r.outcome != "completed":
+            out[r.outcome] = out.get(r.outcome, 0) + 1  # type: ignore[index]
+        elif r.ttft_slo is not None and r.first_token_at - r.arrival > r.ttft_slo:
+            out["late_ttft_on_retry" if r.attempt > 1 else "late_ttft_first_attempt"] += 1
+        else:
+            out["late_tpot"] += 1
+    return out
+
+
 def run(scenario_name: str, policy: str, load: float, seed: int = 0, replicas: int = 4, duration_s: float = 300.0,
         trace: str | None = None, profile: str = DEFAULT_PROFILE, routing: str | None = None,
         kv_events: bool = False, only_tenants: list[str] | None = None) -> dict:
@@ -192,6 +208,7 @@ def summarize(scenario: Scenario, policy: str, load: float, seed: int, replicas:
             "tpot_p50_s": _pct([t for r in done if (t := _tpot(r)) is not None], 0.5),
             "tpot_p99_s": _pct([t for r in done if (t := _tpot(r)) is not None], 0.99),
             "served_token_share": served_tokens.get(spec.name, 0) / total_served,
+            "slo_misses": _misses(mine),
         }
     span = duration_s
     ttfts = [r.first_token_at - r.arrival for r in completed]
