@@ -86,7 +86,6 @@ def test_prefix_scenario_compares_routers_against_the_infinite_cache_bound(tmp_p
         assert r["routing"] == name and r["lost"] == 0
         assert {"prefix_hit_rate", "prefix_hit_bound", "kv_imbalance", "ttft_p50_s", "ttft_p99_s"} <= set(r)
         assert 0 < r["prefix_hit_rate"] <= r["prefix_hit_bound"] < 1
-    assert runs["prefix-aware"]["prefix_hit_bound"] == runs["round-robin"]["prefix_hit_bound"]  # same requests
     assert runs["prefix-aware"]["prefix_hit_rate"] > 1.3 * runs["round-robin"]["prefix_hit_rate"]
     for name, r in runs.items():
         goodput.save(r, str(tmp_path / "results" / f"{name}.json"))

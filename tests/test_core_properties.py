@@ -110,7 +110,8 @@ def test_every_request_ends_once_and_permits_return(ops, fairness, ordering):
     assert core.stats.offered == len(offered) == sum(core.stats.outcomes.values())
     assert core.queued == 0 and not core.inflight
     for r in core.replicas.values():
-        assert r.inflight_blocks == 0 and not r.inflight and r.unstarted == 0 and r.queued_prefill_tokens == 0
+        assert r.inflight_blocks == 0 and not r.inflight and r.unstarted == 0 and r.queued_prefill_tokens == 0 \
+            and r.queued_prefill_pairs == 0
         assert r.blocks_since_sample == 0
     assert all(t.inflight_blocks == 0 for t in core.tenants.values())
     for ms in core.models.values():

@@ -50,6 +50,26 @@ def test_step_time_follows_profile():
     assert res2.end - res.end == pytest.approx(0.010 + 0.001 * 1 + 0.0001 * 101)
 
 
+def test_prompt_chunks_pay_attention_compute_quadratic_in_the_prompt():
+    """d is charged per (token computed, token at or before it): a prompt's total is
+    P (P + 1) / 2 pairs however it is chunked, and decode steps pay none."""
+    plain = dataclasses.replace(TOY, num_blocks=512)
+    quad = dataclasses.replace(plain, d=1e-7)
+    runs = []
+    for profile in (plain, quad):
+        engine = EngineModel(profile)
+        engine.add_request(req("a", 3000, 4))  # six 512-token chunks
+        _, finished, _ = run_to_idle(engine)
+        runs.append(finished[0])
+    assert runs[1].first_token_at - runs[0].first_token_at == pytest.approx(1e-7 * 3000 * 3001 / 2)
+    decode = [r.finished_at - r.first_token_at for r in runs]
+    assert decode[1] == pytest.approx(decode[0])
+    # the published GPU profiles derive d from the model's attention FLOPs
+    llama8 = PROFILES["llama-3.1-8b-h100"]
+    assert llama8.d == pytest.approx(4 * 32 * 32 * 128 / (989e12 * 0.6))
+    assert llama8.step_time_config["d"] == llama8.d
+
+
 def test_chunked_prefill_splits_long_prompt_over_budget():
     engine = EngineModel(dataclasses.replace(TOY, num_blocks=128))
     engine.add_request(req("long", 1200, 2))

@@ -10,7 +10,7 @@ from bouncer.bench import feasibility, goodput
 from bouncer.config import parse_config
 from bouncer.core.admission import AdmissionCore
 from bouncer.core.fleet import Telemetry
-from bouncer.core.latency import CORRECTION_MAX, LatencyPredictor, StepTimeModel
+from bouncer.core.latency import CORRECTION_MAX, LatencyPredictor, StepTimeModel, prefill_pairs
 from bouncer.core.outcomes import Terminal
 from bouncer.sim.profiles import DEFAULT_PROFILE
 from core_helpers import dispatched, info, observe_idle, rejected, tenant
@@ -41,6 +41,21 @@ def test_ttft_is_the_prefill_ahead_and_its_own_in_budget_sized_steps():
     assert p.raw_ttft(1500, 500, 0, 0) == pytest.approx(2 * 0.11)
     # 200 decoding requests take 200 tokens of every step: 2,000 tokens of prefill need 3 steps
     assert p.raw_ttft(1500, 500, 200, 0) == pytest.approx(3 * 0.11)
+
+
+def test_ttft_adds_prefill_attention_quadratic_in_the_prompt():
+    assert prefill_pairs(10, 10) == 55  # 1 + 2 + ... + 10
+    assert prefill_pairs(10, 3) == 8 + 9 + 10  # the last 3 tokens, after 7 cached
+    p = LatencyPredictor(StepTimeModel(**STEP, d=1e-8))
+    assert p.raw_ttft(0, 100, 0, 0, pairs=prefill_pairs(100, 100)) == pytest.approx(0.01 + 1e-4 * 100 + 1e-8 * 5050)
+    # a replica counts the pairs of the prefill queued there, and its own on top
+    core = core_with_steps([tenant("a")], step={**STEP, "d": 1e-8})
+    r = core.replicas["m/0"]
+    assert dispatched(core.offer(info(prompt=400), 0.0))
+    assert r.queued_prefill_pairs == prefill_pairs(400, 400)
+    adm = next(iter(core.inflight.values()))
+    assert r.predict_ttft(adm, 50, raw=True) == pytest.approx(
+        r.latency.raw_ttft(400, 50, 0, 0) + 1e-8 * (prefill_pairs(400, 400) + prefill_pairs(400, 50)))
 
 
 def test_tpot_grows_with_the_batch_its_context_and_the_prefill_arriving():

@@ -109,14 +109,16 @@ class Backend(_Strict):
 
 
 class StepTimeConfig(_Strict):
-    """The engine's step time, a + b x batched tokens + c x context tokens read (the simulator's
-    engine model, docs/engine-model.md): where set, TTFT and TPOT are predicted per replica and
-    corrected online from what the gateway observes."""
+    """The engine's step time, a + b x batched tokens + c x context tokens read + d x attention
+    pairs of prompt chunks (the simulator's engine model, docs/engine-model.md): where set, TTFT
+    and TPOT are predicted per replica and corrected online from what the gateway observes."""
 
     a: float = Field(gt=0, description="seconds per step")
     b: float = Field(ge=0, description="seconds per batched token")
     c: float = Field(0.0, ge=0, description="seconds per context token attention reads")
     max_batched_tokens: int = Field(8192, ge=1, description="the engine's --max-num-batched-tokens")
+    d: float = Field(0.0, ge=0, description="seconds per attention pair (a prompt token computed, a token "
+                                           "before it): prefill attention's compute, quadratic in the prompt")
 
 
 class ModelConfig(_Strict):

@@ -90,7 +90,9 @@ def make_policy(name: str, scenario: Scenario, cfg: FleetConfig, routing: str | 
 
 def fleet_capacity(scenario: Scenario, traces, replicas: int, profile: str, seed: int, trace: str | None) -> float:
     """Capacity (req/s) of this fleet for this scenario's mix; measured once and cached."""
-    key = hashlib.sha256(json.dumps([scenario.name, replicas, profile, trace or "", scenario.max_model_len,
+    # the profile's coefficients are in the key: a changed engine model measures again
+    key = hashlib.sha256(json.dumps([scenario.name, replicas, repr(get_profile(profile)), trace or "",
+                                     scenario.max_model_len,
                                      scenario.cpu_offload_gib,
                                      [(t.name, t.share, t.trace, t.min_prompt, t.max_tokens) for t in scenario.tenants]]
                                     ).encode()).hexdigest()[:16]
@@ -172,12 +174,13 @@ def run(scenario_name: str, policy: str, load: float, seed: int = 0, replicas: i
 
 
 def prefix_hit_bound(requests: list[SimRequest], block_size: int) -> float:
-    """The hit rate of one infinite prefix cache that saw every request in arrival order: the
-    share of prompt tokens whose block prefix an earlier request already had (the last prompt
-    token is always computed, as vLLM does)."""
+    """The hit rate of one infinite prefix cache that saw, in arrival order, every request the
+    engines were sent (the population the engines' own hit rate counts; a request refused at
+    the gateway is never looked up): the share of prompt tokens whose block prefix an earlier
+    request already had (the last prompt token is always computed, as vLLM does)."""
     seen: set[int] = set()
     hits = total = 0
-    for r in sorted(requests, key=lambda r: r.arrival):
+    for r in sorted((r for r in requests if r.reached_engine), key=lambda r: r.arrival):
         hits += min(leading_run(r.block_digests, seen) * block_size, r.prompt_len - 1)
         total += r.prompt_len
         seen.update(r.block_digests)

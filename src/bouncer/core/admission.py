@@ -40,7 +40,7 @@ from bouncer.core.flow import (
     WeightedDeficitRoundRobin,
 )
 from bouncer.core.kv_events import KVEvent
-from bouncer.core.latency import LatencyPredictor, StepTimeModel
+from bouncer.core.latency import LatencyPredictor, StepTimeModel, prefill_pairs
 from bouncer.core.outcomes import Layer, Refusal, Terminal
 from bouncer.core.output_length import OutputLengthModel
 from bouncer.core.rate_limit import TenantRateLimiter
@@ -188,7 +188,7 @@ class AdmissionCore:
             ms.tpot_target = min(slos) * self.policy.tpot_guard_margin if slos else None
             ms.flow.fairness = self._fairness  # queued requests keep their order keys
             step = m.step_time
-            step_model = StepTimeModel(step.a, step.b, step.c, step.max_batched_tokens) if step else None
+            step_model = StepTimeModel(step.a, step.b, step.c, step.max_batched_tokens, step.d) if step else None
             listed = set()
             for i, b in enumerate(m.backends):
                 name = backend_name(m.name, i, b.name)
@@ -346,7 +346,7 @@ class AdmissionCore:
         """The lowest TTFT predicted for `adm` on a usable replica, were it sent now (None
         without a step-time model)."""
         ttfts = [ttft for r in ms.replicas.values() if self._usable(r, fresh)
-                 and (ttft := r.predict_ttft(adm.info.prompt_tokens - cached_tokens(r, adm, now))) is not None]
+                 and (ttft := r.predict_ttft(adm, adm.info.prompt_tokens - cached_tokens(r, adm, now))) is not None]
         return min(ttfts) if ttfts else None
 
     def _predicted_late_by(self, ms: _ModelState, adm: Admission, ttft_slo: float, best_ttft: float | None,
@@ -642,7 +642,7 @@ class AdmissionCore:
         adm.blocks = num_blocks(adm.info.prompt_tokens + adm.expected_output, replica.block_size)
         adm.prefill_tokens = adm.info.prompt_tokens - cached_tokens(replica, adm, now)
         if replica.latency is not None:  # what it is predicted to see, kept to correct the predictor by
-            adm.ttft_raw = replica.predict_ttft(adm.prefill_tokens, raw=True)
+            adm.ttft_raw = replica.predict_ttft(adm, adm.prefill_tokens, raw=True)
             adm.tpot_raw = replica.predict_tpot(adm, now, raw=True)
             replica.latency.dispatched(adm.prefill_tokens, now)
         replica.prefix.record(adm.info.block_digests, now)
@@ -692,7 +692,7 @@ class AdmissionCore:
             return None
         if adm.ttft_deadline is not None and candidates[0].latency is not None:
             budget = adm.ttft_deadline - now
-            ttfts = [r.predict_ttft(adm.info.prompt_tokens - cached[r.name]) or 0.0 for r in candidates]
+            ttfts = [r.predict_ttft(adm, adm.info.prompt_tokens - cached[r.name]) or 0.0 for r in candidates]
             in_time = [r for r, ttft in zip(candidates, ttfts, strict=True) if ttft <= budget]
             if not in_time:
                 if self.acts_on_infeasible(adm):
@@ -701,7 +701,7 @@ class AdmissionCore:
             else:
                 candidates = in_time
                 backlogged = [r for r in backlogged
-                              if (r.predict_ttft(adm.info.prompt_tokens - cached[r.name]) or 0.0) <= budget]
+                              if (r.predict_ttft(adm, adm.info.prompt_tokens - cached[r.name]) or 0.0) <= budget]
         return self.router.choose(adm, candidates, now, fresh, self.policy.prefill_busy_tokens, backlogged)
 
     def _pool_admits(self, ms: _ModelState, adm: Admission, now: float, fresh: dict[str, bool]) -> bool:
@@ -750,8 +750,10 @@ class AdmissionCore:
                 return _Room.NO
         if r.latency is not None and p.ttft_reserve_fraction > 0:
             # keep the prefill queue short enough for a higher band's next request to start in time
-            if protected_ttft < float("inf") and r.latency.ttft(r.queued_prefill_tokens + adm.info.prompt_tokens
-                                                                - cached, 1, r.decoding, r.decode_context) \
+            uncached = adm.info.prompt_tokens - cached
+            pairs = r.queued_prefill_pairs + prefill_pairs(adm.info.prompt_tokens, uncached)
+            if protected_ttft < float("inf") and r.latency.ttft(r.queued_prefill_tokens + uncached, 1, r.decoding,
+                                                                r.decode_context, pairs) \
                     > protected_ttft * p.ttft_reserve_fraction:
                 return _Room.NO
         # the blocks it still needs: its cached prefix is in the pool already (counted in usage

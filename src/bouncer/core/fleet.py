@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from bouncer.core.latency import LatencyPredictor
+from bouncer.core.latency import LatencyPredictor, prefill_pairs
 from bouncer.core.prefix_index import ReplicaPrefixIndex
 
 DEFAULT_INDEX_BLOCKS = 100_000  # prefix-index bound while a replica's KV size is not known yet
@@ -57,6 +57,7 @@ class ReplicaState:
         self.unstarted = 0  # dispatched, no first token yet
         self.unstarted_by_band: dict[int, int] = {}  # the same, by priority band
         self.queued_prefill_tokens = 0  # uncached prompt tokens of those
+        self.queued_prefill_pairs = 0  # the attention pairs of computing them
         self.pending_context = 0  # attention context those will read once decoding
         self.decoding = 0  # dispatched and past their first token
         self.decode_context = 0  # context tokens their steps read (prompt + half the expected output)
@@ -134,6 +135,7 @@ class ReplicaState:
         band = adm.priority
         self.unstarted_by_band[band] = self.unstarted_by_band.get(band, 0) + 1
         self.queued_prefill_tokens += prefill_tokens
+        self.queued_prefill_pairs += prefill_pairs(adm.info.prompt_tokens, prefill_tokens)
         self.pending_context += decode_context(adm)
         if adm.tpot_slo is not None:
             self.tpot_slos[adm.tpot_slo] += 1
@@ -143,6 +145,7 @@ class ReplicaState:
         self.unstarted -= 1
         self.unstarted_by_band[adm.priority] -= 1
         self.queued_prefill_tokens -= adm.prefill_tokens
+        self.queued_prefill_pairs -= prefill_pairs(adm.info.prompt_tokens, adm.prefill_tokens)
         ctx = decode_context(adm)
         self.pending_context -= ctx
         self.decoding += 1
@@ -167,12 +170,14 @@ class ReplicaState:
                 del self.tpot_slos[adm.tpot_slo]
 
     # -- predicted latency (None where the step-time model is unknown) --------------------------------
-    def predict_ttft(self, own_prefill: int, raw: bool = False) -> float | None:
-        """TTFT if sent here now (`raw`: before the replica's online correction)."""
+    def predict_ttft(self, adm, own_prefill: int, raw: bool = False) -> float | None:
+        """TTFT if `adm` is sent here now with `own_prefill` of its prompt tokens uncached (`raw`:
+        before the replica's online correction)."""
         if self.latency is None:
             return None
         predict = self.latency.raw_ttft if raw else self.latency.ttft
-        return predict(self.queued_prefill_tokens, own_prefill, self.decoding, self.decode_context)
+        pairs = self.queued_prefill_pairs + prefill_pairs(adm.info.prompt_tokens, own_prefill)
+        return predict(self.queued_prefill_tokens, own_prefill, self.decoding, self.decode_context, pairs)
 
     def predict_tpot(self, adm, now: float, raw: bool = False) -> float | None:
         """The TPOT of the batch `adm` would join: what decodes here now, what was sent and has

@@ -2,14 +2,17 @@
 
 The engine's step time is modelled as vLLM v1 runs it (the same model as `bouncer.sim.profiles`):
 
-    step_time = a + b * batched_tokens + c * context_tokens
+    step_time = a + b * batched_tokens + c * context_tokens + d * attention_pairs
 
-and the scheduler fills each step's token budget with one token per decoding request first, then
+(`attention_pairs`: for each prompt chunk computed in the step, the pairs of one of its tokens
+and one token before it, which attention's compute grows with: quadratic in the prompt) and the
+scheduler fills each step's token budget with one token per decoding request first, then
 chunks of waiting prompts, in order. So a request dispatched now waits for the prefill work ahead
 of it (the uncached prompt tokens sent there that have not produced a first token yet) and then
 its own, at (budget - decoding requests) prefill tokens per step:
 
     TTFT ~ ceil((prefill ahead + own uncached) / prefill tokens per step) * step_time
+           + d * (attention pairs of the prefill ahead and its own)
 
 Once decoding, every step carries the batch it joined plus the prefill chunks of the requests
 that keep arriving. With `p` uncached prompt tokens arriving per second, a step of time `s`
@@ -40,9 +43,16 @@ class StepTimeModel:
     b: float  # s per batched token
     c: float  # s per context token attention reads
     max_batched_tokens: int  # the engine's per-step token budget (vLLM --max-num-batched-tokens)
+    d: float = 0.0  # s per (prompt token computed, token before it) pair: prefill attention's compute
 
     def step(self, batched_tokens: float, context_tokens: float) -> float:
         return self.a + self.b * batched_tokens + self.c * context_tokens
+
+
+def prefill_pairs(prompt_tokens: int, uncached: int) -> int:
+    """Attention pairs of computing a prompt's last `uncached` tokens: each attends to itself
+    and every token before it."""
+    return uncached * (2 * prompt_tokens - uncached + 1) // 2
 
 
 class LatencyPredictor:
@@ -57,14 +67,16 @@ class LatencyPredictor:
         self._rate_at = 0.0
 
     # -- the model ---------------------------------------------------------------------------------
-    def raw_ttft(self, prefill_ahead: int, own_prefill: int, decoding: int, decode_context: int) -> float:
-        """Uncorrected TTFT (s) after dispatch: the prefill work ahead, then its own."""
+    def raw_ttft(self, prefill_ahead: int, own_prefill: int, decoding: int, decode_context: int,
+                 pairs: int = 0) -> float:
+        """Uncorrected TTFT (s) after dispatch: the prefill work ahead, then its own (`pairs`:
+        the attention pairs of both)."""
         m = self.model
         budget = m.max_batched_tokens
         per_step = max(1, budget - decoding)
         work = prefill_ahead + max(1, own_prefill)  # at least its last prompt token is computed
         steps = math.ceil(work / per_step)
-        return steps * m.step(min(budget, decoding + work), decode_context)
+        return steps * m.step(min(budget, decoding + work), decode_context) + m.d * pairs
 
     def raw_tpot(self, decoding: int, decode_context: int, now: float) -> float:
         """Uncorrected TPOT (s) of a batch of `decoding` requests reading `decode_context` tokens,
@@ -73,8 +85,9 @@ class LatencyPredictor:
         load = min(0.9, m.b * self.prefill_rate(now))  # a step cannot be all prefill
         return m.step(decoding, decode_context) / (1.0 - load)
 
-    def ttft(self, prefill_ahead: int, own_prefill: int, decoding: int, decode_context: int) -> float:
-        return self.ttft_factor * self.raw_ttft(prefill_ahead, own_prefill, decoding, decode_context)
+    def ttft(self, prefill_ahead: int, own_prefill: int, decoding: int, decode_context: int,
+             pairs: int = 0) -> float:
+        return self.ttft_factor * self.raw_ttft(prefill_ahead, own_prefill, decoding, decode_context, pairs)
 
     def tpot(self, decoding: int, decode_context: int, now: float) -> float:
         return self.tpot_factor * self.raw_tpot(decoding, decode_context, now)

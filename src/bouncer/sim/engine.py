@@ -14,9 +14,10 @@ preemption by recompute. The scheduling loop follows vLLM v1's `Scheduler.schedu
    `max_num_seqs` allow. A fresh request first reuses the longest cached run of its prompt's
    block digests (at least one token is always computed), then allocates the rest. The first
    waiting request that does not fit stops admission for this step (head-of-line, as vLLM).
-3. The step lasts `profile.step_time(batched tokens, context tokens)`. A request whose every
-   known token is computed samples one new token at the end of the step; it finishes when it
-   has produced its target length (or hit `max_model_len`).
+3. The step lasts `profile.step_time(batched tokens, context tokens, attention pairs)` (pairs:
+   for every request computing more than one token, each new token with itself and every token
+   before it). A request whose every known token is computed samples one new token at the end
+   of the step; it finishes when it has produced its target length (or hit `max_model_len`).
 
 Nothing here reads a clock or does IO: callers pass `now` and get back when the step ends and
 what it produced. The simulator may pass a `horizon` (the next external event): a step that is
@@ -436,10 +437,13 @@ class EngineModel:
             return None
         batched = len(decoders)
         context = cohort.context_tokens()
+        pairs = 0  # attention's compute over prompt chunks: each token with itself and those before
         for req, n in scheduled:
             batched += n
             context += req.num_computed + n
-        duration = self.profile.step_time(batched, context)
+            if n > 1:
+                pairs += n * req.num_computed + n * (n + 1) // 2
+        duration = self.profile.step_time(batched, context, pairs)
         if self._loaded_tokens:
             # vLLM loads offloaded blocks asynchronously; charging the copy to the step that
             # admits the request errs on the slow side

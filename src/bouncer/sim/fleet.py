@@ -53,6 +53,7 @@ class SimRequest:
     attempt_id: str = ""
     replica: str | None = None
     engine_req: EngineRequest | None = None
+    reached_engine: bool = False  # some attempt was queued at an engine
     first_token_at: float | None = None
     finished_at: float | None = None
     outcome: str | None = None
@@ -369,6 +370,7 @@ class FleetSim:
             return
         req.replica = replica
         req.engine_req = ereq
+        req.reached_engine = True
         if self._busy_until[replica] is None:
             self._start_step(replica, now)
 

@@ -2,7 +2,7 @@
 
 One engine step (a forward pass over the continuous batch) is modelled as
 
-    step_time = a + b * batched_tokens + c * context_tokens
+    step_time = a + b * batched_tokens + c * context_tokens + d * attention_pairs
 
 - `a`: fixed cost of a step. Decode is memory-bound, so at small batch the step is dominated by
   streaming the weights once from HBM, plus scheduler/sampler overhead.
@@ -10,6 +10,13 @@ One engine step (a forward pass over the continuous batch) is modelled as
   compute-bound: 2 x parameters FLOPs per token at an achievable fraction of peak (MFU).
 - `c`: cost per token of context the batch's attention reads (sum over scheduled requests of
   the tokens in their KV cache), memory-bound: KV bytes per token at achievable bandwidth.
+- `d`: cost per attention pair of a prompt chunk (a token computed in the step, and a token at
+  or before its position), compute-bound: QK^T and AV are 4 x query heads x head dim FLOPs per
+  pair per layer, at the same MFU as `b`. A decode step's attention is memory-bound (`c`); a
+  prompt's is quadratic, and at long contexts it outweighs the weights' 2 x parameters FLOPs
+  per token (Llama-3.1-8B: 524k FLOPs per pair, so past ~30k tokens of context). Cross-check:
+  NVIDIA's published TTFT of Llama 3.1 405B on a GH200 NVL32 grows 4.7x from 32,768 to 122,880
+  input tokens; with `d` this model's ratio is 5.2x, without it 3.75x.
 
 Roofline constants used below (datasheet figures, dense BF16):
   H100 SXM: 989 TFLOP/s, 3.35 TB/s HBM3, 80 GB.     H200: 989 TFLOP/s, 4.8 TB/s HBM3e, 141 GB.
@@ -66,9 +73,10 @@ class EngineProfile:
     # GPU of a tensor-parallel group loads its own shard over its own link.
     pcie_bytes_per_s: float = 25e9
     gpus: int = 1
+    d: float = 0.0  # s per attention pair of a prompt chunk
 
-    def step_time(self, batched_tokens: int, context_tokens: int) -> float:
-        return self.a + self.b * batched_tokens + self.c * context_tokens
+    def step_time(self, batched_tokens: int, context_tokens: int, attention_pairs: int = 0) -> float:
+        return self.a + self.b * batched_tokens + self.c * context_tokens + self.d * attention_pairs
 
     @property
     def kv_tokens(self) -> int:
@@ -82,7 +90,7 @@ class EngineProfile:
     def step_time_config(self) -> dict:
         """The `models[].step_time` config section that states this profile to the core's
         latency predictor."""
-        return {"a": self.a, "b": self.b, "c": self.c, "max_batched_tokens": self.max_num_batched_tokens}
+        return {"a": self.a, "b": self.b, "c": self.c, "d": self.d, "max_batched_tokens": self.max_num_batched_tokens}
 
     def offload_blocks(self, gib: float) -> int:
         """Host-memory blocks in `gib` GiB of offloading space (as vLLM sizes it: GiB, not GB)."""
@@ -97,6 +105,10 @@ def _kv_blocks(card_gb: float, weights_gb_per_gpu: float, kv_bytes_per_token_per
 
 _H100_BW, _H200_BW, _PEAK = 3.35e12 * 0.8, 4.8e12 * 0.8, 989e12
 
+
+def _attention_flops_per_pair(layers: int, query_heads: int, head_dim: int) -> float:
+    return 4 * layers * query_heads * head_dim  # QK^T and AV: 2 FLOPs per multiply-add each
+
 _LLAMA8 = KVGeometry(layers=32, kv_heads=8, head_dim=128)
 _LLAMA70 = KVGeometry(layers=80, kv_heads=8, head_dim=128)
 _QWEN32 = KVGeometry(layers=64, kv_heads=8, head_dim=128)
@@ -110,6 +122,7 @@ PROFILES: dict[str, EngineProfile] = {
             a=16.06 * GB / _H100_BW + 0.001,
             b=2 * 8.03e9 / (_PEAK * 0.6),
             c=_LLAMA8.bytes_per_token / _H100_BW,
+            d=_attention_flops_per_pair(32, 32, 128) / (_PEAK * 0.6),
             kv=_LLAMA8, num_blocks=_kv_blocks(80, 16.06, _LLAMA8.bytes_per_token)),
         EngineProfile(
             name="llama-3.1-70b-4xh100", model="meta-llama/Llama-3.1-70B-Instruct",
@@ -118,19 +131,22 @@ PROFILES: dict[str, EngineProfile] = {
             a=141.2 / 4 * GB / _H100_BW + 0.0025,
             b=2 * 70.6e9 / (4 * _PEAK * 0.5),
             c=_LLAMA70.bytes_per_token / 4 / _H100_BW,
+            d=_attention_flops_per_pair(80, 64, 128) / (4 * _PEAK * 0.5),
             kv=_LLAMA70, num_blocks=_kv_blocks(80, 141.2 / 4, _LLAMA70.bytes_per_token / 4), gpus=4),
         EngineProfile(
             name="qwen3-32b-h200", model="Qwen/Qwen3-32B", hardware="1xH200-141GB",
             a=65.5 * GB / _H200_BW + 0.001,
             b=2 * 32.8e9 / (_PEAK * 0.6),
             c=_QWEN32.bytes_per_token / _H200_BW,
+            d=_attention_flops_per_pair(64, 64, 128) / (_PEAK * 0.6),
             kv=_QWEN32, num_blocks=_kv_blocks(141, 65.5, _QWEN32.bytes_per_token),
             max_model_len=40960),
         EngineProfile(
             # Measured: real vLLM 0.32 CPU build on this project's 2-core machine, serving the tiny
             # random Llama of scripts/make_tiny_model.py (2 layers, 4 KV heads x 32, float32).
             # Least-squares fit of step times (scripts/fidelity/calibrate.py, two runs): a and b
-            # stable to ~5%; c poorly determined (0.7e-7 to 3.7e-7), the midpoint is used.
+            # stable to ~5%; c poorly determined (0.7e-7 to 3.7e-7), the midpoint is used. d is
+            # left 0: prompts of at most 512 tokens do not show attention's quadratic term.
             # The CPU backend uses 128-token blocks; 1 GiB of KV / 2,048 B per token = 4,096 blocks;
             # CPU defaults: 2,048 batched tokens, 128 sequences.
             name="vllm-cpu-tiny", model="tiny random Llama (local)", hardware="2-core x86 CPU, vLLM CPU build",
