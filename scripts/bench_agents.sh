@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Regenerate docs/bench/agents and its report (issue #6): agent sessions closed-loop, concurrency
-# swept from a few agents to far more than the KV pool holds. About 12 minutes on this project's
+# swept from a few agents to far more than the KV pool holds. About 7 minutes on this project's
 # 2-core machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Regenerate docs/bench/goodput (every scenario x policy x load) and docs/bench/report.
-# About 10 minutes on this project's 2-core machine; runs are deterministic for a given seed.
+# About 4 minutes on this project's 2-core machine; runs are deterministic for a given seed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=docs/bench/goodput

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Regenerate docs/bench/prefix (routers on the Mooncake conversation trace, issue #5) and
-# docs/bench/prefix-report. About 5 minutes on this project's 2-core machine (two runs at a time).
+# docs/bench/prefix-report. About 4 minutes on this project's 2-core machine (two runs at a time).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=docs/bench/prefix

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Regenerate docs/bench/servegen: the surge scenario's SLOs with ServeGen's DeepSeek-R1 client pool
-# as the traffic (every client a tenant), every policy, loads 1, 2 and 3. About 5 minutes here.
+# as the traffic (every client a tenant), every policy, loads 1, 2 and 3. About a minute here.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=docs/bench/servegen

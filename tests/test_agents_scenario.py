@@ -39,7 +39,8 @@ def test_agents_run_reports_sessions_hit_rate_and_recomputation(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     md = (report / "report.md").read_text()
-    assert "## agents" in md and f"| 0.25 | 6 | bouncer | {r['sessions_completed_per_hour']:.1f} |" in md
+    row = f"| 0.25 | 6 | bouncer | {r['sessions_completed_per_hour']:.1f} | {r['sessions_failed']} |"
+    assert "## agents" in md and row in md
     assert (report / "agents-hit-rate.png").stat().st_size > 10_000
 
 

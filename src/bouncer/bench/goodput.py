@@ -174,13 +174,12 @@ def run(scenario_name: str, policy: str, load: float, seed: int = 0, replicas: i
 
 
 def prefix_hit_bound(requests: list[SimRequest], block_size: int) -> float:
-    """The hit rate of one infinite prefix cache that saw, in arrival order, every request the
-    engines were sent (the population the engines' own hit rate counts; a request refused at
-    the gateway is never looked up): the share of prompt tokens whose block prefix an earlier
-    request already had (the last prompt token is always computed, as vLLM does)."""
+    """The hit rate of one infinite prefix cache that saw `requests` in arrival order: the share
+    of prompt tokens whose block prefix an earlier request already had (the last prompt token is
+    always computed, as vLLM does)."""
     seen: set[int] = set()
     hits = total = 0
-    for r in sorted((r for r in requests if r.reached_engine), key=lambda r: r.arrival):
+    for r in sorted(requests, key=lambda r: r.arrival):
         hits += min(leading_run(r.block_digests, seen) * block_size, r.prompt_len - 1)
         total += r.prompt_len
         seen.update(r.block_digests)
@@ -230,7 +229,9 @@ def summarize(scenario: Scenario, policy: str, load: float, seed: int, replicas:
         "goodput_tokens_per_s": sum(r.output_len for r in good) / span,
         "throughput_tokens_per_s": sum(r.output_len for r in completed) / span,
         "prefix_hit_rate": result.prefix_hits / result.prefix_queries if result.prefix_queries else 0.0,
-        "prefix_hit_bound": prefix_hit_bound(requests, 16),
+        # over the requests the engines were sent: those are what their hit rate counts (a
+        # request refused at the gateway is never looked up)
+        "prefix_hit_bound": prefix_hit_bound([r for r in requests if r.reached_engine], 16),
         "kv_imbalance": sum(imbalance) / len(imbalance) if imbalance else None,  # mean of max/mean KV usage
         "ttft_p50_s": _pct(ttfts, 0.5), "ttft_p99_s": _pct(ttfts, 0.99),
         "preemptions": result.preemptions,
