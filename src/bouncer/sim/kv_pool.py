@@ -147,13 +147,8 @@ class KVPool:
         out: list[int] = []
         while len(out) < n:
             block = queue[i]
-            skip = stale.get(block)
-            if skip is None:
+            if _uncounted(stale, block):
                 out.append(block)
-            elif skip == 1:
-                del stale[block]
-            else:
-                stale[block] = skip - 1
             i += 1
         self._head = i
         return out
@@ -176,15 +171,7 @@ class KVPool:
         (the least shareable) are evicted before its prefix, as vLLM does."""
         extra = self._extra_refs
         if extra and not extra.keys().isdisjoint(blocks):
-            freed = []
-            for block in reversed(blocks):
-                refs = extra.get(block)
-                if refs is None:
-                    freed.append(block)
-                elif refs == 1:
-                    del extra[block]
-                else:
-                    extra[block] = refs - 1
+            freed = [block for block in reversed(blocks) if _uncounted(extra, block)]
         else:  # the common case: nothing shared, all are freed
             freed = blocks[::-1]
         if self._cached:
@@ -229,3 +216,16 @@ class KVPool:
         self._cached.clear()
         if removed and self.event_sink is not None:
             self.event_sink("removed", removed)
+
+
+def _uncounted(counts: dict[int, int], block: int) -> bool:
+    """True when `block` has no count left; otherwise use up one of its counts (a stale queue
+    entry skipped, or a shared reference dropped)."""
+    n = counts.get(block)
+    if n is None:
+        return True
+    if n == 1:
+        del counts[block]
+    else:
+        counts[block] = n - 1
+    return False
