@@ -50,6 +50,7 @@ from enum import Enum
 from operator import attrgetter
 
 from bouncer.core.blocks import num_blocks
+from bouncer.core.latency import prefill_pairs
 from bouncer.sim.kv_pool import KVEventSink, KVPool
 from bouncer.sim.profiles import EngineProfile
 
@@ -442,7 +443,7 @@ class EngineModel:
             batched += n
             context += req.num_computed + n
             if n > 1:
-                pairs += n * req.num_computed + n * (n + 1) // 2
+                pairs += prefill_pairs(req.num_computed + n, n)
         duration = self.profile.step_time(batched, context, pairs)
         if self._loaded_tokens:
             # vLLM loads offloaded blocks asynchronously; charging the copy to the step that
