@@ -8,7 +8,7 @@ import pytest
 from bouncer.config import AgentWindowConfig
 from bouncer.core.agents import AgentWindow
 from bouncer.core.outcomes import Terminal
-from core_helpers import dispatched, info, make_core, observe_idle, rejected
+from core_helpers import dispatched, info, make_core, observe_idle, rejected, tenant
 
 
 def window(**kw) -> AgentWindow:
@@ -134,3 +134,107 @@ def test_an_idle_agent_is_gone_at_exactly_its_expiry_time():
     w.finished("a", 43.27670679050534)
     w.expire(w.next_expiry())
     assert not w.active and w.next_expiry() is None
+
+
+def test_an_agent_with_a_step_queued_at_the_gateway_is_not_idle():
+    w = window(idle_timeout_s=10)
+    w.dispatched("a", 0.0)
+    w.finished("a", 1.0)
+    w.expire(20.0, waiting={"a"})  # its next step waits in our queue: it is waiting on us
+    assert w.is_active("a") and w.next_expiry(waiting={"a"}) is None
+    w.expire(20.0)
+    assert not w.is_active("a") and w.is_returning("a")
+
+
+def test_an_agent_that_idled_out_is_remembered_for_memory_s():
+    w = window(idle_timeout_s=10, memory_s=100)
+    for s in ("a", "b"):
+        w.dispatched(s, 0.0)
+        w.finished(s, 0.0)
+    w.expire(10.0)
+    assert w.is_returning("a") and w.is_returning("b")
+    w.dispatched("a", 50.0)  # back: active again, no longer returning
+    assert w.is_active("a") and not w.is_returning("a")
+    w.expire(110.0)
+    assert not w.is_returning("b")  # forgotten: it would count as a new agent
+
+
+def test_room_counts_the_contexts_of_the_agents_living_on_a_replica():
+    w = window(idle_timeout_s=10)
+    w.dispatched("a", 0.0, blocks=600, replica="r0")
+    w.dispatched("b", 0.0, blocks=300, replica="r1")
+    assert w.room("r0", 1000) == 400 and w.room("r1", 1000) == 700
+    assert w.room("r0", None) == float("inf")  # pool size unknown: no limit
+    w.dispatched("a", 1.0, blocks=200, replica="r1")  # moved: its context is built anew on r1
+    assert w.home("a") == "r1" and w.room("r0", 1000) == 1000 and w.room("r1", 1000) == 500
+    w.dispatched("a", 2.0, blocks=250, replica="r1")  # its context grew
+    assert w.room("r1", 1000) == 450
+    for s in ("a", "a", "a", "b"):  # its three steps and b's one end
+        w.finished(s, 3.0)
+    w.expire(13.0)  # idled out: their contexts may be evicted
+    assert w.room("r1", 1000) == 1000 and not w.living
+
+
+def _step(core, session, prompt, now, digests):
+    return core.offer(info(session_id=session, prompt=prompt, max_tokens=100, block_digests=digests), now)
+
+
+def test_an_agents_steps_wait_for_its_home_replica_rather_than_recompute_elsewhere():
+    core = make_core(policy={"max_inflight_per_replica": 1})
+    ctx = list(range(100, 350))  # a 4,000-token context
+    [first] = dispatched(_step(core, "agent-1", 4000, 0.0, ctx))
+    home = first.adm.replica
+    # a fan-out step while the first runs: its home is full (one in flight), the other replica
+    # is idle, but there it would compute the whole context again
+    held = _step(core, "agent-1", 4100, 0.1, ctx + [999])
+    assert not dispatched(held) and not rejected(held) and core.queued == 1
+    events = core.finished(first.adm.request_id, 1.0, Terminal.COMPLETED)
+    assert [d.adm.replica for d in dispatched(events)] == [home]
+
+
+def test_a_new_agent_goes_only_where_the_living_agents_leave_room_for_its_context():
+    core = make_core(kv_blocks=1000, max_model_len=16_384, policy={"agents": {"idle_timeout_s": 5}})
+    homes = []
+    for i, s in enumerate(("agent-1", "agent-2")):  # 12,000 tokens: 750 blocks of a replica's 1,000
+        [d] = dispatched(_step(core, s, 12_000, 0.0, list(range(1000 * i, 1000 * i + 750))))
+        homes.append(d.adm.replica)
+        core.finished(d.adm.request_id, 0.5, Terminal.COMPLETED)
+    assert len(set(homes)) == 2  # one agent's context per replica
+    # both replicas are idle, but each holds an agent's context between its steps
+    held = _step(core, "agent-3", 12_000, 1.0, list(range(5000, 5750)))
+    assert not dispatched(held) and not rejected(held)
+    events = observe_idle(core, 6.0)  # agent-1 and agent-2 idled out: their contexts may go
+    assert [d.adm.session for d in dispatched(events)] == ["agent-3"]
+
+
+def test_a_returning_agents_step_goes_before_a_new_agents():
+    core = make_core(policy={"agents": {"initial": 1, "max": 1, "idle_timeout_s": 5}})
+    [a1] = dispatched(core.offer(info(session_id="agent-1"), 0.0))
+    core.finished(a1.adm.request_id, 0.5, Terminal.COMPLETED)
+    observe_idle(core, 6.0)  # agent-1 idles out, half-way through its session
+    [a2] = dispatched(core.offer(info(session_id="agent-2"), 6.0))
+    assert not dispatched(core.offer(info(session_id="agent-3"), 7.0))  # new: waits for the window
+    assert not dispatched(core.offer(info(session_id="agent-1"), 8.0))  # back: waits too, but ahead
+    core.finished(a2.adm.request_id, 8.5, Terminal.COMPLETED)
+    events = observe_idle(core, 14.0)  # agent-2 idled out
+    assert [d.adm.session for d in dispatched(events)] == ["agent-1"]
+
+
+def test_a_new_agent_that_would_outwait_its_ttl_for_a_slot_is_refused_at_once_with_the_wait():
+    core = make_core(tenants=[tenant("a", queue_ttl_s=10)],
+                     policy={"agents": {"initial": 1, "max": 1, "idle_timeout_s": 5}})
+    for i, t in enumerate((0.0, 5.5, 11.0)):  # three agents take the one slot in turn, one per ~4 s
+        if t:
+            observe_idle(core, t)  # the previous one idled out
+        [d] = dispatched(core.offer(info(session_id=f"agent-{i}"), t))
+        core.finished(d.adm.request_id, t + 0.5, Terminal.COMPLETED)
+    # agent-2 holds the slot; new agents queue while the expected wait fits their 10 s TTL
+    for s in ("agent-3", "agent-4"):
+        events = core.offer(info(session_id=s), 12.0)
+        assert not dispatched(events) and not rejected(events)
+    [refused] = rejected(core.offer(info(session_id="agent-5"), 12.0))
+    assert refused.refusal.reason == "agent_window_full" and refused.refusal.status == 529
+    assert refused.refusal.retry_after == pytest.approx(3 * 12.0 / 3)  # two ahead, one slot per 4 s
+    # an agent coming back mid-session is never turned away: it waits, ahead of the new ones
+    events = core.offer(info(session_id="agent-0"), 12.0)
+    assert not dispatched(events) and not rejected(events) and core.queued == 3

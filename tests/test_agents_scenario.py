@@ -39,7 +39,9 @@ def test_agents_run_reports_sessions_hit_rate_and_recomputation(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     md = (report / "report.md").read_text()
-    row = f"| 0.25 | 6 | bouncer | {r['sessions_completed_per_hour']:.1f} | {r['sessions_failed']} |"
+    per_session = "-" if r["steps_per_completed_session"] is None else f"{r['steps_per_completed_session']:.2f}"
+    row = (f"| 0.25 | 6 | bouncer | {r['sessions_completed_per_hour']:.1f} | {per_session} | {r['sessions_failed']} "
+           f"({r['sessions_failed_midway']}) | {r['sessions_under_way']} |")
     assert "## agents" in md and row in md
     assert (report / "agents-hit-rate.png").stat().st_size > 10_000
 

@@ -207,6 +207,8 @@ class AgentWindowConfig(_Strict):
     h_thresh: float = Field(0.2, ge=0, le=1, description="prefix-cache hit rate below which full KV is thrashing")
     update_interval_s: float = Field(1.0, gt=0)
     idle_timeout_s: float = Field(30.0, gt=0, description="an agent with no step for this long is no longer active")
+    memory_s: float = Field(86400.0, ge=0, description="an agent that idled out is remembered this long: "
+                            "when it comes back, its steps go before those of new agents")
     max_parallel: int = Field(8, ge=1, description="steps of one agent in flight at once (fan-out cap)")
 
     @model_validator(mode="after")
@@ -435,5 +437,6 @@ policy:
     u_high: 0.5
     h_thresh: 0.2
     idle_timeout_s: 30         # an agent with no step for this long frees its slot
+    memory_s: 86400            # ...and is remembered a day: back, it goes before new agents
     max_parallel: 8            # one agent's steps in flight at once
 """

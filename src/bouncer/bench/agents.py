@@ -71,7 +71,8 @@ def run(policy: str, sessions: int, duration_s: float = 3600.0, replicas: int = 
     rng = random.Random(seed)
     replays: dict[str, _Replay] = {}
     counter = iter(range(10**9))
-    done = {"sessions": 0, "failed_sessions": 0, "steps": 0, "prefix_recomputed": 0}
+    done = {"sessions": 0, "failed_sessions": 0, "failed_midway": 0, "steps_wasted": 0, "steps": 0,
+            "steps_of_completed": 0, "prefix_recomputed": 0}
 
     def request(name: str, r: _Replay, now: float) -> SimRequest:
         step = r.session.steps[r.step]
@@ -91,6 +92,9 @@ def run(policy: str, sessions: int, duration_s: float = 3600.0, replicas: int = 
         r = replays[req.session]
         if req.outcome != "completed":
             done["failed_sessions"] += 1
+            if r.step:  # it failed in the middle: the steps done for it were wasted
+                done["failed_midway"] += 1
+                done["steps_wasted"] += r.step
             del replays[req.session]
             return None
         done["steps"] += 1
@@ -101,6 +105,7 @@ def run(policy: str, sessions: int, duration_s: float = 3600.0, replicas: int = 
         r.step += 1
         if r.step == len(r.session.steps):
             done["sessions"] += 1
+            done["steps_of_completed"] += r.step
             del replays[req.session]
             return None
         return r.session.steps[r.step].think_s, request(req.session, r, now)
@@ -126,8 +131,15 @@ def run(policy: str, sessions: int, duration_s: float = 3600.0, replicas: int = 
         "duration_s": duration_s, "sim_seconds": reached, "wall_seconds": wall,
         "request_cap_per_replica": cap if policy == "request-cap" else None,
         "sessions_completed": done["sessions"], "sessions_failed": done["failed_sessions"],
+        "sessions_failed_midway": done["failed_midway"], "steps_of_failed_sessions": done["steps_wasted"],
+        # under way when the run ended: their steps count in steps/h, not yet in sessions/h
+        "sessions_under_way": sum(1 for r in replays.values() if r.step),
         "sessions_completed_per_hour": done["sessions"] / hours,
         "steps_completed": done["steps"], "steps_completed_per_hour": done["steps"] / hours,
+        # a finite run completes short sessions first: this against the trace's mean shows how much
+        "steps_per_completed_session": done["steps_of_completed"] / done["sessions"] if done["sessions"] else None,
+        "steps_per_session_in_trace": sum(len(a.steps) for a in pool) / len(pool),
+        "engine_busy": sum(c.busy_time for c in counters) / (len(counters) * reached) if reached else 0.0,
         "prefix_hit_rate": hits / queries if queries else 0.0,
         "recomputed_tokens": done["prefix_recomputed"] + preempt_recomputed,
         "prefix_recomputed_tokens": done["prefix_recomputed"], "preemption_recomputed_tokens": preempt_recomputed,

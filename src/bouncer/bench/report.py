@@ -195,17 +195,20 @@ def _agent_runs(results: list[dict]) -> list[dict]:
 
 
 def agents_table(results: list[dict]) -> list[str]:
-    lines = ["| hours | sessions | policy | sessions/h | failed sessions | steps/h | prefix hit rate | lowest 5-min "
-             "hit rate after the first 20 min | recomputed tokens | preemptions |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| hours | agents | policy | sessions/h | steps per completed session | failed sessions (of them "
+             "mid-session) | under way at the end | steps/h | prefix hit rate | lowest 5-min hit rate after the "
+             "first 20 min | recomputed tokens | engines busy | preemptions |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in _agent_runs(results):
         later = [x["prefix_hit_rate"] for x in r["prefix_hit_rate_over_time"]
                  if x["t"] > 1200 and x["prefix_hit_rate"] is not None]
         lines.append(f"| {r['duration_s'] / 3600:g} | {r['sessions']} | {r['policy']} | "
-                     f"{r['sessions_completed_per_hour']:.1f} | {r['sessions_failed']} | "
+                     f"{r['sessions_completed_per_hour']:.1f} | {_fmt(r['steps_per_completed_session'])} | "
+                     f"{r['sessions_failed']} "
+                     f"({r['sessions_failed_midway']}) | {r['sessions_under_way']} | "
                      f"{r['steps_completed_per_hour']:.0f} | "
                      f"{_fmt(r['prefix_hit_rate'], True)} | {_fmt(min(later) if later else None, True)} | "
-                     f"{r['recomputed_tokens'] / 1e6:.1f} M | {r['preemptions']} |")
+                     f"{r['recomputed_tokens'] / 1e6:.1f} M | {_fmt(r['engine_busy'], True)} | {r['preemptions']} |")
     return lines
 
 

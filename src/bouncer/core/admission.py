@@ -44,7 +44,7 @@ from bouncer.core.latency import LatencyPredictor, StepTimeModel, prefill_pairs
 from bouncer.core.outcomes import Layer, Refusal, Terminal
 from bouncer.core.output_length import OutputLengthModel
 from bouncer.core.rate_limit import TenantRateLimiter
-from bouncer.core.requests import Admission, RequestInfo
+from bouncer.core.requests import STEP_ACTIVE, STEP_OTHER, STEP_RETURNING, Admission, RequestInfo
 from bouncer.core.routing import Router, cached_tokens, make_router
 
 AGENT_LOOKAHEAD = 16  # queued requests of a tenant looked at past a head the agent window holds
@@ -297,8 +297,9 @@ class AdmissionCore:
             self._note_band_ttft(ms, band, ttft_slo, now)
         if ms.agents is not None:
             adm.session = info.session_id or (info.user if self.policy.agents.session_from_user else None)
-            # a step of an agent already running goes before new agents: its prefix is warm
-            adm.warm = adm.session is not None and ms.agents.is_active(adm.session)
+            if adm.session is not None:
+                adm.queue_rank = (STEP_ACTIVE if ms.agents.is_active(adm.session) else
+                                  STEP_RETURNING if ms.agents.is_returning(adm.session) else STEP_OTHER)
 
         # layers 4/5 at arrival: drain, usable backends, shedding, waiting-room bounds
         flow = ms.flow
@@ -333,6 +334,8 @@ class AdmissionCore:
                                        self.retry_after(ms, victim.priority, now), terminal=Terminal.EVICTED))
         flow.push(adm, t.weight)
         events.extend(self._dispatch(ms, now))
+        if adm.queue_rank == STEP_OTHER and adm.session is not None and info.request_id in flow:
+            events.extend(self._agent_outwaits_ttl(ms, adm, now))
         if ttft_slo and not ms.draining and info.request_id in flow and adm.ttft_deadline is not None:
             # It has to wait. If the backlog ahead and the prefill work on the best replica already
             # add up to more than its TTFT SLO, say so now (before any prefill), and when to come
@@ -391,6 +394,20 @@ class AdmissionCore:
         return [self._refuse(adm.request_id, adm.tenant, adm.priority, Layer.SLO, "deadline_infeasible",
                              f"predicted to start ~{late_by:.2f} s past this request's TTFT SLO ({slo:g} s)",
                              max(RETRY_AFTER_MIN_S, late_by), terminal=terminal)]
+
+    def _agent_outwaits_ttl(self, ms: _ModelState, adm: Admission, now: float) -> list[Event]:
+        """A new agent's first step waits for a slot in the window: if the agents waiting before
+        it make that longer than its queue TTL, refuse it now, with the expected wait."""
+        agents = ms.agents
+        assert agents is not None
+        ahead = sum(1 for s in ms.flow.waiting_sessions if s != adm.session and not agents.is_active(s))
+        wait = agents.wait_for_slot(ahead, now)
+        if wait is None or now + wait <= adm.deadline:
+            return []
+        ms.flow.remove(adm)
+        return [self._refuse(adm.request_id, adm.tenant, adm.priority, Layer.FLOW, "agent_window_full",
+                             f"{ahead} agents wait for a slot in the agent window before this one; "
+                             f"expected wait ~{wait:.0f} s", wait)]
 
     # -- lifecycle of admitted requests -------------------------------------------------------
     def started(self, request_id: str, now: float) -> None:
@@ -565,8 +582,8 @@ class AdmissionCore:
         times = [d for ms in self.models.values() if (d := ms.flow.next_deadline()) is not None]
         times += [r.cooldown_until for r in self.replicas.values()
                   if r.cooldown_until is not None and len(self.models[r.model].flow)]
-        times += [t for ms in self.models.values() if ms.agents is not None and len(ms.flow)
-                  and (t := ms.agents.next_expiry()) is not None]  # an idle agent frees its slot
+        times += [t for ms in self.models.values() if ms.agents is not None and len(ms.flow)  # an idle agent
+                  and (t := ms.agents.next_expiry(ms.flow.waiting_sessions)) is not None]  # frees its slot
         return min(times) if times else None
 
     def drain(self, model: str) -> None:
@@ -592,8 +609,9 @@ class AdmissionCore:
         if ms.draining or not len(flow):
             return events
         fresh = self._freshness(ms, now)
-        if ms.agents is not None:
-            ms.agents.expire(now)
+        agents = ms.agents
+        if agents is not None:
+            agents.expire(now, flow.waiting_sessions)
         for band in flow.bands_desc():
             if not band.count:
                 continue
@@ -606,12 +624,16 @@ class AdmissionCore:
                 if q is None:
                     break
                 adm = q.head()
-                if adm.session is not None and ms.agents is not None and not ms.agents.may_dispatch(adm.session, now):
-                    adm = self._next_agent_step(q, ms.agents, now)
-                    if adm is None:
-                        skip.add(q.tenant)  # its agents wait for the window
+                if adm.session is not None and agents is not None:
+                    # the head is an agent's step: if the window or its replica holds it, another
+                    # agent's may go (agents of one tenant do not wait behind each other)
+                    placed = self._next_agent_step(q, agents, ms, now, fresh)
+                    if placed is None:
+                        skip.add(q.tenant)
                         continue
-                replica = self._place(ms, adm, now, fresh)
+                    adm, replica = placed
+                else:
+                    replica = self._place(ms, adm, now, fresh)
                 if isinstance(replica, _Late):
                     events.extend(self._infeasible(ms, adm, now, replica.by_s))
                     continue
@@ -627,13 +649,26 @@ class AdmissionCore:
                 break
         return events
 
-    @staticmethod
-    def _next_agent_step(q: TenantQueue, agents: AgentWindow, now: float) -> Admission | None:
-        """The head is a step the agent window holds (a new agent while the window is full, a
-        paused agent, or a fan-out over its cap): the tenant's next request that may go."""
-        for adm in q.first(AGENT_LOOKAHEAD)[1:]:
-            if adm.session is None or agents.may_dispatch(adm.session, now):
-                return adm
+    def _next_agent_step(self, q: TenantQueue, agents: AgentWindow, ms: _ModelState, now: float,
+                         fresh: dict[str, bool]) -> tuple[Admission, ReplicaState | _Late] | None:
+        """The first of the tenant's next requests that may go, and where: a step is passed over
+        while the window holds it (a new agent while the window is full, a paused agent, a
+        fan-out over its cap) or no replica can take it now."""
+        waiting = ms.flow.waiting_sessions
+        most_room: float | None = None  # the most KV blocks a new agent's context finds on a replica
+        for adm in q.first(AGENT_LOOKAHEAD):
+            if adm.session is not None:
+                if not agents.may_dispatch(adm.session, now, waiting):
+                    continue
+                if agents.home(adm.session) is None:  # a new agent: skip the placement that cannot succeed
+                    if most_room is None:
+                        most_room = max((agents.room(r.name, r.capacity_blocks) for r in ms.replicas.values()
+                                         if self._usable(r, fresh)), default=0.0)
+                    if num_blocks(adm.info.prompt_tokens + adm.expected_output, ms.cfg.block_size) > most_room:
+                        continue
+            replica = self._place(ms, adm, now, fresh)
+            if replica is not None:
+                return adm, replica
         return None
 
     def _assign(self, adm: Admission, replica: ReplicaState, now: float) -> None:
@@ -649,7 +684,7 @@ class AdmissionCore:
         replica.add(adm.request_id, adm, adm.blocks, adm.prefill_tokens)
         agents = self.models[adm.info.model].agents
         if adm.session is not None and agents is not None:
-            agents.dispatched(adm.session, now, adm.blocks)
+            agents.dispatched(adm.session, now, adm.blocks, replica.name)
         self.tenants[adm.tenant].inflight_blocks += adm.blocks
         self.inflight[adm.request_id] = adm
         self.stats.decisions[("admitted", "-", "-", adm.tenant, adm.priority)] += 1
@@ -688,6 +723,19 @@ class AdmissionCore:
                 candidates.append(r)
             elif room is _Room.LATER:
                 backlogged.append(r)
+        agents = ms.agents
+        if adm.session is not None and agents is not None:
+            home = agents.home(adm.session)
+            if home is not None and cached[home] > 0:
+                # an active agent's step goes where its context is, or waits for room there:
+                # computed again elsewhere, its context would also evict another agent's
+                r = ms.replicas[home]
+                if r not in candidates and r not in backlogged:
+                    return None
+                candidates, backlogged = [r], []
+            # a new agent (or one whose context is gone): where the agents living there leave room
+            candidates = [r for r in candidates if r.name == home or agents.room(r.name, r.capacity_blocks)
+                          >= num_blocks(adm.info.prompt_tokens + adm.expected_output, r.block_size)]
         if not candidates:
             return None
         if adm.ttft_deadline is not None and candidates[0].latency is not None:

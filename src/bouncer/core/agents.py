@@ -19,13 +19,31 @@ recomputes it, and throughput collapses (thrashing). So a window W bounds the *a
 - a new agent waits while the window is full; an active agent's next step is never held by the
   window, except when W has shrunk below the active count: then the agents that started last are
   paused at their next step boundary (never mid-generation) until there is room again;
-- one agent may have at most `max_parallel` steps in flight (sub-agent fan-out).
+- one agent may have at most `max_parallel` steps in flight (sub-agent fan-out);
+- an agent whose next step waits in the gateway's queue is not idle: it is waiting on us, and
+  expiring it there would give its slot away and send its step anywhere, prefix lost;
+- an agent lives on one replica, its *home*: the one that ran its latest step and holds its
+  context. A new agent is placed only where the contexts of the agents already living there
+  leave room for its own (`room`), so the agents of a replica keep their prefixes between
+  steps. Measured in the `agents` scenario: a window on the pool's total alone let one replica
+  take more agents than it holds while the other ran half-empty, and 31% of the steps that came
+  back within the idle timeout found their prefix evicted or were sent to the other replica;
+- an agent that idled out is remembered for `memory_s`: when it comes back its session is
+  half done, so its step goes before those of agents not yet started. Left behind new agents,
+  such steps outwaited their clients' timeouts and their sessions failed in the middle, the
+  work already done for them wasted.
+
+- a new agent that would wait longer than its queue TTL for a slot is told so at once, with the
+  expected wait (`wait_for_slot`: the agents ahead of it over the rate at which agents recently
+  took a slot), instead of sitting in the queue until it expires.
 
 Pure: every method takes `now`. One instance per model.
 """
 
 from __future__ import annotations
 
+from collections import Counter, deque
+from collections.abc import Container
 from dataclasses import dataclass
 
 from bouncer.config import AgentWindowConfig
@@ -37,6 +55,11 @@ class _Agent:
     last_seen: float  # last step admitted or finished
     inflight: int = 0
     blocks: int = 0  # KV blocks of its latest step: its context
+    home: str | None = None  # the replica that ran its latest step, where its context is
+
+
+STARTS_WINDOW_S = 600.0  # agents taking a slot are counted over this long, for the expected wait
+MIN_STARTS = 3  # fewer in the window: no estimate
 
 
 class AgentWindow:
@@ -46,14 +69,32 @@ class AgentWindow:
         self.active: dict[str, _Agent] = {}
         self._next_update: float | None = None
         self._last_counts: tuple[float, float] | None = None  # cumulative (queries, hits) at the last update
+        self.ended: dict[str, float] = {}  # agents that idled out -> when, oldest first; kept memory_s
+        self.living: Counter[str] = Counter()  # replica -> KV blocks of the active agents' contexts there
+        self._starts: deque[float] = deque()  # when agents took a slot, recently
 
     # -- queries from the dispatch loop ---------------------------------------------------------
     def is_active(self, session: str) -> bool:
         return session in self.active
 
-    def may_dispatch(self, session: str, now: float) -> bool:
-        """Whether a step of `session` may be dispatched now."""
-        self.expire(now)
+    def is_returning(self, session: str) -> bool:
+        """An agent that idled out within `memory_s`: its session is under way."""
+        return session in self.ended
+
+    def home(self, session: str) -> str | None:
+        """The replica holding the context of an active agent."""
+        agent = self.active.get(session)
+        return agent.home if agent is not None else None
+
+    def room(self, replica: str, capacity_blocks: int | None) -> float:
+        """KV blocks of `replica` (of `capacity_blocks`, None where unknown: no limit) that the
+        contexts of the agents living there leave for another."""
+        return float("inf") if not capacity_blocks else capacity_blocks - self.living[replica]
+
+    def may_dispatch(self, session: str, now: float, waiting: Container[str] = ()) -> bool:
+        """Whether a step of `session` may be dispatched now; `waiting`: the sessions with a
+        step queued at the gateway."""
+        self.expire(now, waiting)
         agent = self.active.get(session)
         limit = max(self.cfg.min, int(self.window))
         if agent is None:
@@ -67,13 +108,26 @@ class AgentWindow:
         return True
 
     # -- lifecycle ------------------------------------------------------------------------------
-    def dispatched(self, session: str, now: float, blocks: int = 0) -> None:
+    def dispatched(self, session: str, now: float, blocks: int = 0, replica: str | None = None) -> None:
         agent = self.active.get(session)
         if agent is None:
+            self.ended.pop(session, None)
             agent = self.active[session] = _Agent(now, now)
+            self._starts.append(now)
         agent.inflight += 1
         agent.last_seen = now
+        self._unhome(agent)
+        if replica != agent.home:  # moved: its context is built anew there
+            agent.home, agent.blocks = replica, 0
         agent.blocks = max(agent.blocks, blocks)
+        if agent.home is not None:
+            self.living[agent.home] += agent.blocks
+
+    def _unhome(self, agent: _Agent) -> None:
+        if agent.home is not None:
+            self.living[agent.home] -= agent.blocks
+            if not self.living[agent.home]:
+                del self.living[agent.home]
 
     def finished(self, session: str, now: float) -> None:
         agent = self.active.get(session)
@@ -81,17 +135,38 @@ class AgentWindow:
             agent.inflight = max(0, agent.inflight - 1)
             agent.last_seen = now
 
-    def expire(self, now: float) -> None:
-        """Agents idle past the timeout are no longer active."""
+    def expire(self, now: float, waiting: Container[str] = ()) -> None:
+        """Agents idle past the timeout are no longer active (remembered for `memory_s`); an
+        agent with a step in `waiting` (queued at the gateway) is not idle."""
         timeout = self.cfg.idle_timeout_s
         # the same expression as next_expiry, so a wake-up at that time always finds it expired
-        idle = [s for s, a in self.active.items() if not a.inflight and a.last_seen + timeout <= now]
+        idle = [s for s, a in self.active.items()
+                if not a.inflight and a.last_seen + timeout <= now and s not in waiting]
         for s in idle:
-            del self.active[s]
+            self._unhome(self.active.pop(s))
+            self.ended[s] = now
+        ended = self.ended
+        while ended:
+            oldest = next(iter(ended))  # insertion order is expiry order
+            if ended[oldest] + self.cfg.memory_s > now:
+                break
+            del ended[oldest]
 
-    def next_expiry(self) -> float | None:
+    def wait_for_slot(self, ahead: int, now: float) -> float | None:
+        """Expected seconds until an agent with `ahead` others waiting before it takes a slot, at
+        the rate agents took one over the last STARTS_WINDOW_S; None with too few to tell."""
+        starts = self._starts
+        while starts and starts[0] < now - STARTS_WINDOW_S:
+            starts.popleft()
+        if len(starts) < MIN_STARTS:
+            return None
+        span = min(STARTS_WINDOW_S, max(1.0, now - starts[0]))
+        return (ahead + 1) * span / len(starts)
+
+    def next_expiry(self, waiting: Container[str] = ()) -> float | None:
         """When the next idle agent times out (a dispatch opportunity)."""
-        times = [a.last_seen + self.cfg.idle_timeout_s for a in self.active.values() if not a.inflight]
+        times = [a.last_seen + self.cfg.idle_timeout_s for s, a in self.active.items()
+                 if not a.inflight and s not in waiting]
         return min(times) if times else None
 
     # -- the window -----------------------------------------------------------------------------

@@ -12,7 +12,7 @@ The queues only hold and order; they never decide admission. One writer (the cor
 from __future__ import annotations
 
 import heapq
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterator
 from typing import Protocol
 
@@ -20,11 +20,12 @@ from bouncer.core.requests import Admission
 
 DISPATCH_WINDOW_S = 10.0  # dispatches the queue's service rate is measured over
 MIN_DISPATCHES_FOR_RATE = 10  # fewer in the window: no estimate
+COMPACT_SLACK = 64  # a tenant queue's heap is rebuilt once its removed entries outnumber its live ones by this
 
 
 class OrderingPolicy(Protocol):
     """Orders one tenant's queued requests. `key` must not change while a request is queued.
-    Steps of active agents (`warm`) come first under either policy."""
+    Agents' steps come first under either policy, by `queue_rank` (active, then returning agents)."""
 
     name: str
 
@@ -35,7 +36,7 @@ class FCFS:
     name = "fcfs"
 
     def key(self, adm: Admission) -> tuple:
-        return (not adm.warm, adm.seq)
+        return (adm.queue_rank, adm.seq)
 
 
 class EarliestDeadline:
@@ -45,7 +46,7 @@ class EarliestDeadline:
 
     def key(self, adm: Admission) -> tuple:
         deadline = adm.ttft_deadline if adm.ttft_deadline is not None else adm.deadline
-        return (not adm.warm, deadline, adm.seq)
+        return (adm.queue_rank, deadline, adm.seq)
 
 
 class TenantQueue:
@@ -80,6 +81,12 @@ class TenantQueue:
         self._live.discard(adm.request_id)
         self.count -= 1
         self.tokens -= adm.info.prompt_tokens
+        if len(self._heap) > 2 * self.count + COMPACT_SLACK:
+            # requests taken from the middle (dispatched past a held head, cancelled, expired)
+            # leave their entries behind; without this the heap, and every scan of it, grows for
+            # as long as the gateway runs
+            self._heap = [e for e in self._heap if e[1].request_id in self._live]
+            heapq.heapify(self._heap)
 
     def __iter__(self) -> Iterator[Admission]:
         return (a for _, a in self._heap if a.request_id in self._live)
@@ -174,6 +181,7 @@ class FlowQueues:
         self._queued: dict[str, Admission] = {}
         self.tokens = 0
         self._dispatches: deque[float] = deque()  # when queued requests were dispatched, recently
+        self.waiting_sessions: Counter[str] = Counter()  # agents with steps queued here: not idle
 
     def dispatched(self, now: float) -> None:
         self._dispatches.append(now)
@@ -219,12 +227,18 @@ class FlowQueues:
         band.tokens += adm.info.prompt_tokens
         self.tokens += adm.info.prompt_tokens
         self._queued[adm.request_id] = adm
+        if adm.session is not None:
+            self.waiting_sessions[adm.session] += 1
         heapq.heappush(self._ttl, (adm.deadline, adm.seq, adm))
 
     def remove(self, adm: Admission) -> None:
         """Take a queued request out (dispatched, expired, evicted or cancelled)."""
         if self._queued.pop(adm.request_id, None) is None:
             return
+        if adm.session is not None:
+            self.waiting_sessions[adm.session] -= 1
+            if not self.waiting_sessions[adm.session]:
+                del self.waiting_sessions[adm.session]
         band = self.bands[adm.priority]
         q = band.queues[adm.tenant]
         q.remove(adm)

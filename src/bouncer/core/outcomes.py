@@ -48,6 +48,7 @@ STATUS_BY_REASON: dict[str, int] = {
     "deadline_infeasible": 429,
     "queue_full": 529,
     "saturated": 529,
+    "agent_window_full": 529,
     "evicted": 529,
     "ttl_expired": 503,
     "draining": 503,

@@ -25,6 +25,11 @@ class RequestInfo:
     user: str | None = None  # the OpenAI `user` field
 
 
+# An agent's step goes before other requests of its tenant: an active agent's first (its prefix is
+# warm), then a returning agent's (its session is under way), then the rest in the queue's order.
+STEP_ACTIVE, STEP_RETURNING, STEP_OTHER = 0, 1, 2
+
+
 @dataclass(slots=True, eq=False)
 class Admission:
     """A request that passed the cheap layers: its tenant, band and sizes are fixed."""
@@ -45,7 +50,7 @@ class Admission:
     prefill_tokens: int = 0  # uncached prompt tokens it adds to its replica's prefill queue
     seq: int = 0  # arrival order, for FCFS ties
     session: str | None = None  # the agent it is a step of, when agent-level admission applies
-    warm: bool = False  # a step of an agent already active: ordered before other requests
+    queue_rank: int = STEP_OTHER  # STEP_ACTIVE, STEP_RETURNING or STEP_OTHER: its place in its tenant's queue
     best_effort: bool = False  # its deadline was found infeasible; it runs in the best-effort band
     predicted_infeasible: bool = False  # found unable to meet its TTFT SLO (refused, demoted, or let through)
     # uncorrected predictions made at dispatch, to correct the replica's predictor by
