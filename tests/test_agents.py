@@ -238,3 +238,14 @@ def test_a_new_agent_that_would_outwait_its_ttl_for_a_slot_is_refused_at_once_wi
     # an agent coming back mid-session is never turned away: it waits, ahead of the new ones
     events = core.offer(info(session_id="agent-0"), 12.0)
     assert not dispatched(events) and not rejected(events) and core.queued == 3
+
+
+def test_agents_waiting_for_a_slot_take_it_in_order_a_long_context_is_not_passed_over():
+    core = make_core(replicas=1, kv_blocks=1000, max_model_len=16_384, policy={"agents": {"idle_timeout_s": 5}})
+    [a1] = dispatched(_step(core, "agent-1", 9_000, 0.0, list(range(560))))
+    core.finished(a1.adm.request_id, 0.5, Terminal.COMPLETED)  # agent-1 lives there, between steps
+    assert not dispatched(_step(core, "agent-2", 12_000, 1.0, list(range(1000, 1750))))  # does not fit yet
+    # a short context behind it would fit beside agent-1, but would keep agent-2 waiting for ever
+    assert not dispatched(_step(core, "agent-3", 1_000, 2.0, list(range(2000, 2062))))
+    events = observe_idle(core, 6.0)  # agent-1 idled out: agent-2 first (agent-3 then waits for its prefill)
+    assert [d.adm.session for d in dispatched(events)] == ["agent-2"]

@@ -651,25 +651,37 @@ class AdmissionCore:
 
     def _next_agent_step(self, q: TenantQueue, agents: AgentWindow, ms: _ModelState, now: float,
                          fresh: dict[str, bool]) -> tuple[Admission, ReplicaState | _Late] | None:
-        """The first of the tenant's next requests that may go, and where: a step is passed over
-        while the window holds it (a new agent while the window is full, a paused agent, a
-        fan-out over its cap) or no replica can take it now."""
+        """The first of the tenant's next requests that may go, and where. An active agent's step
+        is passed over while the window pauses it, its fan-out is at the cap, or its replica is
+        full. Agents waiting for a slot (returning, then new) take one in their order: passing
+        over one whose context does not fit yet for a smaller one behind it starves agents of
+        long contexts. Measured in the `agents` scenario: the sessions that then completed were
+        12-24% longer than the trace's mean, because sessions that start from a long context
+        are short (24 steps on average against 63 for the others)."""
         waiting = ms.flow.waiting_sessions
-        most_room: float | None = None  # the most KV blocks a new agent's context finds on a replica
+        slot_taken = False  # the first agent waiting for a slot cannot have one yet
         for adm in q.first(AGENT_LOOKAHEAD):
-            if adm.session is not None:
-                if not agents.may_dispatch(adm.session, now, waiting):
+            if adm.session is not None and not agents.is_active(adm.session):
+                if slot_taken:
                     continue
-                if agents.home(adm.session) is None:  # a new agent: skip the placement that cannot succeed
-                    if most_room is None:
-                        most_room = max((agents.room(r.name, r.capacity_blocks) for r in ms.replicas.values()
-                                         if self._usable(r, fresh)), default=0.0)
-                    if num_blocks(adm.info.prompt_tokens + adm.expected_output, ms.cfg.block_size) > most_room:
-                        continue
+                if not agents.may_dispatch(adm.session, now, waiting) or not self._agent_fits(ms, agents, adm, fresh):
+                    slot_taken = True
+                    continue
+            elif adm.session is not None and not agents.may_dispatch(adm.session, now, waiting):
+                continue
             replica = self._place(ms, adm, now, fresh)
             if replica is not None:
                 return adm, replica
+            if adm.session is not None and not agents.is_active(adm.session):
+                slot_taken = True
         return None
+
+    def _agent_fits(self, ms: _ModelState, agents: AgentWindow, adm: Admission, fresh: dict[str, bool]) -> bool:
+        """Whether some usable replica has room for a new agent's context (the cheap check
+        before placing it)."""
+        need = num_blocks(adm.info.prompt_tokens + adm.expected_output, ms.cfg.block_size)
+        return any(agents.room(r.name, r.capacity_blocks) >= need for r in ms.replicas.values()
+                   if self._usable(r, fresh))
 
     def _assign(self, adm: Admission, replica: ReplicaState, now: float) -> None:
         adm.replica = replica.name
