@@ -47,7 +47,7 @@ from bouncer.core.rate_limit import TenantRateLimiter
 from bouncer.core.requests import STEP_ACTIVE, STEP_OTHER, STEP_RETURNING, Admission, RequestInfo
 from bouncer.core.routing import Router, cached_tokens, make_router
 
-AGENT_LOOKAHEAD = 16  # queued requests of a tenant looked at past a head the agent window holds
+AGENT_LOOKAHEAD = 16  # queued requests of a tenant looked at for an agent step that may go now
 RETRY_AFTER_MIN_S = 0.1  # sub-second values reach clients as `retry-after-ms` (the OpenAI SDKs read it)
 RETRY_AFTER_MAX_S = 60.0
 SERVICE_RATE_WINDOW_S = 30.0  # completions used to estimate how fast the fleet drains a backlog

@@ -31,8 +31,8 @@ recomputes it, and throughput collapses (thrashing). So a window W bounds the *a
 - an agent that idled out is remembered for `memory_s`: when it comes back its session is
   half done, so its step goes before those of agents not yet started. Left behind new agents,
   such steps outwaited their clients' timeouts and their sessions failed in the middle, the
-  work already done for them wasted.
-
+  work already done for them wasted;
+- agents waiting for a slot take it in their order (the core passes over none of them);
 - a new agent that would wait longer than its queue TTL for a slot is told so at once, with the
   expected wait (`wait_for_slot`: the agents ahead of it over the rate at which agents recently
   took a slot), instead of sitting in the queue until it expires.
