@@ -37,8 +37,19 @@ class BackgroundLoop:
         return self.run(wrapper())
 
     def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
+        """Cancel what still runs there and let it clean up (close sockets, terminate ZeroMQ
+        contexts) before the loop stops: a context left open and collected later, in another
+        test's thread, blocks that test for ever in its finalizer."""
+        async def cancel_all() -> None:
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        try:
+            self.run(cancel_all(), timeout=10)
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(5)
 
 
 def wait_http_ok(url: str, timeout: float = 20) -> None:

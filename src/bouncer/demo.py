@@ -67,6 +67,7 @@ def demo_engine() -> EngineModel:
 
 async def run_demo(host: str = "127.0.0.1", port: int = 8000, engine_ports: tuple[int, ...] = (8101, 8102)) -> None:
     sockets = pathlib.Path(tempfile.mkdtemp(prefix="bouncer-demo-"))
+    tasks: list[asyncio.Task] = []
     try:
         kv_events = tuple(f"ipc://{sockets}/replica-{i}.kv" for i in range(len(engine_ports)))
         config = demo_config(host, port, engine_ports, kv_events=kv_events)
@@ -75,15 +76,19 @@ async def run_demo(host: str = "127.0.0.1", port: int = 8000, engine_ports: tupl
             engine = demo_engine()
             servers.append(EngineServer(engine, model_name=DEMO_MODEL,
                                         kv_events=KVEventPublisher(endpoint, "", engine.block_size)))
-        engines = [asyncio.create_task(serve_engine(s, "127.0.0.1", p)) for s, p in zip(servers, engine_ports,
-                                                                                        strict=True)]
+        tasks += [asyncio.create_task(serve_engine(s, "127.0.0.1", p)) for s, p in zip(servers, engine_ports,
+                                                                                       strict=True)]
         ready = asyncio.Event()
-        gateway = asyncio.create_task(serve_gateway(Gateway(config), host, port, ready))
+        tasks.append(asyncio.create_task(serve_gateway(Gateway(config), host, port, ready)))
         await ready.wait()
         print(DEMO_BANNER.format(host=host, port=port, engines=", ".join(f"127.0.0.1:{p}" for p in engine_ports)),
               flush=True)
-        await asyncio.gather(gateway, *engines)
+        await asyncio.gather(*tasks)
     finally:
+        # cancelled (Ctrl-C, or a test done with it): wait for the servers' own cleanup
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         shutil.rmtree(sockets, ignore_errors=True)
 
 

@@ -138,7 +138,7 @@ class Gateway:
             task.cancel()
         await asyncio.gather(*self._tasks, *self._scrapers.values(), *subs, return_exceptions=True)
         if self._zmq is not None:
-            self._zmq.term()
+            self._zmq.destroy(linger=0)  # closes any subscriber socket left, then terminates
         if self.session is not None:
             await self.session.close()
         self.upstream.close()
