@@ -659,29 +659,17 @@ class AdmissionCore:
         12-24% longer than the trace's mean, because sessions that start from a long context
         are short (24 steps on average against 63 for the others)."""
         waiting = ms.flow.waiting_sessions
-        slot_taken = False  # the first agent waiting for a slot cannot have one yet
+        in_line = False  # an agent waiting for a slot could not have one: those behind it wait too
         for adm in q.first(AGENT_LOOKAHEAD):
-            if adm.session is not None and not agents.is_active(adm.session):
-                if slot_taken:
-                    continue
-                if not agents.may_dispatch(adm.session, now, waiting) or not self._agent_fits(ms, agents, adm, fresh):
-                    slot_taken = True
-                    continue
-            elif adm.session is not None and not agents.may_dispatch(adm.session, now, waiting):
+            newcomer = adm.session is not None and not agents.is_active(adm.session)
+            if newcomer and in_line:
                 continue
-            replica = self._place(ms, adm, now, fresh)
-            if replica is not None:
-                return adm, replica
-            if adm.session is not None and not agents.is_active(adm.session):
-                slot_taken = True
+            if adm.session is None or agents.may_dispatch(adm.session, now, waiting):
+                replica = self._place(ms, adm, now, fresh)
+                if replica is not None:
+                    return adm, replica
+            in_line = in_line or newcomer
         return None
-
-    def _agent_fits(self, ms: _ModelState, agents: AgentWindow, adm: Admission, fresh: dict[str, bool]) -> bool:
-        """Whether some usable replica has room for a new agent's context (the cheap check
-        before placing it)."""
-        need = num_blocks(adm.info.prompt_tokens + adm.expected_output, ms.cfg.block_size)
-        return any(agents.room(r.name, r.capacity_blocks) >= need for r in ms.replicas.values()
-                   if self._usable(r, fresh))
 
     def _assign(self, adm: Admission, replica: ReplicaState, now: float) -> None:
         adm.replica = replica.name
@@ -745,9 +733,9 @@ class AdmissionCore:
                 if r not in candidates and r not in backlogged:
                     return None
                 candidates, backlogged = [r], []
-            # a new agent (or one whose context is gone): where the agents living there leave room
-            candidates = [r for r in candidates if r.name == home or agents.room(r.name, r.capacity_blocks)
-                          >= num_blocks(adm.info.prompt_tokens + adm.expected_output, r.block_size)]
+            else:  # a new agent (or one whose context is gone): where the agents living there leave room
+                candidates = [r for r in candidates if r.name == home or agents.room(r.name, r.capacity_blocks)
+                              >= num_blocks(adm.info.prompt_tokens + adm.expected_output, r.block_size)]
         if not candidates:
             return None
         if adm.ttft_deadline is not None and candidates[0].latency is not None:
