@@ -191,34 +191,42 @@ def plot_timeline(results: list[dict], scenario: str, out: pathlib.Path) -> bool
 
 
 def _agent_runs(results: list[dict]) -> list[dict]:
-    return sorted(results, key=lambda r: (r["duration_s"], r["sessions"], AGENT_POLICY_ORDER.index(r["policy"])))
+    return sorted(results, key=lambda r: (r["duration_s"], r["sessions"], r["seed"],
+                                          AGENT_POLICY_ORDER.index(r["policy"])))
 
 
 def agents_table(results: list[dict]) -> list[str]:
-    lines = ["| hours | agents | policy | sessions/h | steps per completed session | failed sessions (of them "
-             "mid-session) | under way at the end | steps/h | prefix hit rate | lowest 5-min hit rate after the "
-             "first 20 min | recomputed tokens | engines busy | preemptions |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in _agent_runs(results):
+    lines = ["| hours | agents | seed | policy | sessions/h | against the cap | steps per completed session | failed "
+             "sessions (of them mid-session) | steps of sessions failed mid-way | under way at the end | steps/h | "
+             "prefix hit rate | lowest 5-min hit rate after the first 20 min | recomputed tokens | engines busy | "
+             "preemptions |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    runs = _agent_runs(results)
+    cap = {(r["duration_s"], r["sessions"], r["seed"]): r["sessions_completed_per_hour"] for r in runs
+           if r["policy"] == "request-cap"}
+    for r in runs:
         later = [x["prefix_hit_rate"] for x in r["prefix_hit_rate_over_time"]
                  if x["t"] > 1200 and x["prefix_hit_rate"] is not None]
-        lines.append(f"| {r['duration_s'] / 3600:g} | {r['sessions']} | {r['policy']} | "
-                     f"{r['sessions_completed_per_hour']:.1f} | {_fmt(r['steps_per_completed_session'])} | "
-                     f"{r['sessions_failed']} "
-                     f"({r['sessions_failed_midway']}) | {r['sessions_under_way']} | "
-                     f"{r['steps_completed_per_hour']:.0f} | "
+        base = cap.get((r["duration_s"], r["sessions"], r["seed"]))
+        ratio = f"{r['sessions_completed_per_hour'] / base:.2f}x" if base else "-"
+        lines.append(f"| {r['duration_s'] / 3600:g} | {r['sessions']} | {r['seed']} | {r['policy']} | "
+                     f"{r['sessions_completed_per_hour']:.1f} | {ratio} | {_fmt(r['steps_per_completed_session'])} | "
+                     f"{r['sessions_failed']} ({r['sessions_failed_midway']}) | {r['steps_of_failed_sessions']} | "
+                     f"{r['sessions_under_way']} | {r['steps_completed_per_hour']:.0f} | "
                      f"{_fmt(r['prefix_hit_rate'], True)} | {_fmt(min(later) if later else None, True)} | "
                      f"{r['recomputed_tokens'] / 1e6:.1f} M | {_fmt(r['engine_busy'], True)} | {r['preemptions']} |")
     return lines
 
 
 def plot_agent_hit_rate(results: list[dict], out: pathlib.Path) -> None:
-    """Hit rate over time per policy, one panel per concurrency (the longest run of each)."""
+    """Hit rate over time per policy, one panel per concurrency (the longest run of each, its lowest seed)."""
     panels = sorted({r["sessions"] for r in results})
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4), squeeze=False, sharey=True)
     for ax, n in zip(axes[0], panels, strict=True):
         longest = max(r["duration_s"] for r in results if r["sessions"] == n)
-        for r in _agent_runs([r for r in results if r["sessions"] == n and r["duration_s"] == longest]):
+        seed = min(r["seed"] for r in results if r["sessions"] == n and r["duration_s"] == longest)
+        for r in _agent_runs([r for r in results
+                              if r["sessions"] == n and r["duration_s"] == longest and r["seed"] == seed]):
             pts = [(x["t"] / 60, x["prefix_hit_rate"]) for x in r["prefix_hit_rate_over_time"]
                    if x["prefix_hit_rate"] is not None]
             ax.plot([p[0] for p in pts], [p[1] for p in pts], label=r["policy"],
