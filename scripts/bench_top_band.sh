@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Regenerate docs/bench/top-band: consolidation's realtime tenant alone (the same arrivals, the
 # standard tenant's dropped), Bouncer against no admission, at loads 2.5, 2.75 and 3: what the top
-# band gets with the lower band perfectly isolated. Under a minute here.
+# band gets with the lower band perfectly isolated; then where in the run the band's demand and
+# misses fall. Under a minute here.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=docs/bench/top-band
@@ -17,4 +18,54 @@ import json, pathlib, sys
 for f in sorted(pathlib.Path(sys.argv[1]).glob("*.json")):
     r = json.loads(f.read_text())
     print(f"load {r['load']:<5g} {r['policy']:>8}: realtime SLO attainment {r['tenants']['realtime']['slo_attainment']:.1%}")
+PY
+# At load 3, per 10 s of arrivals: the realtime band's own demand against the fleet's capacity
+# (the mix's saturated completion rate) in requests, and in tokens (prompt + output, over capacity
+# x the mix's mean tokens per request); and the realtime requests that missed their SLO under
+# Bouncer, alone and in the mix.
+.venv/bin/python - <<'PY'
+from collections import Counter
+
+from bouncer.bench import goodput
+from bouncer.sim.fleet import FleetSim
+from bouncer.sim.scenarios import get_scenario
+from bouncer.sim.workloads import make_requests
+
+
+def window(r) -> int:
+    return int(r.arrival // 10)
+
+
+def realtime_misses(alone: bool) -> Counter:
+    scenario = get_scenario("consolidation", 120)
+    traces = scenario.load()
+    capacity = goodput.fleet_capacity(scenario, traces, 2, goodput.DEFAULT_PROFILE, 0, None)
+    requests = make_requests(scenario.tenants, traces, 3 * capacity, 120, 0)
+    if alone:
+        scenario.tenants = [t for t in scenario.tenants if t.name == "realtime"]
+        requests = [r for r in requests if r.tenant == "realtime"]
+    cfg = goodput.fleet_config("bouncer", 2, goodput.DEFAULT_PROFILE, 0, scenario)
+    policy = goodput.make_policy("bouncer", scenario, cfg)
+    result = FleetSim(cfg, policy, policy.replica_names).run(requests)
+    return Counter(window(r) for r in result.requests if r.tenant == "realtime" and not goodput.within_slo(r))
+
+
+scenario = get_scenario("consolidation", 120)
+traces = scenario.load()
+capacity = goodput.fleet_capacity(scenario, traces, 2, goodput.DEFAULT_PROFILE, 0, None)
+mix = make_requests(scenario.tenants, traces, 3 * capacity, 120, 0)
+mean_tokens = sum(r.prompt_len + r.output_len for r in mix) / len(mix)
+requests, tokens = Counter(), Counter()
+for r in mix:
+    if r.tenant == "realtime":
+        requests[window(r)] += 1
+        tokens[window(r)] += r.prompt_len + r.output_len
+alone, in_mix = realtime_misses(True), realtime_misses(False)
+print("realtime at load 3, per 10 s of arrivals: requests / capacity, tokens / (capacity x mean tokens), "
+      "requests, missed alone, missed in the mix")
+for w in sorted(requests):
+    print(f"  {10 * w:>3}-{10 * w + 10:<3} s  {requests[w] / 10 / capacity:.2f}  "
+          f"{tokens[w] / 10 / (capacity * mean_tokens):.2f}  {requests[w]:>4}  {alone[w]:>3}  {in_mix[w]:>3}")
+print(f"  all        {sum(requests.values()) / 120 / capacity:.2f}        {sum(requests.values()):>5}  "
+      f"{sum(alone.values()):>3}  {sum(in_mix.values()):>3}")
 PY

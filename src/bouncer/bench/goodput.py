@@ -121,7 +121,9 @@ def _tpot(r: SimRequest) -> float | None:
     return (r.finished_at - r.first_token_at) / (r.output_len - 1)
 
 
-def _good(r: SimRequest) -> bool:
+def within_slo(r: SimRequest) -> bool:
+    """Whether it counts toward goodput: completed, its first token within its TTFT SLO of its
+    first attempt's arrival, and its TPOT within its TPOT SLO."""
     if r.outcome != "completed":
         return False
     if r.ttft_slo is not None and r.first_token_at - r.arrival > r.ttft_slo:
@@ -135,7 +137,7 @@ def _misses(requests: list[SimRequest]) -> dict[str, int]:
     on TTFT, on the first attempt or on a retry (latency counts from the first); or on TPOT."""
     out = {"late_ttft_first_attempt": 0, "late_ttft_on_retry": 0, "late_tpot": 0}
     for r in requests:
-        if _good(r):
+        if within_slo(r):
             continue
         if r.outcome != "completed":
             out[r.outcome] = out.get(r.outcome, 0) + 1  # type: ignore[index]
@@ -189,7 +191,7 @@ def prefix_hit_bound(requests: list[SimRequest], block_size: int) -> float:
 def summarize(scenario: Scenario, policy: str, load: float, seed: int, replicas: int, duration_s: float,
               capacity: float, requests: list[SimRequest], result, routing: str | None) -> dict:
     outcomes = {k: result.outcomes.get(k, 0) for k in ("completed", "refused", "expired", "abandoned", "failed")}
-    good = [r for r in requests if _good(r)]
+    good = [r for r in requests if within_slo(r)]
     completed = [r for r in requests if r.outcome == "completed"]
     lo, hi = (f * duration_s for f in scenario.contention_window)
     served_tokens: dict[str, int] = {}
@@ -204,7 +206,7 @@ def summarize(scenario: Scenario, policy: str, load: float, seed: int, replicas:
         tenants[spec.name] = {
             "priority": spec.priority, "weight": spec.weight, "offered": len(mine),
             "completed": len(done),
-            "slo_attainment": sum(1 for r in mine if _good(r)) / len(mine) if mine else None,
+            "slo_attainment": sum(1 for r in mine if within_slo(r)) / len(mine) if mine else None,
             "ttft_p50_s": _pct([r.first_token_at - r.arrival for r in done], 0.5),
             "ttft_p99_s": _pct([r.first_token_at - r.arrival for r in done], 0.99),
             "tpot_p50_s": _pct([t for r in done if (t := _tpot(r)) is not None], 0.5),
