@@ -27,40 +27,25 @@ PY
 from collections import Counter
 
 from bouncer.bench import goodput
-from bouncer.sim.fleet import FleetSim
-from bouncer.sim.scenarios import get_scenario
-from bouncer.sim.workloads import make_requests
 
 
 def window(r) -> int:
     return int(r.arrival // 10)
 
 
-def realtime_misses(alone: bool) -> Counter:
-    scenario = get_scenario("consolidation", 120)
-    traces = scenario.load()
-    capacity = goodput.fleet_capacity(scenario, traces, 2, goodput.DEFAULT_PROFILE, 0, None)
-    requests = make_requests(scenario.tenants, traces, 3 * capacity, 120, 0)
-    if alone:
-        scenario.tenants = [t for t in scenario.tenants if t.name == "realtime"]
-        requests = [r for r in requests if r.tenant == "realtime"]
-    cfg = goodput.fleet_config("bouncer", 2, goodput.DEFAULT_PROFILE, 0, scenario)
-    policy = goodput.make_policy("bouncer", scenario, cfg)
-    result = FleetSim(cfg, policy, policy.replica_names).run(requests)
+def realtime_misses(only_tenants) -> Counter:
+    *_, result = goodput.simulate("consolidation", "bouncer", 3, 0, 2, 120, only_tenants=only_tenants)
     return Counter(window(r) for r in result.requests if r.tenant == "realtime" and not goodput.within_slo(r))
 
 
-scenario = get_scenario("consolidation", 120)
-traces = scenario.load()
-capacity = goodput.fleet_capacity(scenario, traces, 2, goodput.DEFAULT_PROFILE, 0, None)
-mix = make_requests(scenario.tenants, traces, 3 * capacity, 120, 0)
+_, capacity, mix, _ = goodput.simulate("consolidation", "none", 3, 0, 2, 120)
 mean_tokens = sum(r.prompt_len + r.output_len for r in mix) / len(mix)
 requests, tokens = Counter(), Counter()
 for r in mix:
     if r.tenant == "realtime":
         requests[window(r)] += 1
         tokens[window(r)] += r.prompt_len + r.output_len
-alone, in_mix = realtime_misses(True), realtime_misses(False)
+alone, in_mix = realtime_misses(["realtime"]), realtime_misses(None)
 print("realtime at load 3, per 10 s of arrivals: requests / capacity, tokens / (capacity x mean tokens), "
       "requests, missed alone, missed in the mix")
 for w in sorted(requests):

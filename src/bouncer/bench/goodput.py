@@ -151,10 +151,23 @@ def _misses(requests: list[SimRequest]) -> dict[str, int]:
 def run(scenario_name: str, policy: str, load: float, seed: int = 0, replicas: int = 4, duration_s: float = 300.0,
         trace: str | None = None, profile: str = DEFAULT_PROFILE, routing: str | None = None,
         kv_events: bool = False, only_tenants: list[str] | None = None) -> dict:
-    """One run. `routing` overrides the policy's router; `kv_events` has the engines publish their
-    prefix-cache changes, which Bouncer's core uses to make its prefix index precise;
+    """One run, summarized. `routing` overrides the policy's router; `kv_events` has the engines
+    publish their prefix-cache changes, which Bouncer's core uses to make its prefix index precise;
     `only_tenants` drops the other tenants' requests (capacity and arrivals stay those of the
     whole mix)."""
+    scenario, capacity, requests, result = simulate(scenario_name, policy, load, seed, replicas, duration_s, trace,
+                                                    profile, routing, kv_events, only_tenants)
+    out = summarize(scenario, policy, load, seed, replicas, duration_s, capacity, requests, result, routing)
+    out["kv_events"] = kv_events
+    out["only_tenants"] = only_tenants
+    return out
+
+
+def simulate(scenario_name: str, policy: str, load: float, seed: int, replicas: int, duration_s: float,
+             trace: str | None = None, profile: str = DEFAULT_PROFILE, routing: str | None = None,
+             kv_events: bool = False, only_tenants: list[str] | None = None):
+    """The run itself, as `run` describes it: (scenario, capacity in req/s, requests with their
+    outcomes, the fleet's result)."""
     scenario = get_scenario(scenario_name, duration_s)
     traces = scenario.load(trace)
     capacity = fleet_capacity(scenario, traces, replicas, profile, seed, trace)
@@ -168,11 +181,7 @@ def run(scenario_name: str, policy: str, load: float, seed: int = 0, replicas: i
         requests = [r for r in requests if r.tenant in only_tenants]
     cfg = fleet_config(policy, replicas, profile, seed, scenario, kv_events)
     gw = make_policy(policy, scenario, cfg, routing)
-    result = FleetSim(cfg, gw, gw.replica_names).run(requests)
-    out = summarize(scenario, policy, load, seed, replicas, duration_s, capacity, requests, result, routing)
-    out["kv_events"] = kv_events
-    out["only_tenants"] = only_tenants
-    return out
+    return scenario, capacity, requests, FleetSim(cfg, gw, gw.replica_names).run(requests)
 
 
 def prefix_hit_bound(requests: list[SimRequest], block_size: int) -> float:
