@@ -201,6 +201,25 @@ def test_sheddable_refused_at_once_when_saturated():
     assert core.offer(info("a"), 0.0) == []  # non-sheddable traffic waits instead
 
 
+def test_sheddable_prefill_alone_does_not_hold_other_bands():
+    # one replica, room for one engine step of queued prefill (8,192 tokens)
+    core = make_core(replicas=1, kv_blocks=100_000, policy={"prefill_busy_tokens": 8192},
+                     tenants=[tenant("a"), tenant("free", priority=-1)])
+    assert dispatched(core.offer(info("free", prompt=6000, max_tokens=16), 0.0))
+    # a regular request would wait for that prefill in the engine or in the gateway alike: it goes
+    assert dispatched(core.offer(info("a", prompt=4000, max_tokens=16), 0.0))
+    # behind a regular request's prefill the queue is full, for every band
+    assert core.offer(info("a", prompt=4000, max_tokens=16), 0.0) == []
+    assert core.offer(info("free", prompt=4000, max_tokens=16), 0.0) == []
+
+
+def test_sheddable_prefill_holds_sheddable_requests():
+    core = make_core(replicas=1, kv_blocks=100_000, policy={"prefill_busy_tokens": 8192},
+                     tenants=[tenant("a"), tenant("free", priority=-1)])
+    assert dispatched(core.offer(info("free", prompt=6000, max_tokens=16), 0.0))
+    assert core.offer(info("free", prompt=4000, max_tokens=16), 0.0) == []
+
+
 def test_ttl_expiry_and_client_ttl():
     core = _full_core(default_ttl_s=10)
     assert core.offer(info("a"), 0.0) == []

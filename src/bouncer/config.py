@@ -227,7 +227,9 @@ class Policy(_Strict):
     prefill_busy_tokens: int = Field(8192, ge=1, description="queued prefill tokens that mark a replica full for "
                                                                "now: about one engine step (vLLM's default budget), "
                                                                "so backlogs wait in the gateway, where they are "
-                                                               "ordered by priority and fairness")
+                                                               "ordered by priority and fairness (sheddable "
+                                                               "requests' prefill alone does not mark it full for "
+                                                               "bands >= 0)")
     max_inflight_per_replica: int = Field(1024, ge=1)
     fairness: Literal["round-robin", "wdrr"] = "wdrr"
     wdrr_quantum_tokens: int = Field(4096, ge=1)

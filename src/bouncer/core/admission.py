@@ -811,9 +811,13 @@ class AdmissionCore:
         need = num_blocks(adm.info.prompt_tokens - cached + adm.expected_output, r.block_size) / cap if cap else 0.0
         if r.inflight and usage + need > p.kv_busy_threshold:
             return _Room.LATER
-        # its prefill queue is full (what it holds cached adds no prefill work there)
+        # its prefill queue is full (what it holds cached adds no prefill work there). Sheddable
+        # work queued there does not make others wait: it was let in to use spare capacity, and a
+        # request held behind it would still wait for that prefill, then often be refused as late
+        # (in rogue-tenant: the SLA tenant's long prompts, behind the free tier's, at load 0.5).
         uncached = adm.info.prompt_tokens - cached
-        if r.queued_prefill_tokens and r.queued_prefill_tokens + uncached > p.prefill_busy_tokens:
+        if r.queued_prefill_tokens and r.queued_prefill_tokens + uncached > p.prefill_busy_tokens \
+                and (adm.priority < 0 or r.unstarted_at_or_above(0)):
             return _Room.LATER
         return _Room.YES
 
