@@ -204,3 +204,37 @@ def test_upstream_refusals_are_held_not_passed_on_including_streaming_200_with_e
         assert f.call(lambda: len(f.gateway.core.inflight)) == 0
     finally:
         f.close()
+
+
+@pytest.mark.parametrize("deadline,on_infeasible", [("first-attempt", "best-effort"), ("first-attempt", "refuse"),
+                                                    ("fresh", "refuse")])
+def test_an_openai_client_retry_keeps_its_first_deadline(bg_loop, deadline, on_infeasible):
+    # a tenant allowed one request per second, with a 0.5 s TTFT SLO: its second request is
+    # refused (429, Retry-After: 1), and the openai client sends it again a second later, saying
+    # so in x-stainless-retry-count. Known again, the retry is already past its first deadline.
+    slo = {"ttft_s": 0.5, "on_infeasible": on_infeasible}
+    f = Fleet(bg_loop, [tenant("limited", slo=slo, rate_limit={"requests_per_s": 1, "request_burst": 1})],
+              engines=1, engine_kwargs={"num_blocks": 2048, "max_num_seqs": 32}, speed=4.0,
+              policy={"retries": {"deadline": deadline}})
+    try:
+        client = openai.OpenAI(base_url=f.url + "/v1", api_key="limited", max_retries=1)
+        client.completions.create(model="demo-llm", prompt="a", max_tokens=1)
+        if (deadline, on_infeasible) == ("first-attempt", "refuse"):
+            with pytest.raises(openai.RateLimitError) as err:
+                client.completions.create(model="demo-llm", prompt="b", max_tokens=1)
+            assert err.value.response.json()["error"]["code"] == "retry_past_deadline"
+        else:
+            resp = client.completions.create(model="demo-llm", prompt="b", max_tokens=1)
+            assert resp.usage.completion_tokens == 1  # fresh, or best-effort on an idle engine
+        decisions = f.call(lambda: dict(f.gateway.core.stats.decisions))
+        assert sum(n for k, n in decisions.items() if k[2] == "rate_limited_requests") == 1
+        text = urllib.request.urlopen(f.url + "/metrics", timeout=5).read().decode()
+        late = [line for line in text.splitlines()
+                if line.startswith("bouncer_decisions_total") and 'reason="retry_past_deadline"' in line]
+        if deadline == "fresh":
+            assert late == []
+        else:
+            outcome = "demoted" if on_infeasible == "best-effort" else "refused"
+            assert len(late) == 1 and f'outcome="{outcome}"' in late[0] and late[0].endswith(" 1.0")
+    finally:
+        f.close()

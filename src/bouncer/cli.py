@@ -157,7 +157,8 @@ def cmd_bench_run(args) -> None:
         return _bench_agents(args)
     result = run(args.scenario, args.policy, args.load, seed=args.seed, replicas=args.replicas,
                  duration_s=args.duration, trace=args.trace, profile=args.profile, routing=args.routing,
-                 kv_events=args.kv_events, only_tenants=args.only_tenants.split(",") if args.only_tenants else None)
+                 kv_events=args.kv_events, only_tenants=args.only_tenants.split(",") if args.only_tenants else None,
+                 policy_set=_policy_settings(args.set))
     if args.out:  # first: the summary below may go to a pipe that closes early
         save(result, args.out)
     o = result["outcomes"]
@@ -171,6 +172,24 @@ def cmd_bench_run(args) -> None:
               f"{t['served_token_share']:.1%}")
     print(f"  simulated {result['sim_seconds']:.0f} s in {result['wall_seconds']:.1f} s "
           f"({result['sim_seconds_per_wall_second']:.0f} sim s per wall s)")
+
+
+def _policy_settings(items: list[str]) -> dict:
+    """`--set retries.deadline=first-attempt` (repeatable) as a nested dict; values are read as
+    YAML, so numbers and booleans keep their types."""
+    import yaml
+
+    out: dict = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--set wants KEY=VALUE (a policy setting, dotted for nested ones), not {item!r}")
+        *parents, leaf = key.split(".")
+        node = out
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = yaml.safe_load(value)
+    return out
 
 
 def _bench_agents(args) -> None:
@@ -271,6 +290,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--only-tenants", metavar="NAME,...",
                    help="send only these tenants' requests (the same arrivals; capacity and load still "
                         "count the whole mix): what a band gets with the others perfectly isolated")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="change one of the policy's settings for this run (bouncer and llmd-flow-control), "
+                        "e.g. retries.deadline=first-attempt; repeatable")
     p.add_argument("--out", help="write the result JSON")
     p.set_defaults(func=cmd_bench_run)
 

@@ -220,6 +220,20 @@ class AgentWindowConfig(_Strict):
         return self
 
 
+class Retries(_Strict):
+    """How a client's retry of a request is treated. SDK clients say when they retry (openai-python
+    and openai-node send `x-stainless-retry-count`); the gateway knows the request again by its
+    tenant, model, prompt and max_tokens."""
+
+    deadline: Literal["fresh", "first-attempt"] = Field(
+        "fresh", description="fresh: a retry is a new request with its own deadline; first-attempt: it keeps its "
+                             "first attempt's TTFT deadline (what its user waits by), and once that has passed it "
+                             "is what its tenant's slo.on_infeasible says: refused (429 retry_past_deadline) or "
+                             "run best-effort, behind every request that can still meet its SLO")
+    remember_s: float = Field(120.0, gt=0, description="how long a request's first attempt is remembered")
+    max_remembered: int = Field(100_000, ge=1, description="most first attempts remembered (the oldest go first)")
+
+
 class Policy(_Strict):
     kv_reservation: Literal["overcommit", "reserve"] = "overcommit"
     kv_busy_threshold: float = Field(0.92, gt=0, le=1, description="projected KV usage that marks a replica busy")
@@ -277,6 +291,7 @@ class Policy(_Strict):
     min_inflight_per_replica: int = Field(4, ge=1, description="the TPOT guard never cuts below this")
     expected_output_default: int = Field(256, ge=1, description="before any request has finished")
     queues: Queues = Queues()
+    retries: Retries = Retries()
     routing: Routing = Routing()
     agents: AgentWindowConfig = AgentWindowConfig()
     telemetry: Telemetry = Telemetry()
@@ -425,6 +440,9 @@ policy:
   band_ceilings: {10: 1.2}     # the top band may run the pool hotter
   telemetry: {scrape_interval_s: 0.25, staleness_s: 2.0, on_stale: fail-closed}
   queues: {max_requests: 2000, tenant_max_requests: 256}
+  retries:
+    deadline: fresh            # fresh | first-attempt: an SDK client's retry (x-stainless-retry-count, same
+                               #   prompt) keeps its first attempt's TTFT deadline; past it, slo.on_infeasible
   routing:
     router: prefix-aware       # round-robin | least-loaded | llmd-scorers | sglang-cache-aware | prefix-aware
     sticky_margin: 1.0         # a warm replica keeps a request while its predicted TTFT is within

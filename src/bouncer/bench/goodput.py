@@ -63,7 +63,15 @@ def tenant_configs(scenario: Scenario) -> list[dict]:
             for t in scenario.tenants]
 
 
-def make_policy(name: str, scenario: Scenario, cfg: FleetConfig, routing: str | None = None):
+def _merged(base: dict, changes: dict) -> dict:
+    out = dict(base)
+    for key, value in changes.items():
+        out[key] = _merged(out.get(key, {}), value) if isinstance(value, dict) else value
+    return out
+
+
+def make_policy(name: str, scenario: Scenario, cfg: FleetConfig, routing: str | None = None,
+                policy_set: dict | None = None):
     names = [f"r{i}" for i in range(cfg.replicas)]
     blocks = cfg.kv_blocks or cfg.profile.num_blocks
     if name == "none":
@@ -80,12 +88,19 @@ def make_policy(name: str, scenario: Scenario, cfg: FleetConfig, routing: str | 
         policy = LLMD_POLICY if name == "llmd-flow-control" else BOUNCER_POLICY
         if routing:
             policy = {**policy, "routing": {**policy.get("routing", {}), "router": routing}}
+        if policy_set:
+            policy = _merged(policy, policy_set)
         offload = cfg.profile.offload_blocks(cfg.cpu_offload_gib)
         # Bouncer is told the engine's step-time model (as an operator states it in config); llm-d is not
         step_time = cfg.profile.step_time_config if name == "bouncer" else None
         return CorePolicy(name, core_config(tenant_configs(scenario), cfg.replicas, blocks, cfg.profile.block_size,
                                            cfg.profile.max_model_len, policy, offload, step_time))
     raise ValueError(f"unknown policy {name!r}; known: {', '.join(POLICIES)}")
+
+
+def _check_policy_set(policy: str, policy_set: dict | None) -> None:
+    if policy_set and policy not in ("bouncer", "llmd-flow-control"):
+        raise ValueError(f"policy settings apply to bouncer and llmd-flow-control, not {policy!r}")
 
 
 def fleet_capacity(scenario: Scenario, traces, replicas: int, profile: str, seed: int, trace: str | None) -> float:
@@ -150,24 +165,26 @@ def _misses(requests: list[SimRequest]) -> dict[str, int]:
 
 def run(scenario_name: str, policy: str, load: float, seed: int = 0, replicas: int = 4, duration_s: float = 300.0,
         trace: str | None = None, profile: str = DEFAULT_PROFILE, routing: str | None = None,
-        kv_events: bool = False, only_tenants: list[str] | None = None) -> dict:
+        kv_events: bool = False, only_tenants: list[str] | None = None, policy_set: dict | None = None) -> dict:
     """One run, summarized. `routing` overrides the policy's router; `kv_events` has the engines
     publish their prefix-cache changes, which Bouncer's core uses to make its prefix index precise;
     `only_tenants` drops the other tenants' requests (capacity and arrivals stay those of the
-    whole mix)."""
+    whole mix); `policy_set` changes policy settings (nested, as in the config's `policy`)."""
     scenario, capacity, requests, result = simulate(scenario_name, policy, load, seed, replicas, duration_s, trace,
-                                                    profile, routing, kv_events, only_tenants)
+                                                    profile, routing, kv_events, only_tenants, policy_set)
     out = summarize(scenario, policy, load, seed, replicas, duration_s, capacity, requests, result, routing)
     out["kv_events"] = kv_events
     out["only_tenants"] = only_tenants
+    out["policy_set"] = policy_set or {}
     return out
 
 
 def simulate(scenario_name: str, policy: str, load: float, seed: int, replicas: int, duration_s: float,
              trace: str | None = None, profile: str = DEFAULT_PROFILE, routing: str | None = None,
-             kv_events: bool = False, only_tenants: list[str] | None = None):
+             kv_events: bool = False, only_tenants: list[str] | None = None, policy_set: dict | None = None):
     """The run itself, as `run` describes it: (scenario, capacity in req/s, requests with their
     outcomes, the fleet's result)."""
+    _check_policy_set(policy, policy_set)
     scenario = get_scenario(scenario_name, duration_s)
     traces = scenario.load(trace)
     capacity = fleet_capacity(scenario, traces, replicas, profile, seed, trace)
@@ -180,7 +197,7 @@ def simulate(scenario_name: str, policy: str, load: float, seed: int, replicas: 
         scenario.tenants = [t for t in scenario.tenants if t.name in only_tenants]
         requests = [r for r in requests if r.tenant in only_tenants]
     cfg = fleet_config(policy, replicas, profile, seed, scenario, kv_events)
-    gw = make_policy(policy, scenario, cfg, routing)
+    gw = make_policy(policy, scenario, cfg, routing, policy_set)
     return scenario, capacity, requests, FleetSim(cfg, gw, gw.replica_names).run(requests)
 
 

@@ -45,6 +45,7 @@ from bouncer.core.outcomes import Layer, Refusal, Terminal
 from bouncer.core.output_length import OutputLengthModel
 from bouncer.core.rate_limit import TenantRateLimiter
 from bouncer.core.requests import STEP_ACTIVE, STEP_OTHER, STEP_RETURNING, Admission, RequestInfo
+from bouncer.core.retries import RetryLedger
 from bouncer.core.routing import Router, cached_tokens, make_router
 
 AGENT_LOOKAHEAD = 16  # queued requests of a tenant looked at for an agent step that may go now
@@ -150,6 +151,7 @@ class AdmissionCore:
         self.models: dict[str, _ModelState] = {}
         self.tenants: dict[str, _TenantState] = {}
         self.replicas: dict[str, ReplicaState] = {}
+        self._retries: RetryLedger | None = None  # first attempts, with policy.retries.deadline first-attempt
         self.reload(config, now)
 
     # -- configuration ------------------------------------------------------------------------
@@ -163,6 +165,13 @@ class AdmissionCore:
             self.router = make_router(self.policy.routing.router, self.policy.routing)
         self._routing_cfg = self.policy.routing
         self._key_to_tenant = config.tenant_by_key()
+        retries = self.policy.retries
+        if retries.deadline == "first-attempt":
+            if self._retries is None:
+                self._retries = RetryLedger(retries.remember_s, retries.max_remembered)
+            self._retries.remember_s, self._retries.max_entries = retries.remember_s, retries.max_remembered
+        else:
+            self._retries = None
         for t in config.tenants:
             state = self.tenants.get(t.name)
             if state is None:
@@ -233,6 +242,10 @@ class AdmissionCore:
         if t.models and info.model not in t.models:
             return refuse(Layer.VALIDATION, "model_not_allowed",
                           f"tenant {t.name!r} may not use model `{info.model}`", param="model")
+        retry_key = first_arrival = None
+        if self._retries is not None and info.prompt_digest is not None:
+            retry_key = (t.name, info.model, info.prompt_digest, info.max_tokens)
+            first_arrival = self._retries.arrived(retry_key, bool(info.retry_count), now)
         lim = self.config.limits
         if info.prompt_tokens < 1:
             return refuse(Layer.VALIDATION, "invalid_parameter", "the prompt is empty", param="prompt")
@@ -279,22 +292,34 @@ class AdmissionCore:
         if info.ttl_s is not None:
             ttl = min(ttl, info.ttl_s)
         ttft_slo = info.ttft_slo_s or t.slo.ttft_s
+        # a retry's user has waited since its first attempt: what is left of its SLO
+        ttft_left = ttft_slo - (now - first_arrival) if ttft_slo and first_arrival is not None else ttft_slo
         adm = Admission(info=info, tenant=t.name, priority=band, max_tokens=max_tokens,
                         expected_output=self._expected_output(tenant, info.model, max_tokens),
                         arrival=now, deadline=now + ttl,
-                        ttft_deadline=now + ttft_slo if ttft_slo else None,
-                        tpot_slo=info.tpot_slo_s or t.slo.tpot_s, seq=next(self._seq))
+                        ttft_deadline=now + ttft_left if ttft_slo else None,
+                        tpot_slo=info.tpot_slo_s or t.slo.tpot_s, seq=next(self._seq), retry_key=retry_key)
+        if ttft_slo:
+            self._note_band_ttft(ms, band, ttft_slo, now)
+        if ttft_slo and ttft_left <= 0:
+            # its first attempt's deadline has passed: as its tenant says of infeasible requests
+            adm.predicted_infeasible = True
+            if t.slo.on_infeasible == "refuse" and self.acts_on_infeasible(adm):
+                return refuse(Layer.SLO, "retry_past_deadline",
+                              f"a retry {now - first_arrival:.2f} s after its first attempt, past that attempt's "
+                              f"TTFT SLO ({ttft_slo:g} s)", self.retry_after(ms, band, now))
+            self._demote(adm)
+            self.stats.decisions[("demoted", Layer.SLO.value, "retry_past_deadline", adm.tenant, adm.priority)] += 1
+            ttft_slo = ttft_left = None
         fresh = self._freshness(ms, now)
         best_ttft = self._best_ttft(ms, adm, now, fresh) if ttft_slo else None
         if ttft_slo and self.policy.ttl_within_slo:
             # Waiting longer, it could only be served late: its queueing budget is what its SLO
             # leaves after the best predicted TTFT, with room for that prediction's error
             # (without a step-time model, a fixed share of the SLO).
-            budget = (ttft_slo - self.policy.ttft_safety_factor * best_ttft if best_ttft is not None
-                      else ttft_slo * self.policy.slo_queue_fraction)
+            budget = (ttft_left - self.policy.ttft_safety_factor * best_ttft if best_ttft is not None
+                      else ttft_left * self.policy.slo_queue_fraction)
             adm.deadline = min(adm.deadline, now + max(0.0, budget))
-        if ttft_slo:
-            self._note_band_ttft(ms, band, ttft_slo, now)
         if ms.agents is not None:
             adm.session = info.session_id or (info.user if self.policy.agents.session_from_user else None)
             if adm.session is not None:
@@ -340,7 +365,7 @@ class AdmissionCore:
             # It has to wait. If the backlog ahead and the prefill work on the best replica already
             # add up to more than its TTFT SLO, say so now (before any prefill), and when to come
             # back: once enough of it has drained.
-            late = self._predicted_late_by(ms, adm, ttft_slo, best_ttft, now)
+            late = self._predicted_late_by(ms, adm, ttft_left, best_ttft, now)
             if late is not None:
                 events.extend(self._infeasible(ms, adm, now, late))
         return events
@@ -352,18 +377,18 @@ class AdmissionCore:
                  and (ttft := r.predict_ttft(adm, adm.info.prompt_tokens - cached_tokens(r, adm, now))) is not None]
         return min(ttfts) if ttfts else None
 
-    def _predicted_late_by(self, ms: _ModelState, adm: Admission, ttft_slo: float, best_ttft: float | None,
+    def _predicted_late_by(self, ms: _ModelState, adm: Admission, ttft_left: float, best_ttft: float | None,
                            now: float) -> float | None:
-        """How far past its TTFT SLO a queued newcomer is predicted to start (None: in time, or
-        no estimate): the wait in the gateway's queue, then the best predicted TTFT, from the
-        prefill work on the replica, x ttft_safety_factor. Without a step-time model: the wait
-        (to its first token) against slo_queue_fraction of the SLO."""
+        """How far past its TTFT deadline (`ttft_left` from now) a queued newcomer is predicted
+        to start (None: in time, or no estimate): the wait in the gateway's queue, then the best
+        predicted TTFT, from the prefill work on the replica, x ttft_safety_factor. Without a
+        step-time model: the wait (to its first token) against slo_queue_fraction of what is left."""
         if best_ttft is None:
             wait = self.estimated_wait(ms, adm.priority, now, adm.tenant)
-            budget = ttft_slo * self.policy.slo_queue_fraction
+            budget = ttft_left * self.policy.slo_queue_fraction
             return wait - budget if wait is not None and wait > budget else None
         wait = self.queue_wait(ms, adm.priority, now, adm.tenant) or 0.0
-        late = wait + self.policy.ttft_safety_factor * best_ttft - ttft_slo
+        late = wait + self.policy.ttft_safety_factor * best_ttft - ttft_left
         return late if late > 0 else None
 
     def acts_on_infeasible(self, adm: Admission) -> bool:
@@ -380,11 +405,7 @@ class AdmissionCore:
         tenant = self.tenants[adm.tenant].cfg
         ms.flow.remove(adm)
         if tenant.slo.on_infeasible == "best-effort":
-            adm.best_effort = True
-            adm.priority = min(adm.priority, self.policy.best_effort_priority)
-            adm.ttft_deadline = None  # EDF now orders it by its TTL, no longer cut to the SLO
-            ttl = tenant.queue_ttl_s or self.policy.default_ttl_s
-            adm.deadline = adm.arrival + min(ttl, adm.info.ttl_s if adm.info.ttl_s is not None else ttl)
+            self._demote(adm)
             ms.flow.push(adm, tenant.weight)
             self.stats.decisions[("demoted", Layer.SLO.value, "deadline_infeasible", adm.tenant, adm.priority)] += 1
             return []
@@ -394,6 +415,16 @@ class AdmissionCore:
         return [self._refuse(adm.request_id, adm.tenant, adm.priority, Layer.SLO, "deadline_infeasible",
                              f"predicted to start ~{late_by:.2f} s past this request's TTFT SLO ({slo:g} s)",
                              max(RETRY_AFTER_MIN_S, late_by), terminal=terminal)]
+
+    def _demote(self, adm: Admission) -> None:
+        """`adm` (not queued) will run best-effort: in the best-effort band, without a TTFT
+        deadline, until its TTL."""
+        tenant = self.tenants[adm.tenant].cfg
+        adm.best_effort = True
+        adm.priority = min(adm.priority, self.policy.best_effort_priority)
+        adm.ttft_deadline = None  # EDF now orders it by its TTL, no longer cut to the SLO
+        ttl = tenant.queue_ttl_s or self.policy.default_ttl_s
+        adm.deadline = adm.arrival + min(ttl, adm.info.ttl_s if adm.info.ttl_s is not None else ttl)
 
     def _agent_outwaits_ttl(self, ms: _ModelState, adm: Admission, now: float) -> list[Event]:
         """A new agent's first step waits for a slot in the window: if the agents waiting before
@@ -435,6 +466,8 @@ class AdmissionCore:
         self.stats.decisions[(terminal.value, layer, reason or "-", adm.tenant, adm.priority)] += 1
         ms = self.models[adm.info.model]
         if terminal is Terminal.COMPLETED:
+            if self._retries is not None and adm.retry_key is not None:
+                self._retries.completed(adm.retry_key)
             self._on_completed(adm, tenant, ms, now, completion_tokens)
             self._tpot_guard(ms, replica, adm, now, completion_tokens)
             if replica.latency is not None and adm.tpot_raw is not None and adm.first_token_at is not None \

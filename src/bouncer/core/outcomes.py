@@ -46,6 +46,7 @@ STATUS_BY_REASON: dict[str, int] = {
     "circuit_open": 429,
     "tenant_queue_full": 429,
     "deadline_infeasible": 429,
+    "retry_past_deadline": 429,
     "queue_full": 529,
     "saturated": 529,
     "agent_window_full": 529,

@@ -23,6 +23,8 @@ class RequestInfo:
     tpot_slo_s: float | None = None
     session_id: str | None = None  # x-session-id: the agent this request is a step of
     user: str | None = None  # the OpenAI `user` field
+    retry_count: int | None = None  # x-stainless-retry-count: the client's earlier attempts at this request
+    prompt_digest: int | None = None  # the whole prompt's hash: a retry sends the same
 
 
 # An agent's step goes before other requests of its tenant: an active agent's first (its prefix is
@@ -51,7 +53,8 @@ class Admission:
     seq: int = 0  # arrival order, for FCFS ties
     session: str | None = None  # the agent it is a step of, when agent-level admission applies
     queue_rank: int = STEP_OTHER  # STEP_ACTIVE, STEP_RETURNING or STEP_OTHER: its place in its tenant's queue
-    best_effort: bool = False  # its deadline was found infeasible; it runs in the best-effort band
+    best_effort: bool = False  # its deadline was found infeasible (or passed); it runs in the best-effort band
+    retry_key: tuple | None = None  # how its client's retries are known again (policy.retries)
     predicted_infeasible: bool = False  # found unable to meet its TTFT SLO (refused, demoted, or let through)
     # uncorrected predictions made at dispatch, to correct the replica's predictor by
     ttft_raw: float | None = None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+from array import array
 from typing import Any
 
 from bouncer.core.blocks import chain_block_hashes
@@ -85,6 +86,22 @@ def _header_ms(headers, name: str) -> float | None:
     return value / 1000.0
 
 
+def _retry_count(headers) -> int | None:
+    """The OpenAI SDKs' x-stainless-retry-count: 0 on a first attempt, n on the n-th retry. A
+    client library's bookkeeping, not the caller's input: a malformed one is ignored."""
+    raw = headers.get("x-stainless-retry-count")
+    try:
+        count = int(raw) if raw is not None else None
+    except ValueError:
+        return None
+    return count if count is not None and count >= 0 else None
+
+
+def prompt_digest(ids: list[int]) -> int:
+    """A 64-bit hash of the whole prompt's token ids: a retry sends the same prompt."""
+    return int.from_bytes(hashlib.blake2b(array("l", ids).tobytes(), digest_size=8).digest(), "big")
+
+
 def request_info(request_id: str, kind: str, body: dict[str, Any], headers,
                  tokenizer: PromptTokenizer | None, block_size: int) -> RequestInfo:
     model = body.get("model")
@@ -100,6 +117,7 @@ def request_info(request_id: str, kind: str, body: dict[str, Any], headers,
         raise ApiError(400, "stop must be a string or a list of strings", param="stop", code="invalid_parameter")
     user = body.get("user")
     user = user if isinstance(user, str) and user else None
+    retry_count = _retry_count(headers)
     return RequestInfo(
         request_id=request_id, key_digest=key_digest_from_headers(headers), model=model,
         prompt_tokens=len(ids), max_tokens=max_tokens,
@@ -107,5 +125,7 @@ def request_info(request_id: str, kind: str, body: dict[str, Any], headers,
         n=_int_field(body, "n") or 1, best_of=_int_field(body, "best_of"), num_stop=num_stop,
         ttl_s=_header_ms(headers, "x-bouncer-ttl-ms"), ttft_slo_s=_header_ms(headers, "x-bouncer-ttft-ms"),
         tpot_slo_s=_header_ms(headers, "x-bouncer-tpot-ms"), session_id=headers.get("x-session-id") or None,
-        user=user)
+        user=user, retry_count=retry_count,
+        # only a client that numbers its attempts can be known again when it retries
+        prompt_digest=prompt_digest(ids) if retry_count is not None else None)
 

@@ -6,6 +6,7 @@ sources cited per class). All are driven through the same `GatewayPolicy` interf
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import math
 
@@ -19,6 +20,12 @@ from bouncer.core.routing import RoundRobinRouter, Router, cached_tokens
 from bouncer.sim.fleet import Dispatched, PolicyEvent, Refused, SimRequest
 
 SIM_MODEL = "sim-llm"
+
+
+def prompt_digest(req: SimRequest) -> int:
+    """What stands for the hash of a simulated request's prompt: its id (a retry is the same
+    request, so the same prompt). Stable across runs, unlike `hash()` of a string."""
+    return int.from_bytes(hashlib.blake2b(req.rid.encode(), digest_size=8).digest(), "big")
 
 
 class CorePolicy:
@@ -51,9 +58,12 @@ class CorePolicy:
         return out
 
     def _info(self, req: SimRequest) -> RequestInfo:
+        # as an OpenAI SDK client sends it: each attempt says how many came before
+        # (x-stainless-retry-count), and a retry carries the same prompt
         return RequestInfo(request_id=req.attempt_id, key_digest=self._keys[req.tenant], model=SIM_MODEL,
                            prompt_tokens=req.prompt_len, max_tokens=req.max_tokens, block_digests=req.block_digests,
-                           ttft_slo_s=req.ttft_slo, tpot_slo_s=req.tpot_slo, session_id=req.session)
+                           ttft_slo_s=req.ttft_slo, tpot_slo_s=req.tpot_slo, session_id=req.session,
+                           retry_count=req.attempt - 1, prompt_digest=prompt_digest(req))
 
     def offer(self, req: SimRequest, now: float) -> list[PolicyEvent]:
         return self._convert(self.core.offer(self._info(req), now))
