@@ -41,6 +41,22 @@ def test_result_json_has_the_agreed_keys_and_loses_nothing(tmp_path):
     assert abs(sum(t["served_token_share"] for t in r["tenants"].values()) - 1.0) < 1e-9
 
 
+def test_set_changes_a_policy_setting_for_one_run(tmp_path):
+    out = tmp_path / "r.json"
+    proc = subprocess.run([sys.executable, "-m", "bouncer", "bench", "run", "--scenario", "surge", "--policy",
+                           "bouncer", "--load", "3", "--duration", "20", "--replicas", "1",
+                           "--set", "retries.deadline=first-attempt", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "BOUNCER_CACHE_DIR": str(tmp_path / "cache")})
+    assert proc.returncode == 0, proc.stderr
+    r = json.loads(out.read_text())
+    assert r["policy_set"] == {"retries": {"deadline": "first-attempt"}}
+    # the setting took effect: late retries were refused as such, which only it does
+    assert r["refused_by_reason"].get("slo/retry_past_deadline", 0) > 0 and r["lost"] == 0
+    with pytest.raises(ValueError, match="policy settings apply"):
+        goodput.run("surge", "tgi-cap", 1.0, duration_s=5, replicas=1, policy_set={"retries": {}})
+
+
 def test_only_tenants_replays_the_same_arrivals_of_one_band_alone():
     mix = goodput.run("consolidation", "none", 2.0, duration_s=20, replicas=1)
     alone = goodput.run("consolidation", "none", 2.0, duration_s=20, replicas=1, only_tenants=["realtime"])

@@ -66,6 +66,7 @@ def test_a_retry_past_its_deadline_runs_best_effort_if_its_tenant_says_so():
     core = sla_core(FIRST_ATTEMPT, on_infeasible="best-effort")
     first = offer_one(core, 0.0, retry_count=0)
     core.cancel(first.request_id, 0.3)
+    assert core.snapshot(0.5)["retries_remembered"] == 1  # what /admin/state shows
     late = offer_one(core, 2.0, retry_count=1)
     assert late.best_effort and late.ttft_deadline is None
     assert late.priority == core.policy.best_effort_priority

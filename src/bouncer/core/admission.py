@@ -1018,7 +1018,8 @@ class AdmissionCore:
         return sum(len(ms.flow) for ms in self.models.values())
 
     def snapshot(self, now: float) -> dict:
-        out = {"inflight": len(self.inflight), "queued": self.queued, "models": {}}
+        out = {"inflight": len(self.inflight), "queued": self.queued, "models": {},
+               "retries_remembered": None if self._retries is None else len(self._retries)}
         for name, ms in self.models.items():
             fresh = self._freshness(ms, now)
             out["models"][name] = {
