@@ -6,7 +6,7 @@ from bouncer.core.outcomes import Terminal
 from bouncer.core.retries import RetryLedger
 from core_helpers import dispatched, info, make_core, observe_idle, tenant
 
-FIRST_ATTEMPT = {"retries": {"deadline": "first-attempt"}}
+FIRST_ATTEMPT = {"retries": {"deadline": "first-attempt"}}  # the default, stated
 
 
 def sla_core(policy=None, on_infeasible="refuse"):
@@ -78,7 +78,7 @@ def test_without_the_clients_retry_count_or_the_policy_a_request_is_new():
     first = offer_one(core, 0.0, retry_count=0)
     core.cancel(first.request_id, 0.3)
     assert offer_one(core, 2.0, retry_count=None).ttft_deadline == 3.0  # no header: not known as a retry
-    core = sla_core()  # retries.deadline: fresh
+    core = sla_core({"retries": {"deadline": "fresh"}})
     first = offer_one(core, 0.0, retry_count=0)
     core.cancel(first.request_id, 0.3)
     assert offer_one(core, 2.0, retry_count=1).ttft_deadline == 3.0

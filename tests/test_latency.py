@@ -186,6 +186,26 @@ def test_tpot_hold_keeps_the_batch_within_the_strictest_tpot_slo_running_there()
     assert all(dispatched(unguarded.offer(info("a", prompt=4000, max_tokens=256), 0.0)) for _ in range(9))
 
 
+def test_lower_bands_leave_room_in_the_batch_while_a_higher_band_is_sending():
+    # the same steps as above: each request adds 4.1 ms to a step of 0.01 s fixed
+    step = {"a": 0.01, "b": 0.0, "c": 1e-6, "max_batched_tokens": 8192}
+    tenants = [tenant("rt", 10, slo={"tpot_s": 0.05}), tenant("std", slo={"tpot_s": 0.15})]
+    core = core_with_steps(tenants, step, {"prefill_busy_tokens": 10**6, "tpot_reserve_fraction": 0.3})
+    (d,) = dispatched(core.offer(info("rt", prompt=4000, max_tokens=256), 0.0))
+    core.started(d.adm.request_id, 0.05)
+    # while the realtime band sends, the standard band fills batches only to 0.05 x 0.9 x 0.7 =
+    # 31.5 ms: 5 requests in all (30.5 ms), not the 8 the realtime TPOT target allows
+    sent = [dispatched(core.offer(info("std", prompt=4000, max_tokens=256), 0.1)) for _ in range(5)]
+    assert [len(x) for x in sent] == [1, 1, 1, 1, 0]
+    # the realtime band itself may still join, up to its own target
+    assert all(dispatched(core.offer(info("rt", prompt=4000, max_tokens=256), 0.1)) for _ in range(3))
+    # without the reserve the standard band fills the batch to the realtime target
+    core = core_with_steps(tenants, step, {"prefill_busy_tokens": 10**6, "tpot_reserve_fraction": 0.0})
+    (d,) = dispatched(core.offer(info("rt", prompt=4000, max_tokens=256), 0.0))
+    core.started(d.adm.request_id, 0.05)
+    assert sum(len(dispatched(core.offer(info("std", prompt=4000, max_tokens=256), 0.1))) for _ in range(9)) == 7
+
+
 def test_without_a_step_time_model_nothing_is_predicted():
     cfg = {"tenants": [tenant("a", slo={"ttft_s": 1.0})],
            "models": [{"name": "m", "backends": [{"url": "http://127.0.0.1:9000", "kv_blocks": 1000}]}]}

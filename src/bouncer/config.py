@@ -226,10 +226,11 @@ class Retries(_Strict):
     tenant, model, prompt and max_tokens."""
 
     deadline: Literal["fresh", "first-attempt"] = Field(
-        "fresh", description="fresh: a retry is a new request with its own deadline; first-attempt: it keeps its "
-                             "first attempt's TTFT deadline (what its user waits by), and once that has passed it "
-                             "is what its tenant's slo.on_infeasible says: refused (429 retry_past_deadline) or "
-                             "run best-effort, behind every request that can still meet its SLO")
+        "first-attempt",
+        description="first-attempt: a retry keeps its first attempt's TTFT deadline (what its user waits by), and "
+                    "once that has passed it is what its tenant's slo.on_infeasible says: refused (429 "
+                    "retry_past_deadline) or run best-effort, behind every request that can still meet its SLO; "
+                    "fresh: a retry is a new request with its own deadline")
     remember_s: float = Field(120.0, gt=0, description="how long a request's first attempt is remembered")
     max_remembered: int = Field(100_000, ge=1, description="most first attempts remembered (the oldest go first)")
 
@@ -282,6 +283,12 @@ class Policy(_Strict):
                                                                        "band's next request past this share of "
                                                                        "that band's TTFT SLO (0: off; needs "
                                                                        "step_time)")
+    tpot_reserve_fraction: float = Field(0.3, ge=0, lt=1, description="while a higher band sends, a lower band's "
+                                                                      "request joins a batch only while its "
+                                                                      "predicted TPOT stays this share below the "
+                                                                      "higher band's TPOT target, leaving room for "
+                                                                      "that band's next requests (0: off; needs "
+                                                                      "step_time)")
     slo_queue_fraction: float = Field(0.6, gt=0, le=1, description="share of the TTFT SLO a request may spend "
                                                                    "queued; the rest is for prefill")
     tpot_guard: bool = Field(True, description="per replica, cut the in-flight limit when completed requests "
@@ -436,12 +443,13 @@ policy:
   tpot_hold: true              # hold a request that would slow a replica past its strictest TPOT SLO
   ttft_reserve_fraction: 0.25  # while a higher band sends, lower bands keep prefill queues short enough
                                #   for its next request to start within 25% of its TTFT SLO
+  tpot_reserve_fraction: 0.3   #   and join batches only while their predicted TPOT stays 30% under its target
   sheddable_ceiling: 0.8       # bands below 0 dispatch only while fleet saturation < 0.8
   band_ceilings: {10: 1.2}     # the top band may run the pool hotter
   telemetry: {scrape_interval_s: 0.25, staleness_s: 2.0, on_stale: fail-closed}
   queues: {max_requests: 2000, tenant_max_requests: 256}
   retries:
-    deadline: fresh            # fresh | first-attempt: an SDK client's retry (x-stainless-retry-count, same
+    deadline: first-attempt    # first-attempt | fresh: an SDK client's retry (x-stainless-retry-count, same
                                #   prompt) keeps its first attempt's TTFT deadline; past it, slo.on_infeasible
   routing:
     router: prefix-aware       # round-robin | least-loaded | llmd-scorers | sglang-cache-aware | prefix-aware

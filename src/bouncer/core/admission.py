@@ -127,6 +127,7 @@ class _ModelState:
         self.agents: AgentWindow | None = None  # agent-level admission, when enabled
         self.tpot_target: float | None = None  # strictest TPOT SLO of its tenants, with margin
         self.band_ttft: dict[int, tuple[float, float]] = {}  # band -> (strictest recent TTFT SLO, last arrival)
+        self.band_tpot: dict[int, tuple[float, float]] = {}  # the same for TPOT SLOs
 
 
 def backend_name(model: str, index: int, explicit: str | None) -> str:
@@ -300,7 +301,9 @@ class AdmissionCore:
                         ttft_deadline=now + ttft_left if ttft_slo else None,
                         tpot_slo=info.tpot_slo_s or t.slo.tpot_s, seq=next(self._seq), retry_key=retry_key)
         if ttft_slo:
-            self._note_band_ttft(ms, band, ttft_slo, now)
+            self._note_band_slo(ms.band_ttft, band, ttft_slo, now)
+        if adm.tpot_slo:
+            self._note_band_slo(ms.band_tpot, band, adm.tpot_slo, now)
         if ttft_slo and ttft_left <= 0:
             # its first attempt's deadline has passed: as its tenant says of infeasible requests
             adm.predicted_infeasible = True
@@ -749,7 +752,7 @@ class AdmissionCore:
         # holding this prompt's prefix may still get it, if the router's stickiness gate allows
         backlogged: list[ReplicaState] = []
         cached = {r.name: cached_tokens(r, adm, now) for r in ms.replicas.values()}
-        protected = self._protected_ttft(ms, adm.priority, now)
+        protected = (self._protected(ms.band_ttft, adm.priority, now), self._protected(ms.band_tpot, adm.priority, now))
         for r in ms.replicas.values():
             room = self._room(r, adm, cached[r.name], protected, now, fresh)
             if room is _Room.YES:
@@ -798,12 +801,13 @@ class AdmissionCore:
                 return False  # long requests wait while the pool is under pressure
         return self._within_kv_share(ms, adm, now, fresh)
 
-    def _room(self, r: ReplicaState, adm: Admission, cached: int, protected_ttft: float, now: float,
+    def _room(self, r: ReplicaState, adm: Admission, cached: int, protected: tuple[float, float], now: float,
               fresh: dict[str, bool]) -> _Room:
         """Whether `r` can take `adm` now, `cached` of its prompt tokens being cached there and
-        `protected_ttft` the TTFT SLO of a higher band it must leave room for; updates the
+        `protected` the TTFT and TPOT SLOs of a higher band it must leave room for; updates the
         replica's busy hysteresis and cooldown."""
         p = self.policy
+        protected_ttft, protected_tpot = protected
         if not self._usable(r, fresh):
             return _Room.NO
         if r.cooldown_until is not None:
@@ -825,9 +829,12 @@ class AdmissionCore:
         if len(r.inflight) >= r.concurrency_limit and not warm:
             return _Room.NO
         if p.tpot_hold and r.inflight and r.latency is not None:
-            # the batch it would join must stay within the strictest TPOT promised there
-            strictest = min(min(r.tpot_slos, default=float("inf")), adm.tpot_slo or float("inf"))
-            if strictest < float("inf") and r.predict_tpot(adm, now) > strictest * p.tpot_guard_margin:  # type: ignore[operator]
+            # the batch it would join must stay within the strictest TPOT promised there, and
+            # while a higher band sends, leave room in it for that band's next requests
+            limit = min(min(r.tpot_slos, default=float("inf")), adm.tpot_slo or float("inf")) * p.tpot_guard_margin
+            if protected_tpot < float("inf"):
+                limit = min(limit, protected_tpot * p.tpot_guard_margin * (1 - p.tpot_reserve_fraction))
+            if limit < float("inf") and r.predict_tpot(adm, now) > limit:  # type: ignore[operator]
                 return _Room.NO
         if r.latency is not None and p.ttft_reserve_fraction > 0:
             # keep the prefill queue short enough for a higher band's next request to start in time
@@ -855,15 +862,16 @@ class AdmissionCore:
         return _Room.YES
 
     @staticmethod
-    def _note_band_ttft(ms: _ModelState, band: int, ttft_slo: float, now: float) -> None:
-        prev = ms.band_ttft.get(band)
+    def _note_band_slo(slos: dict[int, tuple[float, float]], band: int, slo: float, now: float) -> None:
+        prev = slos.get(band)
         recent = prev is not None and now - prev[1] <= BAND_ACTIVE_S
-        ms.band_ttft[band] = (min(prev[0], ttft_slo) if recent else ttft_slo, now)  # type: ignore[index]
+        slos[band] = (min(prev[0], slo) if recent else slo, now)
 
     @staticmethod
-    def _protected_ttft(ms: _ModelState, priority: int, now: float) -> float:
-        """The strictest TTFT SLO of bands above `priority` that sent requests recently."""
-        return min((slo for band, (slo, seen) in ms.band_ttft.items()
+    def _protected(slos: dict[int, tuple[float, float]], priority: int, now: float) -> float:
+        """The strictest SLO (in `slos`: the model's TTFT or TPOT SLOs by band) of bands above
+        `priority` that sent requests recently."""
+        return min((slo for band, (slo, seen) in slos.items()
                     if band > priority and now - seen <= BAND_ACTIVE_S), default=float("inf"))
 
     def _within_kv_share(self, ms: _ModelState, adm: Admission, now: float, fresh: dict[str, bool]) -> bool:

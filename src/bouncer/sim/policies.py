@@ -351,5 +351,7 @@ LLMD_POLICY = {
     "refuse_infeasible": False,
     "tpot_guard": False,
     "tpot_hold": False,
+    "tpot_reserve_fraction": 0.0,
+    "retries": {"deadline": "fresh"},  # a retry is a new request to llm-d
     "routing": {"router": "llmd-scorers"},
 }
