@@ -37,6 +37,12 @@ def chain_block_hashes(token_ids: list[int] | array, block_size: int = DEFAULT_B
     return digests
 
 
+def prompt_digest(token_ids: list[int] | array) -> int:
+    """One digest of the whole prompt, tail included: what a client's retry of it sends again."""
+    tokens = token_ids if isinstance(token_ids, array) else array("I", token_ids)
+    return xxhash.xxh3_64_intdigest(tokens.tobytes())
+
+
 def leading_run(digests: list[int], held: Container[int]) -> int:
     """How many of `digests`, from the first, are in `held`: the usable cached prefix (chained
     digests make any block after a miss useless)."""

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from bouncer.core.retries import RetryKey
+
 
 @dataclass(slots=True)
 class RequestInfo:
@@ -54,7 +56,7 @@ class Admission:
     session: str | None = None  # the agent it is a step of, when agent-level admission applies
     queue_rank: int = STEP_OTHER  # STEP_ACTIVE, STEP_RETURNING or STEP_OTHER: its place in its tenant's queue
     best_effort: bool = False  # its deadline was found infeasible (or passed); it runs in the best-effort band
-    retry_key: tuple | None = None  # how its client's retries are known again (policy.retries)
+    retry_key: RetryKey | None = None  # how its client's retries are known again (policy.retries)
     predicted_infeasible: bool = False  # found unable to meet its TTFT SLO (refused, demoted, or let through)
     # uncorrected predictions made at dispatch, to correct the replica's predictor by
     ttft_raw: float | None = None

@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import functools
 import hashlib
-from array import array
 from typing import Any
 
-from bouncer.core.blocks import chain_block_hashes
+from bouncer.core.blocks import chain_block_hashes, prompt_digest
 from bouncer.core.requests import RequestInfo
 from bouncer.openai_wire import ApiError
 from bouncer.tokenizer import PromptTokenizer, render_chat
@@ -95,11 +94,6 @@ def _retry_count(headers) -> int | None:
     except ValueError:
         return None
     return count if count is not None and count >= 0 else None
-
-
-def prompt_digest(ids: list[int]) -> int:
-    """A 64-bit hash of the whole prompt's token ids: a retry sends the same prompt."""
-    return int.from_bytes(hashlib.blake2b(array("l", ids).tobytes(), digest_size=8).digest(), "big")
 
 
 def request_info(request_id: str, kind: str, body: dict[str, Any], headers,

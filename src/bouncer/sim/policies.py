@@ -6,9 +6,10 @@ sources cited per class). All are driven through the same `GatewayPolicy` interf
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import math
+
+import xxhash
 
 from bouncer.config import BouncerConfig, key_digest, parse_config
 from bouncer.core.admission import AdmissionCore, Dispatch, Reject
@@ -25,7 +26,7 @@ SIM_MODEL = "sim-llm"
 def prompt_digest(req: SimRequest) -> int:
     """What stands for the hash of a simulated request's prompt: its id (a retry is the same
     request, so the same prompt). Stable across runs, unlike `hash()` of a string."""
-    return int.from_bytes(hashlib.blake2b(req.rid.encode(), digest_size=8).digest(), "big")
+    return xxhash.xxh3_64_intdigest(req.rid.encode())
 
 
 class CorePolicy:
