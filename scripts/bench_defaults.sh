@@ -10,7 +10,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 out=docs/bench/defaults
 mkdir -p "$out"
-trace=${TRACES:-../shared/traces}/servegen/deepseek-r1
+trace=${BOUNCER_TRACES_DIR:-data/traces}/servegen/deepseek-r1
 run() {  # name scenario load [extra args]
   local name=$1 sc=$2 load=$3
   shift 3

@@ -4,7 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=docs/bench/servegen
-trace=${TRACES:-../shared/traces}/servegen/deepseek-r1
+trace=${BOUNCER_TRACES_DIR:-data/traces}/servegen/deepseek-r1
 mkdir -p "$out"
 for load in 1 2 3; do
   for pol in none tgi-cap vllm-queue-cap llmd-flow-control dynamo-busy bouncer; do

@@ -83,13 +83,14 @@ def test_bad_servegen_folders_are_clear_errors(tmp_path):
         load_trace(tmp_path)
 
 
-def test_the_shared_deepseek_r1_pool_loads():
-    folder = scenarios.TRACES / "servegen" / "deepseek-r1"
-    if not folder.is_dir():
-        pytest.skip("../shared/traces is not beside this checkout")
-    traces = client_traces(load_servegen(folder), seed=0)
+def test_the_deepseek_r1_pool_loads():
+    folder = scenarios.SERVEGEN_DEEPSEEK_R1  # the repository's slice: the busiest hour
+    clients = load_servegen(folder)
+    assert busiest_span(clients) == 78_000  # 21:40, as in the full day's folder
+    traces = client_traces(clients, seed=0)
     sizes = [len(t) for t in traces.values()]
-    assert len(traces) > 10 and sum(sizes) > 50_000  # the busiest hour
+    # what the full folder gives for that hour (scripts/slice_traces.py checks they are identical)
+    assert len(traces) == 31 and sum(sizes) == 133_555
     assert max(sizes) / sum(sizes) > 0.2  # load is skewed across clients
 
 

@@ -267,7 +267,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     p = bench.add_parser("engine", help="replay a trace against one engine model in virtual time")
-    p.add_argument("--trace", help="an Azure LLM trace CSV (default: the shared Azure 2023 conversation trace)")
+    p.add_argument("--trace", help="an Azure LLM trace CSV (default: the Azure 2023 conversation trace in data/traces)")
     p.add_argument("--duration", type=float, help="only arrivals in the first N seconds")
     p.add_argument("--out", help="write the summary as JSON")
     _add_engine_args(p)

@@ -1,6 +1,6 @@
 """`bouncer bench run --scenario agents`: agentic sessions in a closed loop (issue #6).
 
-Real Claude Code sessions (WEKA's traces, ../shared/traces/weka-claude-code) replayed as agents:
+Real Claude Code sessions (WEKA's traces, data/traces/weka-claude-code) replayed as agents:
 each step is a request whose prompt extends the previous step's (contexts of ~90k tokens), sent
 its think time after the previous step finished. `sessions` agents run at all times; when one
 ends (or fails) a fresh replay of another session starts. Swept from a few agents to far more

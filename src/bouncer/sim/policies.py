@@ -1,7 +1,8 @@
 """Gateway policies for the fleet simulator: Bouncer's own core, and the peers' baselines.
 
-Each baseline follows the peer's documented algorithm and defaults (../shared/notes/peers.md,
-sources cited per class). All are driven through the same `GatewayPolicy` interface as Bouncer.
+Each baseline follows the peer's documented algorithm and defaults (sources cited per class;
+docs/benchmarks.md, "Baselines", lists them). All are driven through the same `GatewayPolicy`
+interface as Bouncer.
 """
 
 from __future__ import annotations

@@ -1,7 +1,9 @@
 """Named benchmark scenarios: tenants, priorities and SLOs, stated here in code.
 
-Each scenario draws on real traces (../shared/traces); `--trace PATH` swaps the default trace for
-another file of the same format. Shares are of the offered load at load factor 1.
+Each scenario draws on real public traces: the slices in the repository's data/traces (sources,
+licences and schemas in its README), or the full traces where $BOUNCER_TRACES_DIR names a folder
+of the same layout; `--trace PATH` swaps the default trace for another file of the same format.
+Shares are of the offered load at load factor 1.
 
 A ServeGen folder as `--trace` replaces the scenario's tenants too: every client active in the
 replayed span (the day's busiest hour) becomes a tenant with its share of the requests, under the
@@ -17,24 +19,24 @@ import pathlib
 from dataclasses import dataclass, field, replace
 
 from bouncer.sim.servegen import client_traces, is_servegen, load_servegen
-from bouncer.sim.traces import TraceRequest, load_trace
+from bouncer.sim.traces import TraceRequest, load_trace, trace_file
 from bouncer.sim.workloads import Burst, TenantSpec
+
+REPO_TRACES = pathlib.Path(__file__).resolve().parents[3] / "data" / "traces"  # <checkout>/src/bouncer/sim
 
 
 def _traces_dir() -> pathlib.Path:
-    """The shared traces: $BOUNCER_TRACES_DIR, else ../shared/traces beside the checkout (the
-    project's layout), else beside the current directory."""
-    if os.environ.get("BOUNCER_TRACES_DIR"):
-        return pathlib.Path(os.environ["BOUNCER_TRACES_DIR"])
-    beside_checkout = pathlib.Path(__file__).resolve().parents[4] / "shared" / "traces"  # <checkout>/../shared
-    return beside_checkout if beside_checkout.is_dir() else pathlib.Path("../shared/traces")
+    """$BOUNCER_TRACES_DIR (the full traces, say), else the slices in the checkout."""
+    return pathlib.Path(os.environ["BOUNCER_TRACES_DIR"]) if os.environ.get("BOUNCER_TRACES_DIR") else REPO_TRACES
 
 
 TRACES = _traces_dir()
-AZURE_CONV = TRACES / "azure-2023/AzureLLMInferenceTrace_conv.csv"
-AZURE_CODE = TRACES / "azure-2023/AzureLLMInferenceTrace_code.csv"
-MOONCAKE_CONV = TRACES / "mooncake-fast25/conversation_trace.jsonl"
+# a name NAME finds NAME.gz too (bouncer.sim.traces.trace_file): the repository gzips its larger slices
+AZURE_CONV = trace_file(TRACES / "azure-2023/AzureLLMInferenceTrace_conv.csv")
+AZURE_CODE = trace_file(TRACES / "azure-2023/AzureLLMInferenceTrace_code.csv")
+MOONCAKE_CONV = trace_file(TRACES / "mooncake-fast25/conversation_trace.jsonl")
 WEKA_SESSIONS = TRACES / "weka-claude-code/traces"
+SERVEGEN_DEEPSEEK_R1 = TRACES / "servegen/deepseek-r1"
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""ServeGen per-client load models (alibaba/ServeGen, ../shared/traces/servegen) as request traces.
+"""ServeGen per-client load models (alibaba/ServeGen; data/traces/servegen) as request traces.
 
 ServeGen publishes no requests, only models of each client (each tenant of Alibaba Bailian's
 service), one per 600 s window of a day: the request rate, the inter-arrival pattern (a Gamma
@@ -26,7 +26,7 @@ import pathlib
 import random
 from dataclasses import dataclass
 
-from bouncer.sim.traces import TraceRequest
+from bouncer.sim.traces import TraceRequest, open_trace, trace_file
 
 WINDOW_S = 600.0  # one row of a client's trace CSV
 DEFAULT_SPAN_S = 3600.0
@@ -122,17 +122,18 @@ def load_servegen(folder: str | pathlib.Path) -> list[Client]:
                     raise ValueError(f"{trace}:{line_no}: expected 6 fields (window start, rate, cv, pattern, "
                                      f"shape, scale), got {len(row)}")
                 windows.append(Window(float(row[0]), float(row[1]), row[3], float(row[4] or 0)))
-        dataset = p / f"chunk-{cid}-dataset.json"
+        dataset = trace_file(p / f"chunk-{cid}-dataset.json")
         if not dataset.is_file():
             raise ValueError(f"{dataset}: missing (each client needs its trace and its dataset)")
-        raw = json.loads(dataset.read_text())
         datasets = {}
         try:
+            with open_trace(dataset) as f:
+                raw = json.load(f)
             for ts, fields in raw.items():
                 sizes = {name: _distribution(fields[name]) for name in ("input_tokens", "output_tokens")}
                 if all(sizes.values()):
                     datasets[float(ts)] = sizes
-        except (KeyError, ValueError, SyntaxError, TypeError) as exc:
+        except (KeyError, ValueError, SyntaxError, TypeError, OSError) as exc:
             raise ValueError(f"{dataset}: unreadable token distributions ({exc!r})") from None
         if any(w.rate > 0 for w in windows):
             if not datasets:

@@ -1,16 +1,36 @@
-"""Loaders for the public request traces in ../shared/traces (schemas in its README).
+"""Loaders for the public request traces (sources and schemas in data/traces/README.md).
 
 Every loader yields `TraceRequest`s sorted by arrival time, starting at t=0. Prompt content is
 never in these traces; what matters for the engine is the prompt length, the output length and,
 where the trace has them, prefix-block ids (mapped onto our 16-token block digests).
+
+Any trace file may be gzipped (`NAME.gz`): the repository carries its larger slices that way, and
+a path to `NAME` finds `NAME.gz` when only that exists.
 """
 
 from __future__ import annotations
 
 import csv
+import gzip
+import io
 import pathlib
 from dataclasses import dataclass, field
 from datetime import datetime
+
+
+def trace_file(path: str | pathlib.Path) -> pathlib.Path:
+    """`path`, or `path.gz` where only the gzipped file exists."""
+    p = pathlib.Path(path)
+    gz = p.with_name(p.name + ".gz")
+    return gz if not p.exists() and gz.is_file() else p
+
+
+def open_trace(path: str | pathlib.Path) -> io.TextIOBase:
+    """A trace file opened as text, gunzipped on the fly if its name ends in .gz."""
+    p = trace_file(path)
+    if p.suffix == ".gz":
+        return io.TextIOWrapper(gzip.open(p), encoding="utf-8", newline="")
+    return open(p, newline="", encoding="utf-8")
 
 
 @dataclass(slots=True)
@@ -26,7 +46,7 @@ def load_azure(path: str | pathlib.Path) -> list[TraceRequest]:
 
     The trace has no content, so requests share no prefix (empty digests)."""
     out: list[TraceRequest] = []
-    with open(path, newline="") as f:
+    with open_trace(path) as f:
         reader = csv.reader(f)
         header = next(reader)
         if [h.strip() for h in header[:3]] != ["TIMESTAMP", "ContextTokens", "GeneratedTokens"]:
@@ -57,7 +77,7 @@ def load_mooncake(path: str | pathlib.Path, block_size: int = 16) -> list[TraceR
     import xxhash
 
     rows = []
-    with open(path) as f:
+    with open_trace(path) as f:
         for line_no, line in enumerate(f, 1):
             if not line.strip():
                 continue
@@ -119,15 +139,16 @@ def load_weka(path: str | pathlib.Path) -> list[AgentSession]:
     import json
 
     folder = pathlib.Path(path)
-    files = sorted(folder.glob("*.json")) if folder.is_dir() else [folder]
+    files = sorted([*folder.glob("*.json"), *folder.glob("*.json.gz")]) if folder.is_dir() else [folder]
     sessions = []
     for f in files:
         try:
-            d = json.loads(f.read_text())
+            with open_trace(f) as text:
+                d = json.load(text)
             steps = [AgentStep(max(1, int(r["in"])), max(1, int(r["out"])), list(r["hash_ids"]),
                                float(r.get("think_time") or 0.0)) for r in d["requests"]]
-            sessions.append(AgentSession(str(d.get("id", f.stem)), int(d["block_size"]), steps))
-        except (KeyError, TypeError, ValueError) as exc:
+            sessions.append(AgentSession(str(d.get("id", f.name.split(".")[0])), int(d["block_size"]), steps))
+        except (KeyError, TypeError, ValueError, OSError) as exc:  # OSError: a bad gzip file
             raise ValueError(f"{f}: not a WEKA agent session trace ({exc!r})") from None
     if not sessions:
         raise ValueError(f"{path}: no session JSON files")
@@ -168,14 +189,14 @@ class SessionDigests:
 
 
 def load_trace(path: str | pathlib.Path) -> list[TraceRequest]:
-    """Detect the format from the file: Azure CSV or Mooncake JSONL."""
-    p = pathlib.Path(path)
+    """Detect the format from the file: Azure CSV or Mooncake JSONL (either may be gzipped)."""
+    p = trace_file(path)
     if p.is_dir():
         raise ValueError(f"{path}: a folder; of trace folders only ServeGen's (chunk-<client>-trace.csv) is "
                          f"known, and it replaces a scenario's tenants")
     if not p.is_file():
         raise ValueError(f"{path}: no such trace file")
-    with open(p) as f:
+    with open_trace(p) as f:
         head = f.readline()
     if head.startswith("TIMESTAMP,"):
         return load_azure(p)
