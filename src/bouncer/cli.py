@@ -106,21 +106,43 @@ def cmd_bench_engine(args) -> None:
                        "profile": args.profile, "trace": args.trace}, f, indent=2)
 
 
-def cmd_serve(args) -> None:
-    if args.config is None:
-        from bouncer.demo import run_demo
+def _engine_ports(text: str) -> tuple[int, ...]:
+    try:
+        ports = tuple(int(p) for p in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected ports separated by commas, got {text!r}") from None
+    if not ports or any(not 0 < p < 65536 for p in ports):
+        raise argparse.ArgumentTypeError(f"ports must be from 1 to 65535, got {text!r}")
+    return ports
 
-        _run(run_demo(args.host or "127.0.0.1", args.port or 8000))
+
+def cmd_serve(args) -> None:
+    from bouncer.gateway import logs
+
+    if args.config is None:
+        from bouncer.demo import DEMO_ENGINE_PORTS, run_demo
+
+        logs.configure(args.log_level or "info", args.log_format or "logfmt")
+        _run(run_demo(args.host or "127.0.0.1", args.port or 8000, args.engine_ports or DEMO_ENGINE_PORTS))
         return
+    if args.engine_ports:
+        raise SystemExit("bouncer: --engine-ports is for the embedded demo; a config names its backends")
     from bouncer.config import load_config
     from bouncer.gateway.server import Gateway, serve_gateway
 
     config = load_config(args.config)
+    logs.configure(args.log_level or config.logging.level, args.log_format or config.logging.format)
+    gateway = Gateway(config, config_path=args.config)  # loads tokenizers: a bad file stops here
     host = args.host or config.listen.host
     port = args.port or config.listen.port
-    print(f"bouncer: gateway on http://{host}:{port} for models "
-          f"{', '.join(m.name for m in config.models)}", flush=True)
-    _run(serve_gateway(Gateway(config, config_path=args.config), host, port))
+
+    def listening() -> None:
+        print(f"bouncer: gateway on http://{host}:{port} for models "
+              f"{', '.join(m.name for m in config.models)}", flush=True)
+    try:
+        _run(serve_gateway(gateway, host, port, on_listening=listening))
+    except OSError as exc:  # the address is taken, say
+        raise SystemExit(f"bouncer: cannot listen on {host}:{port}: {exc}") from None
 
 
 def cmd_config_example(args) -> None:
@@ -131,8 +153,10 @@ def cmd_config_example(args) -> None:
 
 def cmd_config_check(args) -> None:
     from bouncer.config import load_config
+    from bouncer.gateway.prepared import prepare
 
     config = load_config(args.file)
+    prepare(config, args.file)  # what serve and reload check too: tokenizers load
     print(f"{args.file}: OK ({len(config.tenants)} tenants, {len(config.models)} models, "
           f"{sum(len(m.backends) for m in config.models)} backends)")
 
@@ -170,6 +194,10 @@ def cmd_bench_run(args) -> None:
         att = "-" if t["slo_attainment"] is None else f"{t['slo_attainment']:.1%}"
         print(f"  {name:>10} (priority {t['priority']}): SLO attainment {att}, token share "
               f"{t['served_token_share']:.1%}")
+    for reason, a in (result.get("retry_after_accuracy") or {}).items():
+        if a["median_ratio"] is not None:
+            print(f"  Retry-After on {reason}: {a['median_ratio']:.2f}x (p10 {a['p10_ratio']:.2f}, p90 "
+                  f"{a['p90_ratio']:.2f}) the time until the tenant's next request got in, {a['refusals']} refusals")
     print(f"  simulated {result['sim_seconds']:.0f} s in {result['wall_seconds']:.1f} s "
           f"({result['sim_seconds_per_wall_second']:.0f} sim s per wall s)")
 
@@ -249,6 +277,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="YAML config; without it the embedded demo starts")
     p.add_argument("--host", help="listen address (default: the config's, or 127.0.0.1)")
     p.add_argument("--port", type=int, help="listen port (default: the config's, or 8000)")
+    p.add_argument("--engine-ports", type=_engine_ports, metavar="PORT,PORT",
+                   help="the embedded demo's simulated replicas (default: 8101,8102)")
+    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"],
+                   help="default: the config's logging.level (info)")
+    p.add_argument("--log-format", choices=["logfmt", "json", "text"],
+                   help="default: the config's logging.format (logfmt)")
     p.set_defaults(func=cmd_serve)
 
     config = sub.add_parser("config", help="configuration helpers").add_subparsers(dest="config_cmd", required=True)

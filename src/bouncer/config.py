@@ -57,11 +57,7 @@ class Tenant(_Strict):
     @field_validator("api_keys_sha256")
     @classmethod
     def _hex_digests(cls, keys: list[str]) -> list[str]:
-        for k in keys:
-            if len(k) != 64 or any(c not in "0123456789abcdef" for c in k):
-                raise ValueError("each key must be a lowercase SHA-256 hex digest (64 chars); "
-                                 "see `bouncer config hash-key`")
-        return keys
+        return _digests(keys)
 
     @model_validator(mode="after")
     def _default_within_cap(self) -> Tenant:
@@ -261,7 +257,22 @@ class Policy(_Strict):
     context_pressure_start: float = Field(0.8, ge=0, le=1, description="pool usage where context caps tighten")
     context_pressure_min_fraction: float = Field(0.25, gt=0, le=1)
     drain_queue_cap: int = Field(64, ge=0, description="requests held per model while draining")
-    upstream_refusal_cooldown_s: float = Field(0.5, ge=0, description="rest a replica that refused a request")
+    upstream_refusal_cooldown_s: float = Field(0.5, ge=0, description="rest a replica that refused a request; "
+                                                                      "doubled for each refusal in a row (none "
+                                                                      "started there between), or as long as its "
+                                                                      "Retry-After says, up to "
+                                                                      "upstream_refusal_cooldown_max_s")
+    upstream_refusal_cooldown_max_s: float = Field(30.0, ge=0)
+    upstream_refusal_retries: int = Field(3, ge=1, description="a replica that refused this many requests in a row "
+                                                               "while running none of ours refuses everything; a "
+                                                               "request that every usable replica refuses so ends "
+                                                               "with 503 upstream_refused")
+    permit_lease_s: float = Field(60.0, gt=0, description="an admitted request's permit lives this long unless "
+                                                          "the shell renews it (it does while the request runs); "
+                                                          "one never renewed is reclaimed and counted, so a lost "
+                                                          "permit costs a slot for a while, not for ever")
+    inflight_drift_s: float = Field(30.0, gt=0, description="a replica's engine reporting fewer requests than the "
+                                                            "gateway has in flight there for this long is reported")
     ttl_within_slo: bool = Field(True, description="a queued request expires once waiting longer would make it late: "
                                                    "its TTFT SLO minus ttft_safety_factor x the best predicted TTFT "
                                                    "at arrival (without a step-time model, slo_queue_fraction of "
@@ -321,17 +332,67 @@ class Limits(_Strict):
 
 
 class Listen(_Strict):
+    """The gateway's own HTTP server, and how long it waits for slow or idle clients."""
+
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
+    header_timeout_s: float = Field(10.0, gt=0, description="a request's line and headers must arrive within "
+                                                            "this long of its first byte (else 408, closed)")
+    body_timeout_s: float = Field(30.0, gt=0, description="its body within this long of its headers (else 408)")
+    idle_timeout_s: float = Field(75.0, gt=0, description="a keep-alive connection with no request this long is "
+                                                          "closed")
+    max_connections: int = Field(4096, ge=1, description="open client connections; one more is answered 503 and "
+                                                         "closed")
+
+
+def _digests(keys: list[str]) -> list[str]:
+    for k in keys:
+        if len(k) != 64 or any(c not in "0123456789abcdef" for c in k):
+            raise ValueError("each key must be a lowercase SHA-256 hex digest (64 chars); "
+                             "see `bouncer config hash-key`")
+    return keys
+
+
+class Access(_Strict):
+    """Who may read the endpoints that are not generation: by default anyone may read /metrics
+    (which names every tenant and its traffic) and /v1/models."""
+
+    metrics_keys_sha256: list[str] = Field(default_factory=list, description="non-empty: /metrics needs one of "
+                                                                             "these keys or an admin key")
+    models_need_key: bool = Field(False, description="/v1/models needs a tenant's key and lists the models that "
+                                                     "tenant may use")
+
+    @field_validator("metrics_keys_sha256")
+    @classmethod
+    def _hex_digests(cls, keys: list[str]) -> list[str]:
+        return _digests(keys)
+
+
+class Logging(_Strict):
+    level: Literal["debug", "info", "warning", "error"] = "info"
+    format: Literal["logfmt", "json", "text"] = Field("logfmt", description="logfmt and json: one structured line "
+                                                                            "per event")
+    access_log: bool = Field(True, description="one line per request: tenant, band, outcome, layer, reason, "
+                                               "queue wait, TTFT, tokens")
 
 
 class BouncerConfig(_Strict):
     listen: Listen = Listen()
     admin_keys_sha256: list[str] = Field(default_factory=list)
+    access: Access = Access()
+    logging: Logging = Logging()
     tenants: list[Tenant] = Field(min_length=1)
+    default_tenant: str | None = Field(None, description="the tenant of requests that present no key or one no "
+                                                         "tenant lists (load testers that hard-code a key); unset: "
+                                                         "those get 401")
     models: list[ModelConfig] = Field(min_length=1)
     policy: Policy = Policy()
     limits: Limits = Limits()
+
+    @field_validator("admin_keys_sha256")
+    @classmethod
+    def _hex_digests(cls, keys: list[str]) -> list[str]:
+        return _digests(keys)
 
     @model_validator(mode="after")
     def _cross_checks(self) -> BouncerConfig:
@@ -350,6 +411,8 @@ class BouncerConfig(_Strict):
                     raise ValueError(f"tenant {t.name!r} allows unknown model {m!r}")
         if sum(t.kv_share for t in self.tenants) > 1.0:
             raise ValueError("tenant kv_share values add up to more than 1")
+        if self.default_tenant is not None and self.default_tenant not in names:
+            raise ValueError(f"default_tenant {self.default_tenant!r} is not a tenant")
         return self
 
     def tenant_by_key(self) -> dict[str, Tenant]:
@@ -390,10 +453,24 @@ EXAMPLE_CONFIG = """\
 # Bouncer configuration. Validate with `bouncer config check FILE`.
 # Priorities: higher is more important; below 0 is sheddable (refused first under load).
 
-listen: {host: 127.0.0.1, port: 8000}
+listen:
+  host: 127.0.0.1
+  port: 8000
+  header_timeout_s: 10       # a request's headers must arrive within this of its first byte (else 408)
+  body_timeout_s: 30         # and its body within this after them
+  idle_timeout_s: 75         # keep-alive connections idle this long are closed
+  max_connections: 4096      # one more is answered 503 too_many_connections
 
 # SHA-256 of the key that may call /admin/* (`bouncer config hash-key KEY`).
 admin_keys_sha256: []
+
+access:
+  metrics_keys_sha256: []    # non-empty: /metrics (which names every tenant) needs one of these or an admin key
+  models_need_key: false     # true: /v1/models needs a tenant's key and lists its models
+
+logging: {level: info, format: logfmt, access_log: true}   # format: logfmt | json | text
+
+# default_tenant: batch      # requests with no key, or a key no tenant lists, go to this tenant (else 401)
 
 tenants:
   - name: interactive
@@ -447,6 +524,8 @@ policy:
   sheddable_ceiling: 0.8       # bands below 0 dispatch only while fleet saturation < 0.8
   band_ceilings: {10: 1.2}     # the top band may run the pool hotter
   telemetry: {scrape_interval_s: 0.25, staleness_s: 2.0, on_stale: fail-closed}
+  permit_lease_s: 60           # a permit the gateway stops renewing (a bug) is reclaimed after this
+  upstream_refusal_cooldown_s: 0.5   # a backend that refuses for load rests this long (or its Retry-After)
   queues: {max_requests: 2000, tenant_max_requests: 256}
   retries:
     deadline: first-attempt    # first-attempt | fresh: an SDK client's retry (x-stainless-retry-count, same

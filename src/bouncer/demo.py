@@ -27,9 +27,10 @@ DEMO_ADMIN_KEY = "demo-admin"
 DEMO_KV_BLOCKS = 1024
 DEMO_MAX_NUM_SEQS = 64
 DEMO_PROFILE = "llama-3.1-8b-h100"
+DEMO_ENGINE_PORTS = (8101, 8102)
 
 
-def demo_config(host: str = "127.0.0.1", port: int = 8000, engine_ports: tuple[int, ...] = (8101, 8102),
+def demo_config(host: str = "127.0.0.1", port: int = 8000, engine_ports: tuple[int, ...] = DEMO_ENGINE_PORTS,
                 bundled_tokenizer: str | None = None, kv_events: tuple[str, ...] | None = None) -> BouncerConfig:
     from bouncer.tokenizer import default_tokenizer_path
 
@@ -65,7 +66,8 @@ def demo_engine() -> EngineModel:
     return EngineModel(profile, num_blocks=DEMO_KV_BLOCKS, max_num_seqs=DEMO_MAX_NUM_SEQS)
 
 
-async def run_demo(host: str = "127.0.0.1", port: int = 8000, engine_ports: tuple[int, ...] = (8101, 8102)) -> None:
+async def run_demo(host: str = "127.0.0.1", port: int = 8000,
+                   engine_ports: tuple[int, ...] = DEMO_ENGINE_PORTS) -> None:
     sockets = pathlib.Path(tempfile.mkdtemp(prefix="bouncer-demo-"))
     tasks: list[asyncio.Task] = []
     try:

@@ -7,6 +7,7 @@ latency measured from the user's first attempt (retries included).
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import hashlib
 import json
@@ -214,6 +215,38 @@ def prefix_hit_bound(requests: list[SimRequest], block_size: int) -> float:
     return hits / total if total else 0.0
 
 
+def retry_after_accuracy(result) -> dict[str, dict]:
+    """Per refusal reason: the Retry-After each refusal gave against what happened, as given /
+    actual, where actual is how long from the refusal until a request of that tenant sent after
+    it was admitted (what a client coming back then would have waited, at the soonest).
+    Refusals after which no later request of the tenant was admitted are counted apart."""
+    # per tenant: attempts by send time, and the earliest admission among those sent at or after each
+    by_tenant: dict[str, tuple[list[float], list[float]]] = {}
+    for tenant, pairs in result.admissions.items():
+        pairs = sorted(pairs)
+        soonest, best = [0.0] * len(pairs), math.inf
+        for i in range(len(pairs) - 1, -1, -1):
+            best = min(best, pairs[i][1])
+            soonest[i] = best
+        by_tenant[tenant] = ([sent for sent, _ in pairs], soonest)
+    ratios: dict[str, list[float]] = {}
+    never: dict[str, int] = {}
+    for t, tenant, reason, given in result.retry_afters:
+        sent, soonest = by_tenant.get(tenant, ([], []))
+        i = bisect.bisect_right(sent, t)
+        if i == len(sent):
+            never[reason] = never.get(reason, 0) + 1
+            continue
+        actual = soonest[i] - t
+        ratios.setdefault(reason, []).append(given / actual if actual > 0 else math.inf)
+    out: dict[str, dict] = {}
+    for reason in sorted(set(ratios) | set(never)):
+        r = ratios.get(reason, [])
+        out[reason] = {"refusals": len(r) + never.get(reason, 0), "no_later_admission": never.get(reason, 0),
+                       "median_ratio": _pct(r, 0.5), "p10_ratio": _pct(r, 0.1), "p90_ratio": _pct(r, 0.9)}
+    return out
+
+
 def summarize(scenario: Scenario, policy: str, load: float, seed: int, replicas: int, duration_s: float,
               capacity: float, requests: list[SimRequest], result, routing: str | None) -> dict:
     outcomes = {k: result.outcomes.get(k, 0) for k in ("completed", "refused", "expired", "abandoned", "failed")}
@@ -266,6 +299,7 @@ def summarize(scenario: Scenario, policy: str, load: float, seed: int, replicas:
         "recomputed_tokens": result.recomputed_tokens,
         "wasted_tokens": sum(r.wasted_tokens for r in requests),
         "tenants": tenants,
+        "retry_after_accuracy": retry_after_accuracy(result),
         "samples": result.samples,
     }
 

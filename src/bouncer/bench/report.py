@@ -242,6 +242,22 @@ def plot_agent_hit_rate(results: list[dict], out: pathlib.Path) -> None:
     plt.close(fig)
 
 
+def retry_after_table(results: list[dict], scenario: str) -> list[str]:
+    """Bouncer's Retry-After against what happened: per load and refusal reason, the median
+    (p10-p90) of given / the time until a request of that tenant sent after it got in."""
+    rows = sorted((r for r in results if r["scenario"] == scenario and r["policy"] == "bouncer"
+                   and r.get("retry_after_accuracy")), key=lambda r: r["load"])
+    if not rows:
+        return []
+    lines = ["| load | reason | refusals | Retry-After / actual: median (p10-p90) |", "|---|---|---|---|"]
+    for r in rows:
+        for reason, a in r["retry_after_accuracy"].items():
+            spread = "-" if a["median_ratio"] is None else \
+                f"{a['median_ratio']:.2f} ({a['p10_ratio']:.2f}-{a['p90_ratio']:.2f})"
+            lines.append(f"| {r['load']:g} | {reason} | {a['refusals']} | {spread} |")
+    return lines
+
+
 def write_report(paths: list[str], out_dir: str) -> pathlib.Path:
     results = load_results(paths)
     if not results:
@@ -276,6 +292,10 @@ def write_report(paths: list[str], out_dir: str) -> pathlib.Path:
                   f"on {rows[0]['replicas']} replicas:", ""]
         lines += goodput_table(results, sc) + ["", f"Per tenant at load {top:g}:", ""]
         lines += tenant_table(results, sc, top) + [""]
+        accuracy = retry_after_table(results, sc)
+        if accuracy:
+            lines += ["Bouncer's Retry-After against the time until the tenant's next request got in:", ""]
+            lines += accuracy + [""]
         lost = sum(r["lost"] for r in rows)
         lines.append(f"Requests lost in accounting across these runs: {lost}.")
         lines.append("")

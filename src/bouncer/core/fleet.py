@@ -14,6 +14,7 @@ from bouncer.core.latency import LatencyPredictor, prefill_pairs
 from bouncer.core.prefix_index import ReplicaPrefixIndex
 
 DEFAULT_INDEX_BLOCKS = 100_000  # prefix-index bound while a replica's KV size is not known yet
+IN_TRANSIT_S = 1.0  # a request sent this shortly before a scrape may not have reached the engine yet
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +30,7 @@ class Telemetry:
     prefix_queries: float | None = None  # cumulative tokens looked up
     prefix_hits: float | None = None  # cumulative tokens hit
     preemptions: float | None = None
+    counts_requests: bool = True  # running and waiting are the engine's (not a bare liveness probe)
 
 
 class ReplicaState:
@@ -45,6 +47,8 @@ class ReplicaState:
         self.removed = False  # dropped by a config reload: finishes in-flight work, gets no new
         self.busy = False  # hysteresis state
         self.cooldown_until: float | None = None  # rested after refusing a request
+        self.idle_refusals = 0  # refusals in a row (none started here since) while it ran nothing of ours
+        self.refusals_cut_limit = False  # concurrency_limit was cut by a refusal: completions grow it back
         self.concurrency_limit = float("inf")  # in-flight cap set by the TPOT guard (AIMD)
         self.last_cut = float("-inf")
         # own accounting of what was dispatched here and not finished
@@ -62,6 +66,11 @@ class ReplicaState:
         self.decoding = 0  # dispatched and past their first token
         self.decode_context = 0  # context tokens their steps read (prompt + half the expected output)
         self.tpot_slos: Counter = Counter()  # TPOT SLOs of the requests in flight here
+        # requests we count in flight here that the engine does not (a permit the shell lost, or an
+        # engine that restarted): how many at the last scrape, and since when, continuously
+        self.unseen_by_engine = 0
+        self.unseen_since: float | None = None
+        self.drift_reported = False  # unseen for longer than the policy's inflight_drift_s
         self.latency: LatencyPredictor | None = None  # where the model's step times are known
         # what it holds in its prefix cache, as far as we know
         self.prefix = ReplicaPrefixIndex(self.capacity_blocks or DEFAULT_INDEX_BLOCKS, block_size,
@@ -118,6 +127,23 @@ class ReplicaState:
                 break
             del since[rid]
             self.blocks_since_sample -= blocks
+
+    def check_drift(self, telemetry: Telemetry, now: float, lasting_s: float) -> None:
+        """Compare the engine's own count of requests (running + waiting) with what we have in
+        flight here and sent before the sample (with a second's grace for requests in transit).
+        Fewer at the engine, continuously for `lasting_s`, sets `drift_reported`. The engine may
+        count more (traffic from elsewhere): that is no drift."""
+        if not telemetry.counts_requests:
+            return
+        sent_before = telemetry.at - IN_TRANSIT_S
+        ours = sum(1 for adm in self.inflight.values() if adm.dispatched_at < sent_before)  # type: ignore[attr-defined]
+        self.unseen_by_engine = max(0, ours - telemetry.running - telemetry.waiting)
+        if not self.unseen_by_engine:
+            self.unseen_since, self.drift_reported = None, False
+            return
+        if self.unseen_since is None:
+            self.unseen_since = now
+        self.drift_reported = now - self.unseen_since >= lasting_s
 
     def queue_depth(self, fresh: bool) -> int:
         """Requests waiting at the engine, as last scraped (0 when the scrape is stale: then

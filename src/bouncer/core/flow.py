@@ -49,6 +49,16 @@ class EarliestDeadline:
         return (adm.queue_rank, deadline, adm.seq)
 
 
+def _rate(times: deque[float], now: float) -> float | None:
+    """Events per second over the last DISPATCH_WINDOW_S of `times` (trimmed as it goes); None
+    with too few to tell."""
+    while times and times[0] < now - DISPATCH_WINDOW_S:
+        times.popleft()
+    if len(times) < MIN_DISPATCHES_FOR_RATE:
+        return None
+    return len(times) / max(1.0, now - times[0])
+
+
 class TenantQueue:
     """One tenant's requests in one band, in the ordering policy's order (a heap with lazy
     deletion, so removing a cancelled request is O(1))."""
@@ -181,6 +191,7 @@ class FlowQueues:
         self._queued: dict[str, Admission] = {}
         self.tokens = 0
         self._dispatches: deque[float] = deque()  # when queued requests were dispatched, recently
+        self._departures: deque[float] = deque()  # when queued requests left, by any way, recently
         self.waiting_sessions: Counter[str] = Counter()  # agents with steps queued here: not idle
 
     def dispatched(self, now: float) -> None:
@@ -189,12 +200,11 @@ class FlowQueues:
     def dispatch_rate(self, now: float) -> float | None:
         """Requests per second dispatched from the waiting room recently: the rate at which a
         newcomer's backlog is served (None with too few to tell)."""
-        d = self._dispatches
-        while d and d[0] < now - DISPATCH_WINDOW_S:
-            d.popleft()
-        if len(d) < MIN_DISPATCHES_FOR_RATE:
-            return None
-        return len(d) / max(1.0, now - d[0])
+        return _rate(self._dispatches, now)
+
+    def departure_rate(self, now: float) -> float | None:
+        """Requests per second that left the waiting room recently, dispatched or not."""
+        return _rate(self._departures, now)
 
     def __len__(self) -> int:
         return len(self._queued)
@@ -231,10 +241,13 @@ class FlowQueues:
             self.waiting_sessions[adm.session] += 1
         heapq.heappush(self._ttl, (adm.deadline, adm.seq, adm))
 
-    def remove(self, adm: Admission) -> None:
-        """Take a queued request out (dispatched, expired, evicted or cancelled)."""
+    def remove(self, adm: Admission, now: float | None) -> None:
+        """Take a queued request out; `now` when it leaves the waiting room (dispatched, expired,
+        refused, evicted or cancelled), None when it is only moved (demoted to another band)."""
         if self._queued.pop(adm.request_id, None) is None:
             return
+        if now is not None and adm.arrival < now:  # (one refused as it arrived was never part of a backlog)
+            self._departures.append(now)
         if adm.session is not None:
             self.waiting_sessions[adm.session] -= 1
             if not self.waiting_sessions[adm.session]:

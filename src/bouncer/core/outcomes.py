@@ -54,12 +54,18 @@ STATUS_BY_REASON: dict[str, int] = {
     "ttl_expired": 503,
     "draining": 503,
     "no_backend": 503,
-    "upstream_refused": 503,
+    "upstream_rejected": 400,  # the backend found the request invalid (its message is passed on)
+    "upstream_refused": 503,  # every backend tried refused it for load, as many times as policy allows
     "upstream_error": 502,
     "upstream_timeout": 504,
+    "request_timeout": 408,  # the client sent its headers or body too slowly
+    "too_many_connections": 503,
+    "internal_error": 500,  # a bug in the gateway: counted and logged, never expected
 }
 
-OVERLOAD_REASONS = frozenset(r for r, s in STATUS_BY_REASON.items() if s in (429, 503, 529, 504))
+
+# refusals a retry of the same request cannot escape (it keeps its first attempt's deadline)
+NEVER_RETRYABLE = frozenset({"retry_past_deadline"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,10 +75,18 @@ class Refusal:
     message: str
     retry_after: float | None = None  # seconds; set for every overload refusal
     param: str | None = None
+    retryable: bool | None = None  # None: as its status says (overloads yes, invalid requests no)
 
     @property
     def status(self) -> int:
         return STATUS_BY_REASON[self.reason]
+
+    @property
+    def should_retry(self) -> bool:
+        """Whether the same request may succeed if sent again (clients read x-should-retry)."""
+        if self.retryable is not None:
+            return self.retryable
+        return self.reason not in NEVER_RETRYABLE and self.status in (429, 502, 503, 504, 529)
 
     @property
     def error_type(self) -> str:

@@ -46,7 +46,8 @@ class Admission:
     arrival: float
     deadline: float  # TTL: leaves the queue at this time
     ttft_deadline: float | None  # arrival + TTFT SLO
-    tpot_slo: float | None = None  # the TPOT it was promised (request header, else tenant SLO)
+    ttft_slo: float | None = None  # the TTFT it was promised: its tenant's, or a client header's if tighter
+    tpot_slo: float | None = None  # the same for TPOT
     replica: str | None = None  # set when dispatched
     dispatched_at: float | None = None
     first_token_at: float | None = None
@@ -58,6 +59,7 @@ class Admission:
     best_effort: bool = False  # its deadline was found infeasible (or passed); it runs in the best-effort band
     retry_key: RetryKey | None = None  # how its client's retries are known again (policy.retries)
     predicted_infeasible: bool = False  # found unable to meet its TTFT SLO (refused, demoted, or let through)
+    lease_until: float = 0.0  # its permit is reclaimed after this unless the shell renews it
     # uncorrected predictions made at dispatch, to correct the replica's predictor by
     ttft_raw: float | None = None
     tpot_raw: float | None = None

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from bouncer.core.admission import AdmissionCore
@@ -21,10 +21,11 @@ TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 
 
 class _CoreCollector:
     def __init__(self, core_ref: Callable[[], AdmissionCore], clock: Callable[[], float],
-                 kv_event_stats: Callable[[], dict]) -> None:
+                 kv_event_stats: Callable[[], dict], connections: Callable[[], object | None]) -> None:
         self.core_ref = core_ref
         self.clock = clock
         self.kv_event_stats = kv_event_stats
+        self.connections = connections
 
     def collect(self):
         core = self.core_ref()
@@ -39,6 +40,16 @@ class _CoreCollector:
                                   value=core.stats.offered)
         yield GaugeMetricFamily("bouncer_inflight_requests", "Admitted requests holding a permit.",
                                 value=len(core.inflight))
+        yield CounterMetricFamily("bouncer_permits_reclaimed", "Permits taken back after their lease ran out "
+                                  "unrenewed (each one a request the gateway lost track of).",
+                                  value=core.stats.reclaimed)
+        conns = self.connections()
+        if conns is not None:
+            yield GaugeMetricFamily("bouncer_connections_open", "Open client connections.", value=conns.open)
+            yield CounterMetricFamily("bouncer_connections_refused", "Connections refused over listen.max_connections.",
+                                      value=conns.refused)
+            yield CounterMetricFamily("bouncer_header_timeouts", "Connections closed for headers that came too slowly.",
+                                      value=conns.header_timeouts)
         depth = GaugeMetricFamily("bouncer_queue_depth", "Queued requests.", labels=["model", "band"])
         queued_tokens = GaugeMetricFamily("bouncer_queue_tokens", "Queued prompt tokens.", labels=["model", "band"])
         sat = GaugeMetricFamily("bouncer_saturation", "Fleet saturation (>= 1 saturated).", labels=["model"])
@@ -69,6 +80,8 @@ class _CoreCollector:
         busy = GaugeMetricFamily("bouncer_replica_busy", "1 while a replica is marked busy.", labels=["replica"])
         inflight = GaugeMetricFamily("bouncer_replica_inflight_requests", "Requests in flight per replica.",
                                      labels=["replica"])
+        unseen = GaugeMetricFamily("bouncer_replica_inflight_unseen", "Requests the gateway has in flight on a "
+                                   "replica that its engine did not count at the last scrape.", labels=["replica"])
         precise = GaugeMetricFamily("bouncer_replica_prefix_index_precise",
                                     "1 while the replica's prefix index follows its KV events.", labels=["replica"])
         blocks = GaugeMetricFamily("bouncer_replica_prefix_index_blocks", "Blocks in the replica's prefix index.",
@@ -82,6 +95,7 @@ class _CoreCollector:
                 kv.add_metric([rname], r["projected_kv_usage"])
                 busy.add_metric([rname], 1.0 if r["busy"] else 0.0)
                 inflight.add_metric([rname], r["inflight"])
+                unseen.add_metric([rname], r["inflight_unseen_by_engine"])
                 idx = r["prefix_index"]
                 precise.add_metric([rname], 1.0 if idx["mode"] == "precise" else 0.0)
                 blocks.add_metric([rname, "approximate"], idx["approx_blocks"])
@@ -94,6 +108,7 @@ class _CoreCollector:
         yield kv
         yield busy
         yield inflight
+        yield unseen
         yield precise
         yield blocks
         yield correction
@@ -127,9 +142,12 @@ class _CoreCollector:
 
 class GatewayMetrics:
     def __init__(self, core_ref: Callable[[], AdmissionCore], clock: Callable[[], float],
-                 kv_event_stats: Callable[[], dict] = dict) -> None:
+                 kv_event_stats: Callable[[], dict] = dict, connections: Callable[[], object | None] = lambda: None
+                 ) -> None:
         self.registry = CollectorRegistry()
-        self.registry.register(_CoreCollector(core_ref, clock, kv_event_stats))
+        self.registry.register(_CoreCollector(core_ref, clock, kv_event_stats, connections))
+        self.internal_errors = Counter("bouncer_internal_errors", "Requests answered 500: a bug in the gateway.",
+                                       registry=self.registry)
         self.queue_wait = Histogram("bouncer_queue_wait_seconds", "Time from arrival to dispatch.",
                                     ["tenant", "band"], buckets=LATENCY_BUCKETS, registry=self.registry)
         self.ttft = Histogram("bouncer_ttft_seconds", "Time to first token seen by the gateway, from arrival.",

@@ -8,29 +8,27 @@ prefixes still hash to equal blocks.
 
 from __future__ import annotations
 
-import functools
 import hashlib
+import math
 from typing import Any
 
 from bouncer.core.blocks import chain_block_hashes, prompt_digest
 from bouncer.core.requests import RequestInfo
+from bouncer.gateway.request_params import check_params
 from bouncer.openai_wire import ApiError
 from bouncer.tokenizer import PromptTokenizer, render_chat
 
 BYTES_PER_TOKEN_ESTIMATE = 4
-
-
-@functools.lru_cache(maxsize=4096)
-def _digest(key: str) -> str:
-    return hashlib.sha256(key.encode()).hexdigest()
+TOKEN_ID_LIMIT = 2**32  # token ids are hashed as unsigned 32-bit integers (bouncer.core.blocks)
 
 
 def key_digest_from_headers(headers) -> str | None:
-    """SHA-256 of the presented API key (`Authorization: Bearer` or `api-key`). Digests of
-    recently seen keys are cached: a few tenants send most requests."""
+    """SHA-256 of the presented API key (`Authorization: Bearer` or `api-key`). Not cached: a
+    cache would keep recently presented keys in memory in clear, and hashing one costs about a
+    microsecond."""
     auth = headers.get("Authorization", "")
     key = auth[7:].strip() if auth[:7].lower() == "bearer " else headers.get("api-key", "").strip()
-    return _digest(key) if key else None
+    return hashlib.sha256(key.encode()).hexdigest() if key else None
 
 
 def _estimate_ids(text: str) -> list[int]:
@@ -57,18 +55,13 @@ def prompt_token_ids(kind: str, body: dict[str, Any], tokenizer: PromptTokenizer
     if isinstance(prompt, str):
         return tokenizer.encode(prompt) if tokenizer is not None else _estimate_ids(prompt)
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        limit = tokenizer.vocab_size if tokenizer is not None else TOKEN_ID_LIMIT
+        if not all(0 <= t < limit for t in prompt):
+            raise ApiError(400, f"prompt token ids must be from 0 to {limit - 1}", param="prompt",
+                           code="invalid_parameter")
         return prompt
     raise ApiError(400, "prompt must be a string or a list of token ids (one prompt per request)",
                    param="prompt", code="invalid_parameter")
-
-
-def _int_field(body: dict[str, Any], name: str) -> int | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise ApiError(400, f"{name} must be an integer", param=name, code="invalid_parameter")
-    return value
 
 
 def _header_ms(headers, name: str) -> float | None:
@@ -78,10 +71,10 @@ def _header_ms(headers, name: str) -> float | None:
     try:
         value = float(raw)
     except ValueError:
-        raise ApiError(400, f"header {name} must be a number of milliseconds", param=name,
-                       code="invalid_parameter") from None
-    if value <= 0:
-        raise ApiError(400, f"header {name} must be positive", param=name, code="invalid_parameter")
+        value = math.nan
+    if not math.isfinite(value) or value <= 0:
+        raise ApiError(400, f"header {name} must be a positive, finite number of milliseconds", param=name,
+                       code="invalid_parameter")
     return value / 1000.0
 
 
@@ -101,22 +94,21 @@ def request_info(request_id: str, kind: str, body: dict[str, Any], headers,
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise ApiError(400, "model is required", param="model", code="invalid_parameter")
+    check_params(kind, body)
     ids = prompt_token_ids(kind, body, tokenizer)
-    max_tokens = _int_field(body, "max_completion_tokens")
+    # the parameters' types are checked: integers, strings, or None
+    max_tokens = body.get("max_completion_tokens")
     if max_tokens is None:
-        max_tokens = _int_field(body, "max_tokens")
-    stop = body.get("stop")
-    num_stop = 0 if stop is None else 1 if isinstance(stop, str) else len(stop) if isinstance(stop, list) else -1
-    if num_stop < 0:
-        raise ApiError(400, "stop must be a string or a list of strings", param="stop", code="invalid_parameter")
-    user = body.get("user")
-    user = user if isinstance(user, str) and user else None
+        max_tokens = body.get("max_tokens")
+    stop = body.get("stop")  # checked: a string or a list of strings
+    num_stop = 0 if stop is None else 1 if isinstance(stop, str) else len(stop)
+    user = body.get("user") or None
     retry_count = _retry_count(headers)
     return RequestInfo(
         request_id=request_id, key_digest=key_digest_from_headers(headers), model=model,
         prompt_tokens=len(ids), max_tokens=max_tokens,
         block_digests=chain_block_hashes(ids, block_size),
-        n=_int_field(body, "n") or 1, best_of=_int_field(body, "best_of"), num_stop=num_stop,
+        n=body.get("n") or 1, best_of=body.get("best_of"), num_stop=num_stop,
         ttl_s=_header_ms(headers, "x-bouncer-ttl-ms"), ttft_slo_s=_header_ms(headers, "x-bouncer-ttft-ms"),
         tpot_slo_s=_header_ms(headers, "x-bouncer-tpot-ms"), session_id=headers.get("x-session-id") or None,
         user=user, retry_count=retry_count,

@@ -1,12 +1,20 @@
 """The asyncio gateway: an OpenAI-compatible HTTP shell around the admission core.
 
-Per request: read and parse the body, tokenize, offer to the core, await its decision (queued
-requests wait here, and leave the queue if the client disconnects), then proxy to the chosen
-replica and report the outcome back. Nothing policy-shaped lives here.
+Per request: read the body (within `listen.body_timeout_s`), parse and check it, tokenize, offer
+it to the core, wait for its decision (queued requests wait here and leave the queue if the
+client disconnects), then relay the chosen replica's answer (`relay.py`) and report the outcome
+back. Nothing policy-shaped lives here.
 
 Admission happens before the first byte: a streaming response starts (200 and the event stream)
 only once the upstream has produced its first event, so a refusal, including vLLM's refusal sent
 as HTTP 200 with an error event, is always a clean HTTP error with Retry-After.
+
+Every admitted request is finished in the core on every path by construction: from the moment
+its `Dispatch` arrives, one `try/finally` (`_serve_admitted`) owns its permit, and while it runs
+the permit's lease is renewed (`_renew_leases`). A permit that still got lost (a bug) is taken
+back by the core when its lease runs out, counted in `bouncer_permits_reclaimed_total` and logged.
+Every answer is an OpenAI error body or the backend's relayed success; a bug answers 500
+`internal_error`, logged with its traceback and counted.
 """
 
 from __future__ import annotations
@@ -16,61 +24,50 @@ import itertools
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
-import orjson
 import yaml
 import yarl
 from aiohttp import web
 from prometheus_client import generate_latest
 
 from bouncer.config import BouncerConfig, ConfigError, key_digest, load_config, parse_config
-from bouncer.core.admission import AdmissionCore, Dispatch, Event, Reject, backend_name
+from bouncer.core.admission import AdmissionCore, Dispatch, Event, Reclaimed, Reject, backend_name
 from bouncer.core.fleet import Telemetry
 from bouncer.core.outcomes import Layer, Refusal, Terminal
+from bouncer.core.requests import Admission
 from bouncer.gateway import kv_events
+from bouncer.gateway.connections import GuardedSite, Limits
 from bouncer.gateway.metrics import GatewayMetrics
-from bouncer.gateway.request_parsing import request_info
+from bouncer.gateway.prepared import Prepared, prepare
+from bouncer.gateway.relay import Outcome, Requeue, UpstreamFailure, failure_for_status, relay_json, relay_stream
+from bouncer.gateway.request_parsing import key_digest_from_headers, request_info
 from bouncer.gateway.scrapers import PARSERS
-from bouncer.gateway.upstream import UpstreamError, UpstreamPool, UpstreamResponse, UpstreamTimeout
+from bouncer.gateway.upstream import UpstreamError, UpstreamPool, UpstreamTimeout
 from bouncer.openai_wire import ApiError, dumps, models_list, parse_json_object
-from bouncer.tokenizer import PromptTokenizer
 
 log = logging.getLogger("bouncer.gateway")
+access_log = logging.getLogger("bouncer.access")
 
 TICK_MIN_S = 0.005
 TICK_MAX_S = 0.1  # the core's TTL deadlines are checked at least this often
 UPSTREAM_CONNECT_TIMEOUT_S = 5.0
 UPSTREAM_READ_TIMEOUT_S = 300.0  # silence on an upstream stream this long is a timeout
 TOKENIZE_IN_THREAD_BYTES = 32 * 1024  # bodies larger than this are tokenized off the event loop
+SCRAPE_TIMEOUT_S = 5.0  # a scrape that has not answered in this long failed
 
 
-_REQUEUED = web.Response(status=503)  # sentinel: the upstream refused, hold the request again
-
-
-class _ClientGone(Exception):
-    """Writing to the client failed: it disconnected."""
-
-
-class _Upstream(Exception):
-    """The upstream refused or failed before the response to the client started."""
-
-    def __init__(self, status: int, reason: str, message: str, body: bytes | None = None,
-                 retry_after: str | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.reason = reason
-        self.message = message
-        self.body = body
-        self.retry_after = retry_after
-
-
-def _refusal_response(refusal: Refusal) -> web.Response:
+def error_response(refusal: Refusal) -> web.Response:
+    """The one place a refusal becomes an HTTP answer: status, OpenAI error body, headers."""
     err = ApiError(refusal.status, refusal.message, refusal.error_type, code=refusal.reason, param=refusal.param,
                    layer=refusal.layer.value, reason=refusal.reason)
     headers = {"x-bouncer-layer": refusal.layer.value, "x-bouncer-reason": refusal.reason}
+    if not refusal.should_retry:
+        # this request cannot succeed if sent again (the OpenAI SDKs honour it); a Retry-After
+        # may still say when new work would fit
+        headers["x-should-retry"] = "false"
     if refusal.retry_after is not None:
         # whole seconds by the standard; milliseconds for clients that read them (OpenAI SDKs)
         headers["Retry-After"] = str(max(1, math.ceil(refusal.retry_after)))
@@ -79,16 +76,25 @@ def _refusal_response(refusal: Refusal) -> web.Response:
                         headers=headers)
 
 
+def _plain_error(status: int, message: str, error_type: str, code: str) -> web.Response:
+    """An OpenAI error body for what is not a generation request (admin, metrics, unknown paths)."""
+    return web.Response(status=status, body=dumps(ApiError(status, message, error_type, code=code).body()),
+                        content_type="application/json")
+
+
 class Gateway:
     def __init__(self, config: BouncerConfig, *, config_path: str | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock
         self.config_path = config_path
+        prepared = prepare(config)  # raises ConfigError before anything starts
         self.core = AdmissionCore(config, clock())
-        self.metrics = GatewayMetrics(lambda: self.core, clock, lambda: self.kv_event_stats)
-        self._apply_config(config)
+        self._install(prepared)
+        self.connections = Limits(config.listen.header_timeout_s, config.listen.max_connections)
+        self.metrics = GatewayMetrics(lambda: self.core, clock, lambda: self.kv_event_stats, lambda: self.connections)
         self._ids = itertools.count()
         self._waiters: dict[str, asyncio.Future] = {}
+        self._live: set[str] = set()  # admitted requests being served: their permits' leases are renewed
         self._tasks: list[asyncio.Task] = []
         self._scrapers: dict[str, asyncio.Task] = {}
         # KV-event subscriptions: replica -> ((endpoint, topic), task), and their counters
@@ -99,17 +105,13 @@ class Gateway:
         self.upstream = UpstreamPool(UPSTREAM_CONNECT_TIMEOUT_S, UPSTREAM_READ_TIMEOUT_S)  # proxied requests
         self._urls: dict[tuple[str, str], yarl.URL] = {}
 
-    def _apply_config(self, config: BouncerConfig) -> None:
-        self.config = config
-        self._admin_keys = set(config.admin_keys_sha256)
-        self._tokenizers: dict[str, PromptTokenizer | None] = {}
-        for m in config.models:
-            self._tokenizers[m.name] = PromptTokenizer(m.tokenizer) if m.tokenizer else None
-        self._models = {m.name: m for m in config.models}
+    def _install(self, prepared: Prepared) -> None:
+        self.prepared = prepared
+        self.config = prepared.config
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=self.config.limits.max_body_bytes + 1)
+        app = web.Application(client_max_size=self.config.limits.max_body_bytes + 1, middlewares=[self._guard])
         app.router.add_post("/v1/chat/completions", self.handle_chat)
         app.router.add_post("/v1/completions", self.handle_completions)
         app.router.add_get("/v1/models", self.handle_models)
@@ -130,6 +132,7 @@ class Gateway:
                                              timeout=aiohttp.ClientTimeout(total=None))
         loop = asyncio.get_running_loop()
         self._tasks.append(loop.create_task(self._ticker()))
+        self._tasks.append(loop.create_task(self._renew_leases()))
         self._sync_scrapers()
 
     async def _stop(self, _app: web.Application) -> None:
@@ -177,13 +180,19 @@ class Gateway:
     # -- core events -------------------------------------------------------------------------------
     def _apply(self, events: list[Event]) -> None:
         for event in events:
+            if isinstance(event, Reclaimed):
+                adm = event.adm
+                log.warning("permit reclaimed: its lease ran out unrenewed", extra={
+                    "event": "permit_reclaimed", "rid": adm.request_id, "tenant": adm.tenant, "band": adm.priority,
+                    "replica": adm.replica, "age_s": round(event.age_s, 3)})
+                continue
             rid = event.adm.request_id if isinstance(event, Dispatch) else event.request_id
             fut = self._waiters.pop(rid, None)
             if fut is not None and not fut.done():
                 fut.set_result(event)
             elif isinstance(event, Dispatch):
                 # its client is gone already: give the permit straight back
-                self._apply(self.core.finished(rid, self.clock(), Terminal.CANCELLED))
+                self._apply(self.core.finished(rid, self.clock(), Terminal.CANCELLED, reason="client_disconnected"))
 
     async def _ticker(self) -> None:
         while True:
@@ -192,20 +201,40 @@ class Gateway:
             await asyncio.sleep(delay)
             self._apply(self.core.tick(self.clock()))
 
+    async def _renew_leases(self) -> None:
+        """The admitted requests this gateway is serving keep their permits."""
+        while True:
+            await asyncio.sleep(self.config.policy.permit_lease_s / 4)
+            self.core.renew(self._live, self.clock())
+
     async def _scrape_loop(self, name: str) -> None:
-        interval = self.config.policy.telemetry.scrape_interval_s
+        healthy: bool | None = None
+        drifting = False
         while True:
             replica = self.core.replicas[name]
-            model = self._models[replica.model]
+            model = self.prepared.models[replica.model]
+            interval = self.config.policy.telemetry.scrape_interval_s
             at = self.clock()
             telemetry: Telemetry | None
+            error = None
             try:
                 telemetry = await self._scrape(replica.url, model.engine, replica.configured_blocks, at,
-                                               timeout=max(1.0, 4 * interval))
-            except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
-                log.debug("scrape of %s failed: %s", name, exc)
-                telemetry = None
+                                               timeout=max(SCRAPE_TIMEOUT_S, 4 * interval))
+            except Exception as exc:  # noqa: BLE001 (any failure is a failed scrape; the loop must live on)
+                telemetry, error = None, f"{type(exc).__name__}: {exc}"
             self._apply(self.core.observe(name, telemetry, self.clock()))
+            if (telemetry is not None) != healthy:
+                if healthy is not None or telemetry is None:
+                    level = logging.INFO if telemetry is not None else logging.WARNING
+                    log.log(level, "backend healthy" if telemetry is not None else "backend unhealthy",
+                            extra={"event": "backend_health", "replica": name, "url": replica.url,
+                                   "healthy": telemetry is not None, "error": error})
+                healthy = telemetry is not None
+            if replica.drift_reported != drifting:
+                drifting = replica.drift_reported
+                log.warning("in-flight drift: the engine runs fewer requests than the gateway counts there"
+                            if drifting else "in-flight drift cleared",
+                            extra={"event": "inflight_drift", "replica": name, "unseen": replica.unseen_by_engine})
             await asyncio.sleep(max(0.0, at + interval - self.clock()))
 
     async def _scrape(self, url: str, engine: str, blocks: int | None, at: float, timeout: float) -> Telemetry:
@@ -213,11 +242,37 @@ class Gateway:
         if engine == "openai":  # no metrics: a liveness probe, load comes from our own accounting
             async with self.session.get(url + "/v1/models", timeout=t) as resp:
                 resp.raise_for_status()
-            return Telemetry(at=at, kv_usage=0.0, running=0, waiting=0)
+            return Telemetry(at=at, kv_usage=0.0, running=0, waiting=0, counts_requests=False)
         async with self.session.get(url + "/metrics", timeout=t) as resp:
             resp.raise_for_status()
             text = await resp.text()
         return PARSERS[engine](text, at, blocks)
+
+    # -- middleware --------------------------------------------------------------------------------
+    @web.middleware
+    async def _guard(self, request: web.Request, handler) -> web.StreamResponse:
+        """Tells the connection a request is being handled (its header deadline is met), and
+        turns whatever escapes a handler into an OpenAI error body."""
+        proto = request.protocol
+        notify = hasattr(proto, "request_started")
+        if notify:
+            proto.request_started()
+        try:
+            return await handler(request)
+        except web.HTTPException as exc:  # aiohttp's own: unknown path, wrong method
+            if exc.status < 400:
+                raise
+            return _plain_error(exc.status, f"{request.method} {request.path}: {exc.reason}",
+                                "invalid_request_error", "not_found" if exc.status == 404 else "invalid_request")
+        except (asyncio.CancelledError, ConnectionError):
+            raise
+        except Exception:
+            self.metrics.internal_errors.inc()
+            log.exception("internal error", extra={"event": "internal_error", "path": request.path})
+            return error_response(Refusal(Layer.VALIDATION, "internal_error", "internal error in the gateway"))
+        finally:
+            if notify:
+                proto.request_finished()
 
     # -- OpenAI endpoints --------------------------------------------------------------------------
     async def handle_chat(self, request: web.Request) -> web.StreamResponse:
@@ -226,26 +281,47 @@ class Gateway:
     async def handle_completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, "completion", "/v1/completions")
 
-    def _refuse_early(self, rid: str, err: ApiError, reason: str) -> web.Response:
-        refusal = Refusal(Layer.VALIDATION, reason, err.message, param=err.param)
+    def _refuse_early(self, rid: str, refusal: Refusal, line: dict) -> web.Response:
+        """A refusal made before the core saw the request (body, JSON, parameters)."""
         self.core.record_refusal(rid, refusal)
-        return _refusal_response(refusal)
+        line.update(outcome=Terminal.REFUSED.value, layer=refusal.layer.value, reason=refusal.reason)
+        return error_response(refusal)
 
     async def _generate(self, request: web.Request, kind: str, path: str) -> web.StreamResponse:
         rid = f"bq-{next(self._ids)}"
-        limit = self.config.limits.max_body_bytes
-        if request.content_length is not None and request.content_length > limit:
-            return self._refuse_early(rid, ApiError(413, f"request body exceeds {limit} bytes"), "body_too_large")
+        line: dict[str, Any] = {"rid": rid, "path": path, "tenant": "-", "outcome": Terminal.CANCELLED.value}
+        t0 = self.clock()
+        resp: web.StreamResponse | None = None
         try:
-            raw: bytes | None = await request.read()  # all of it (StreamReader.read(n) may return less)
+            resp = await self._generate_for(request, kind, path, rid, line)
+            return resp
+        finally:
+            if self.config.logging.access_log:
+                line["status"] = resp.status if resp is not None else None
+                line["duration_s"] = round(self.clock() - t0, 4)
+                access_log.info("request", extra={"event": "request", **line})
+
+    async def _generate_for(self, request: web.Request, kind: str, path: str, rid: str,
+                            line: dict[str, Any]) -> web.StreamResponse:
+        limits = self.config.limits
+        too_large = Refusal(Layer.VALIDATION, "body_too_large", f"request body exceeds {limits.max_body_bytes} bytes")
+        if request.content_length is not None and request.content_length > limits.max_body_bytes:
+            return self._refuse_early(rid, too_large, line)
+        try:
+            raw: bytes | None = await asyncio.wait_for(request.read(), self.config.listen.body_timeout_s)
         except web.HTTPRequestEntityTooLarge:  # past the app's client_max_size of limit + 1
             raw = None
-        if raw is None or len(raw) > limit:
-            return self._refuse_early(rid, ApiError(413, f"request body exceeds {limit} bytes"), "body_too_large")
+        except TimeoutError:
+            return self._refuse_early(rid, Refusal(Layer.VALIDATION, "request_timeout",
+                                                   f"the request body did not arrive within "
+                                                   f"{self.config.listen.body_timeout_s:g} s"), line)
+        if raw is None or len(raw) > limits.max_body_bytes:
+            return self._refuse_early(rid, too_large, line)
+        prepared = self.prepared  # one config for the whole request, even if a reload lands meanwhile
         try:
             body = parse_json_object(raw)
-            model = self._models.get(body.get("model")) if isinstance(body.get("model"), str) else None
-            tokenizer = self._tokenizers.get(model.name) if model else None
+            model = prepared.models.get(body.get("model")) if isinstance(body.get("model"), str) else None
+            tokenizer = prepared.tokenizers.get(model.name) if model else None
             block_size = model.block_size if model else 16
             if len(raw) > TOKENIZE_IN_THREAD_BYTES:
                 # ~1 us per token: a long prompt would stall every other request on the loop
@@ -253,21 +329,27 @@ class Gateway:
             else:
                 info = request_info(rid, kind, body, request.headers, tokenizer, block_size)
         except ApiError as err:
-            return self._refuse_early(rid, err, "invalid_request" if err.code == "invalid_json" else
-                                      "invalid_parameter")
+            reason = "invalid_request" if err.code == "invalid_json" else "invalid_parameter"
+            return self._refuse_early(rid, Refusal(Layer.VALIDATION, reason, err.message, param=err.param), line)
+        line.update(model=info.model, stream=bool(body.get("stream")), prompt_tokens=info.prompt_tokens)
         decision = await self._decision(rid, lambda: self.core.offer(info, self.clock()))
         while True:
+            line.update(tenant=decision.adm.tenant if isinstance(decision, Dispatch) else decision.tenant,
+                        band=decision.adm.priority if isinstance(decision, Dispatch) else decision.priority)
             if isinstance(decision, Reject):
-                return _refusal_response(decision.refusal)
+                r = decision.refusal
+                line.update(outcome=decision.terminal.value, layer=r.layer.value, reason=r.reason)
+                return error_response(r)
             adm = decision.adm
             self.metrics.observe_queue_wait(adm.tenant, adm.priority, adm.dispatched_at - adm.arrival)
-            result = await self._proxy(request, kind, path, body, decision)
-            if result is not _REQUEUED:
+            line.update(queue_wait_s=round(adm.dispatched_at - adm.arrival, 4), replica=adm.replica)
+            result = await self._serve_admitted(request, path, body, adm, line)
+            if not isinstance(result, Requeue):
                 return result
-            # the replica refused it: the core holds it again until it fits elsewhere or expires
-            decision = await self._decision(rid, lambda: self.core.requeue(rid, self.clock()))
+            # the replica refused it: the core holds it again until it fits elsewhere, or ends it
+            decision = await self._decision(rid, lambda r=result: self.core.requeue(rid, self.clock(), r.retry_after))
 
-    async def _decision(self, rid: str, call: Callable[[], list[Event]]) -> Event:
+    async def _decision(self, rid: str, call: Callable[[], list[Event]]) -> Dispatch | Reject:
         """Run a core call and wait for this request's decision; a client that goes away while
         its request is queued takes it out of the queue."""
         fut = asyncio.get_running_loop().create_future()
@@ -277,138 +359,75 @@ class Gateway:
             return await fut
         except asyncio.CancelledError:
             self._waiters.pop(rid, None)
-            self._apply(self.core.cancel(rid, self.clock()))
+            now = self.clock()
+            if fut.done() and not fut.cancelled() and isinstance(fut.result(), Dispatch):
+                # dispatched in the very turn the client left (the result was set, the task was
+                # cancelled before it ran on): its permit goes straight back
+                self._apply(self.core.finished(rid, now, Terminal.CANCELLED, reason="client_disconnected"))
+            else:
+                self._apply(self.core.cancel(rid, now))
             raise
 
-    async def _proxy(self, request: web.Request, kind: str, path: str, body: dict[str, Any],
-                     decision: Dispatch) -> web.StreamResponse:
-        """Send an admitted request upstream and relay the answer. Returns `_REQUEUED` when the
-        replica refused it before anything reached the client."""
-        adm = decision.adm
+    async def _serve_admitted(self, request: web.Request, path: str, body: dict[str, Any], adm: Admission,
+                              line: dict[str, Any]) -> web.StreamResponse | Requeue:
+        """Send an admitted request upstream and relay the answer. Owns its permit: whatever
+        happens here, the core hears how it ended (or gets it back to hold again, on `Requeue`)."""
         rid = adm.request_id
-        model = self._models[adm.info.model]
-        replica = self.core.replicas[adm.replica]
-        upstream_body = dict(body)
-        upstream_body["model"] = model.upstream_model or model.name
-        upstream_body["max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"] = adm.max_tokens
-        streaming = bool(body.get("stream"))
-        client_wants_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        if streaming:
-            upstream_body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
-        terminal: Terminal | None = Terminal.FAILED
-        reason, completion = "upstream_error", 0
-        first_token_at: float | None = None
-        resp: web.StreamResponse | None = None
-        up: UpstreamResponse | None = None
-        read_timeout = self.upstream.read_timeout
+        out = Outcome()
+        requeued = False
+        self._live.add(rid)
         try:
+            model = self.prepared.models[adm.info.model]
+            replica = self.core.replicas[adm.replica]
+            upstream_body = dict(body)
+            upstream_body["model"] = model.upstream_model or model.name
+            upstream_body["max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"] = adm.max_tokens
+            streaming = bool(body.get("stream"))
+            options = body.get("stream_options") or {}  # checked: an object
+            if streaming:
+                upstream_body["stream_options"] = {**options, "include_usage": True}
+
+            def first_token(at: float) -> None:
+                self.core.started(rid, at)
+
+            read_timeout = self.upstream.read_timeout
             up = await self.upstream.post_json(self._upstream_url(replica.url, path), dumps(upstream_body))
-            if up.status != 200:
-                raw = await up.read(read_timeout)
-                if up.status in (429, 503, 529):
-                    raise _Upstream(503, "upstream_refused", f"the backend refused the request ({up.status})",
-                                    retry_after=up.headers.get("retry-after"))
-                raise _Upstream(up.status, "upstream_error", f"the backend answered {up.status}", body=raw)
-            if not streaming:
-                raw = await up.read(read_timeout)
-                first_token_at = self.clock()
-                self.core.started(rid, first_token_at)
-                try:
-                    completion = int(orjson.loads(raw).get("usage", {}).get("completion_tokens", 0))
-                except (orjson.JSONDecodeError, AttributeError, TypeError, ValueError):
-                    completion = 0
-                terminal, reason = Terminal.COMPLETED, None
-                return web.Response(body=raw, content_type="application/json")
-            batches = _sse_batches(up.chunks(read_timeout))
-            batch = await anext(batches, None)
-            if not batch:
-                raise _Upstream(502, "upstream_error", "the backend closed the stream without an event")
-            first_obj = _event_json(batch[0])
-            if isinstance(first_obj, dict) and "error" in first_obj:
-                # vLLM refuses some streams as HTTP 200 whose first event is an error
-                code = (first_obj.get("error") or {}).get("code")
-                if code in (429, 503, "429", "503"):
-                    raise _Upstream(503, "upstream_refused", "the backend refused the request in-stream")
-                raise _Upstream(502, "upstream_error", "the backend sent an error event", body=dumps(first_obj))
-            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
             try:
-                await resp.prepare(request)
-            except ConnectionResetError:
-                raise _ClientGone from None
-            content_events = 0
-            while batch is not None:
-                out = []
-                for event in batch:
-                    # Parse only what must be read: events until the first token (TTFT), and the
-                    # usage event; the rest are relayed as bytes.
-                    if first_token_at is None or b'"usage"' in event:
-                        obj = _event_json(event)
-                        if isinstance(obj, dict):
-                            if obj.get("usage"):
-                                completion = int(obj["usage"].get("completion_tokens", 0))
-                                if not client_wants_usage and not obj.get("choices"):
-                                    continue  # we asked for usage; the client did not
-                            if first_token_at is None and _has_content(obj):
-                                first_token_at = self.clock()
-                                self.core.started(rid, first_token_at)
-                    if b'"choices":[{' in event or b'"choices": [{' in event:
-                        content_events += 1
-                    out.append(event)
-                if out:
-                    try:
-                        await resp.write(b"".join(out))
-                    except ConnectionResetError:
-                        raise _ClientGone from None
-                batch = await anext(batches, None)
-            completion = completion or content_events
-            try:
-                await resp.write_eof()
-            except ConnectionResetError:
-                raise _ClientGone from None
-            terminal, reason = Terminal.COMPLETED, None
-            return resp
-        except _ClientGone:
-            # the client left mid-stream: closing the unfinished upstream response (below)
-            # closes its connection, which makes the engine abort the request
-            terminal, reason = Terminal.CANCELLED, "client_disconnected"
-            return resp
-        except _Upstream as exc:
-            reason = exc.reason
-            if resp is None and exc.reason == "upstream_refused":
-                terminal = None  # not over: it goes back to the queue
-                return _REQUEUED
-            if resp is None:
-                if exc.body is not None:
-                    return web.Response(status=exc.status, body=exc.body, content_type="application/json")
-                retry = exc.retry_after if exc.retry_after and exc.retry_after.isdigit() else None
-                refusal = Refusal(Layer.UPSTREAM, exc.reason, exc.message,
-                                  float(retry) if retry else self.core.retry_after(
-                                      self.core.models[adm.info.model], adm.priority, self.clock()))
-                return _refusal_response(refusal)
-            raise
+                if up.status != 200:
+                    raise failure_for_status(up.status, up.headers, await up.read(read_timeout))
+                if streaming:
+                    return await relay_stream(up, request, read_timeout, bool(options.get("include_usage")),
+                                              self.clock, first_token, out)
+                return await relay_json(up, read_timeout, self.clock, first_token, out)
+            finally:
+                up.close()  # an unfinished response takes its connection down: the engine aborts it
+        except Requeue as exc:
+            requeued = True
+            return exc
+        except UpstreamFailure as exc:
+            out.reason = exc.reason
+            return error_response(Refusal(Layer.UPSTREAM, exc.reason, exc.message, exc.retry_after))
         except UpstreamTimeout:
-            reason = "upstream_timeout"
-            if resp is None:
-                return _refusal_response(Refusal(Layer.UPSTREAM, reason, "the backend timed out", 1.0))
-            raise
+            out.reason = "upstream_timeout"
+            return error_response(Refusal(Layer.UPSTREAM, out.reason, "the backend timed out", 1.0))
         except UpstreamError as exc:
-            reason = "upstream_error"
-            if resp is None:
-                return _refusal_response(Refusal(Layer.UPSTREAM, reason, f"backend connection failed: {exc}", 1.0))
-            raise
+            out.reason = "upstream_error"
+            return error_response(Refusal(Layer.UPSTREAM, out.reason, f"backend connection failed: {exc}", 1.0))
         except (asyncio.CancelledError, ConnectionResetError):
-            terminal, reason = Terminal.CANCELLED, "client_disconnected"
+            out.terminal, out.reason = Terminal.CANCELLED, "client_disconnected"
             raise
         finally:
-            if up is not None:
-                up.close()
-            now = self.clock()
-            if terminal is Terminal.COMPLETED:
-                tpot = (now - first_token_at) / (completion - 1) \
-                    if first_token_at is not None and completion > 1 and streaming else None
-                self.metrics.observe_completed(adm.tenant, adm.arrival, first_token_at, tpot, now)
-            if terminal is not None:
-                self._apply(self.core.finished(rid, now, terminal, completion, reason))
+            self._live.discard(rid)
+            if not requeued:
+                now = self.clock()
+                if out.terminal is Terminal.COMPLETED:
+                    tpot = (now - out.first_token_at) / (out.completion_tokens - 1) \
+                        if out.first_token_at is not None and out.completion_tokens > 1 and body.get("stream") else None
+                    self.metrics.observe_completed(adm.tenant, adm.arrival, out.first_token_at, tpot, now)
+                line.update(outcome=out.terminal.value, reason=out.reason, completion_tokens=out.completion_tokens,
+                            ttft_s=None if out.first_token_at is None else round(out.first_token_at - adm.arrival, 4),
+                            layer=Layer.UPSTREAM.value if out.terminal is Terminal.FAILED else None)
+                self._apply(self.core.finished(rid, now, out.terminal, out.completion_tokens, out.reason))
 
     def _upstream_url(self, base: str, path: str) -> yarl.URL:
         """Parsed once per backend and path: URL parsing is a visible cost per request."""
@@ -417,8 +436,15 @@ class Gateway:
             url = self._urls[(base, path)] = yarl.URL(base + path)
         return url
 
-    async def handle_models(self, _request: web.Request) -> web.Response:
-        return web.Response(body=dumps(models_list(list(self._models))), content_type="application/json")
+    async def handle_models(self, request: web.Request) -> web.Response:
+        names = list(self.prepared.models)
+        if self.config.access.models_need_key:
+            digest = key_digest_from_headers(request.headers)
+            tenant = self.config.tenant_by_key().get(digest) if digest else None
+            if tenant is None:
+                return _plain_error(401, "invalid or missing API key", "authentication_error", "unauthenticated")
+            names = [n for n in names if not tenant.models or n in tenant.models]
+        return web.Response(body=dumps(models_list(names)), content_type="application/json")
 
     async def handle_health(self, _request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
@@ -430,55 +456,74 @@ class Gateway:
         status = 200 if all(ready.values()) else 503
         return web.json_response({"ready": status == 200, "models": ready}, status=status)
 
-    async def handle_metrics(self, _request: web.Request) -> web.Response:
+    async def handle_metrics(self, request: web.Request) -> web.Response:
+        allowed = self.prepared.metrics_keys
+        if allowed and (denied := self._key_denied(request, allowed | self.prepared.admin_keys)) is not None:
+            return denied
         return web.Response(body=generate_latest(self.metrics.registry),
                             headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
     # -- admin -------------------------------------------------------------------------------------
-    def _admin_denied(self, request: web.Request) -> web.Response | None:
+    @staticmethod
+    def _key_denied(request: web.Request, allowed: frozenset[str]) -> web.Response | None:
         auth = request.headers.get("Authorization", "")
         key = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
-        if not self._admin_keys:
-            return web.json_response({"error": {"message": "admin endpoints are disabled (no admin_keys_sha256)",
-                                                "type": "permission_error"}}, status=403)
-        if not key or key_digest(key) not in self._admin_keys:
-            return web.json_response({"error": {"message": "admin key required", "type": "authentication_error"}},
-                                     status=401)
+        if not key or key_digest(key) not in allowed:
+            return _plain_error(401, "a key allowed here is required", "authentication_error", "unauthenticated")
         return None
 
-    async def _model_from(self, request: web.Request) -> str:
+    def _admin_denied(self, request: web.Request) -> web.Response | None:
+        if not self.prepared.admin_keys:
+            return _plain_error(403, "admin endpoints are disabled (no admin_keys_sha256)", "permission_error",
+                                "admin_disabled")
+        return self._key_denied(request, self.prepared.admin_keys)
+
+    async def _model_from(self, request: web.Request) -> str | web.Response:
         model = request.query.get("model")
         if model is None and request.can_read_body:
             try:
-                model = (await request.json()).get("model")
-            except (ValueError, AttributeError):
-                model = None
-        if model not in self._models:
-            raise web.HTTPNotFound(text=f"unknown model {model!r}")
+                data = await request.json()
+            except ValueError:
+                data = None
+            model = data.get("model") if isinstance(data, dict) else None
+        if not isinstance(model, str) or model not in self.prepared.models:
+            return _plain_error(404, f"unknown model {model!r} (name it in ?model= or a JSON body's \"model\")",
+                                "not_found_error", "model_not_found")
         return model
 
     async def handle_admin_state(self, request: web.Request) -> web.Response:
         if (denied := self._admin_denied(request)) is not None:
             return denied
-        return web.Response(body=dumps(self.core.snapshot(self.clock())), content_type="application/json")
+        snap = self.core.snapshot(self.clock())
+        snap["serving"] = len(self._live)
+        snap["connections"] = {"open": self.connections.open, "refused": self.connections.refused,
+                               "header_timeouts": self.connections.header_timeouts}
+        return web.Response(body=dumps(snap), content_type="application/json")
 
     async def handle_admin_drain(self, request: web.Request) -> web.Response:
         if (denied := self._admin_denied(request)) is not None:
             return denied
         model = await self._model_from(request)
+        if isinstance(model, web.Response):
+            return model
         self.core.drain(model)
+        log.info("model draining", extra={"event": "drain", "model": model})
         return web.json_response({"model": model, "draining": True})
 
     async def handle_admin_undrain(self, request: web.Request) -> web.Response:
         if (denied := self._admin_denied(request)) is not None:
             return denied
         model = await self._model_from(request)
+        if isinstance(model, web.Response):
+            return model
         self._apply(self.core.undrain(model, self.clock()))
+        log.info("model undrained", extra={"event": "undrain", "model": model})
         return web.json_response({"model": model, "draining": False})
 
     async def handle_admin_reload(self, request: web.Request) -> web.Response:
         """Apply a new config (YAML or JSON in the body, else the file the gateway started from)
-        without dropping queued or in-flight requests."""
+        without dropping queued or in-flight requests. All or nothing: the new config is
+        validated and prepared (tokenizers loaded) before anything is swapped."""
         if (denied := self._admin_denied(request)) is not None:
             return denied
         raw = await request.read()
@@ -492,65 +537,35 @@ class Gateway:
                 config = load_config(self.config_path)
             else:
                 raise ConfigError("send the new config in the body (no config file to re-read)")
-        except (ConfigError, ValueError, yaml.YAMLError) as exc:
-            return web.json_response({"error": {"message": str(exc), "type": "invalid_request_error"}}, status=400)
-        self._apply_config(config)
+            prepared = prepare(config, "reload")
+        except (ConfigError, ValueError, yaml.YAMLError, OSError) as exc:
+            log.warning("reload refused", extra={"event": "reload", "ok": False, "error": str(exc)})
+            return _plain_error(400, str(exc), "invalid_request_error", "invalid_config")
         self._apply(self.core.reload(config, self.clock()))
+        self._install(prepared)
         self._sync_scrapers()
-        return web.json_response({"reloaded": True, "models": list(self._models),
+        log.info("config reloaded", extra={"event": "reload", "ok": True, "models": len(config.models),
+                                           "tenants": len(config.tenants)})
+        return web.json_response({"reloaded": True, "models": list(prepared.models),
                                   "tenants": [t.name for t in config.tenants]})
 
 
-async def _sse_batches(chunks: AsyncIterator[bytes]) -> AsyncIterator[list[bytes]]:
-    """Whole server-sent events (their bytes, blank line included) from an upstream body, in
-    batches: the events completed by each chunk received, so they can be relayed in one write."""
-    buf = b""
-    async for chunk in chunks:
-        buf += chunk
-        batch = []
-        while True:
-            lf = buf.find(b"\n\n")
-            crlf = buf.find(b"\r\n\r\n")
-            if lf < 0 and crlf < 0:
-                break
-            end = lf + 2 if crlf < 0 or 0 <= lf < crlf else crlf + 4
-            batch.append(buf[:end])
-            buf = buf[end:]
-        if batch:
-            yield batch
-    if buf.strip():
-        yield [buf + b"\n\n"]
-
-
-def _event_json(event: bytes) -> Any:
-    for line in event.splitlines():
-        if line.startswith(b"data:"):
-            data = line[5:].strip()
-            if data == b"[DONE]":
-                return None
-            try:
-                return orjson.loads(data)
-            except orjson.JSONDecodeError:
-                return None
-    return None
-
-
-def _has_content(obj: dict[str, Any]) -> bool:
-    for choice in obj.get("choices") or ():
-        if choice.get("text") or (choice.get("delta") or {}).get("content"):
-            return True
-    return False
-
-
-async def serve_gateway(gateway: Gateway, host: str, port: int, ready: asyncio.Event | None = None) -> None:
+async def serve_gateway(gateway: Gateway, host: str, port: int, ready: asyncio.Event | None = None,
+                        on_listening: Callable[[], None] | None = None) -> None:
     """Run until cancelled. Handler cancellation is on so a client that disconnects while
-    queued leaves the queue at once, and one that disconnects mid-stream cancels upstream."""
+    queued leaves the queue at once, and one that disconnects mid-stream cancels upstream.
+    `on_listening` runs once the socket is bound (an error binding it raises instead)."""
+    listen = gateway.config.listen
     runner = web.AppRunner(gateway.app(), handler_cancellation=True, access_log=None)
     await runner.setup()
-    await web.TCPSite(runner, host, port, backlog=1024).start()
-    if ready is not None:
-        ready.set()
     try:
+        site = GuardedSite(runner, host, port, gateway.connections,
+                           handler_kwargs={"keepalive_timeout": listen.idle_timeout_s, "access_log": None})
+        await site.start()
+        if on_listening is not None:
+            on_listening()
+        if ready is not None:
+            ready.set()
         await asyncio.Event().wait()
     finally:
         await runner.cleanup()

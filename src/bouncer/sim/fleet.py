@@ -51,6 +51,7 @@ class SimRequest:
     # progress
     attempt: int = 0
     attempt_id: str = ""
+    attempt_at: float = 0.0  # when the current attempt was sent
     replica: str | None = None
     engine_req: EngineRequest | None = None
     reached_engine: bool = False  # some attempt was queued at an engine
@@ -74,6 +75,7 @@ class Refused:
     reason: str  # "<layer>/<reason>"
     retry_after: float | None
     final: bool = False  # expired in the gateway queue (TTL): the attempt is over
+    should_retry: bool = True  # False: the gateway said `x-should-retry: false`, which openai-python honours
 
 
 PolicyEvent = Dispatched | Refused
@@ -127,6 +129,11 @@ class FleetResult:
     prefix_hits: int  # in any tier (GPU, or loaded back from CPU offloading)
     recomputed_tokens: int
     samples: list[dict] = field(default_factory=list)  # queue depth / KV usage over time
+    # what Retry-After told clients, to check it against what happened: (time, tenant, reason,
+    # retry_after) per refusal that carried one, and per tenant (attempt sent, admitted) of every
+    # admission
+    retry_afters: list[tuple[float, str, str, float]] = field(default_factory=list)
+    admissions: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
 
     @property
     def outcomes(self) -> Counter:
@@ -162,6 +169,8 @@ class FleetSim:
         self._by_attempt: dict[str, SimRequest] = {}
         self._tick_at = math.inf
         self.refused_by_reason: Counter = Counter()
+        self.retry_afters: list[tuple[float, str, str, float]] = []
+        self.admissions: dict[str, list[tuple[float, float]]] = {}
         self.attempts = 0
         self.samples: list[dict] = []
         self._open = 0  # requests without an outcome yet
@@ -200,7 +209,7 @@ class FleetSim:
                            sum(c.num_preemptions for c in counters), sum(c.prefix_cache_queries for c in counters),
                            sum(c.prefix_cache_hits + c.external_prefix_cache_hits for c in counters),
                            sum(c.recomputed_tokens for c in counters),
-                           self.samples)
+                           self.samples, self.retry_afters, self.admissions)
 
     def run_closed_loop(self, make_request, clients: int, warmup_s: float, measure_s: float) -> float:
         """`clients` loops of send, wait for the outcome, send again; `make_request(rid, now)`
@@ -300,6 +309,7 @@ class FleetSim:
             return
         req.attempt += 1
         req.attempt_id = f"{req.rid}#{req.attempt}"
+        req.attempt_at = now
         req.replica = None
         req.engine_req = None
         self._by_attempt[req.attempt_id] = req
@@ -347,11 +357,15 @@ class FleetSim:
             if req is None:
                 continue
             if isinstance(ev, Dispatched):
+                self.admissions.setdefault(req.tenant, []).append((req.attempt_at, now))
                 self._send(req, ev.replica, now)
             else:
                 self.refused_by_reason[ev.reason] += 1
+                if ev.retry_after is not None:
+                    self.retry_afters.append((now, req.tenant, ev.reason, ev.retry_after))
                 outcome = "expired" if ev.reason.endswith("ttl_expired") else "refused"
-                self._retry_or_end(req, now, outcome, ev.reason, ev.retry_after, ev.status in RETRYABLE)
+                self._retry_or_end(req, now, outcome, ev.reason, ev.retry_after,
+                                   ev.status in RETRYABLE and ev.should_retry)
 
     def _send(self, req: SimRequest, replica: str, now: float) -> None:
         engine = self.engines[replica]

@@ -38,6 +38,8 @@ class CorePolicy:
         self.name = name
         self.core = AdmissionCore(config, 0.0)  # routes as config.policy.routing says
         self._keys = {t.name: t.api_keys_sha256[0] for t in config.tenants}
+        self._renew_every = config.policy.permit_lease_s / 4
+        self._next_renew = 0.0
 
     @property
     def replica_names(self) -> list[str]:
@@ -56,7 +58,7 @@ class CorePolicy:
                 assert isinstance(e, Reject)
                 r = e.refusal
                 out.append(Refused(e.request_id, r.status, f"{r.layer.value}/{r.reason}", r.retry_after,
-                                   final=e.terminal is Terminal.EXPIRED))
+                                   final=e.terminal is Terminal.EXPIRED, should_retry=r.should_retry))
         return out
 
     def _info(self, req: SimRequest) -> RequestInfo:
@@ -90,6 +92,9 @@ class CorePolicy:
         return self._convert(self.core.requeue(attempt_id, now))
 
     def observe(self, replica: str, telemetry: Telemetry, now: float):
+        if now >= self._next_renew:  # as the gateway does: what runs keeps its permit
+            self._next_renew = now + self._renew_every
+            self.core.renew(list(self.core.inflight), now)
         return self._convert(self.core.observe(replica, telemetry, now))
 
     def kv_events(self, replica: str, stored: list[tuple[str, int]], removed: list[tuple[str, int]],

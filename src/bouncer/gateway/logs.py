@@ -1,0 +1,106 @@
+"""The gateway's logs: structured lines (logfmt or JSON), one access line per request, and a
+rate limit so that no client can flood them.
+
+Every record goes out as one line with `ts`, `level`, `logger` and `msg`, plus the fields its
+call site passes in `extra` (`event`, `tenant`, `reason`, ...). Loggers:
+- `bouncer.access`: one line per request (`event=request`), its tenant, band, outcome, layer,
+  reason, status, queue wait, TTFT, duration and tokens;
+- `bouncer.gateway`: backends going unhealthy and back, reloads, reclaimed permits, in-flight
+  drift against the engines' own counts, malformed HTTP.
+
+The rate limit: records of one kind (logger, event, tenant, reason) beyond `burst` per second
+are dropped and counted; the next one let through says how many were (`suppressed=N`). A flood
+of refusals then costs a few lines a second, not one per refusal, while every completed request
+keeps its line.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from datetime import UTC, datetime
+
+import orjson
+
+# attributes every LogRecord has; anything else on a record came from `extra`
+_STANDARD = frozenset(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {"message", "asctime"}
+RATE_BURST = 20  # records of one kind let through per second
+
+
+def _fields(record: logging.LogRecord) -> dict:
+    out = {"ts": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z"),
+           "level": record.levelname.lower(), "logger": record.name, "msg": record.getMessage()}
+    for key, value in record.__dict__.items():
+        if key not in _STANDARD and value is not None:
+            out[key] = value
+    if record.exc_info and record.levelno >= logging.ERROR:
+        out["exc"] = logging.Formatter().formatException(record.exc_info)
+    return out
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        return orjson.dumps(_fields(record), default=str).decode()
+
+
+def _logfmt_value(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    text = str(value)
+    if text and not any(c in text for c in ' "=\\\n\t'):
+        return text
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+
+
+class LogfmtFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        return " ".join(f"{k}={_logfmt_value(v)}" for k, v in _fields(record).items())
+
+
+class RateLimit(logging.Filter):
+    """At most `burst` records per second of each kind; completed requests' access lines pass."""
+
+    def __init__(self, burst: int = RATE_BURST, clock=time.monotonic) -> None:
+        super().__init__()
+        self.burst = burst
+        self.clock = clock
+        self._windows: dict[tuple, list] = {}  # kind -> [window start, let through, suppressed]
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if getattr(record, "outcome", None) == "completed":
+            return True
+        kind = (record.name, getattr(record, "event", record.msg), getattr(record, "tenant", None),
+                getattr(record, "reason", None))
+        now = self.clock()
+        w = self._windows.get(kind)
+        if w is None or now - w[0] >= 1.0:
+            suppressed = w[2] if w is not None else 0
+            if len(self._windows) > 10_000:  # kinds include tenant names: bound them
+                self._windows.clear()
+            self._windows[kind] = [now, 1, 0]
+            if suppressed:
+                record.suppressed = suppressed
+            return True
+        if w[1] < self.burst:
+            w[1] += 1
+            return True
+        w[2] += 1
+        return False
+
+
+def configure(level: str = "info", fmt: str = "logfmt", stream=None) -> logging.Handler:
+    """Send Bouncer's and aiohttp's logs to `stream` (stderr) as `fmt` lines at `level`."""
+    handler = logging.StreamHandler(stream or sys.stderr)
+    handler.setFormatter(JsonFormatter() if fmt == "json" else LogfmtFormatter() if fmt == "logfmt"
+                         else logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    handler.addFilter(RateLimit())
+    for name in ("bouncer", "aiohttp"):
+        logger = logging.getLogger(name)
+        logger.handlers[:] = [handler]
+        logger.setLevel(level.upper())
+        logger.propagate = False
+    # aiohttp logs every malformed request with a traceback; ours (connections.py) are one line
+    logging.getLogger("aiohttp.server").setLevel(logging.CRITICAL)
+    logging.getLogger("aiohttp.access").setLevel(logging.CRITICAL)
+    return handler
