@@ -5,8 +5,9 @@ from __future__ import annotations
 import itertools
 
 from bouncer.config import key_digest, parse_config
-from bouncer.core.admission import AdmissionCore, Dispatch, Reject
+from bouncer.core.admission import AdmissionCore
 from bouncer.core.fleet import Telemetry
+from bouncer.core.outcomes import Dispatch, Reject
 from bouncer.core.requests import RequestInfo
 
 _ids = itertools.count()
@@ -54,3 +55,11 @@ def dispatched(events) -> list[Dispatch]:
 
 def rejected(events) -> list[Reject]:
     return [e for e in events if isinstance(e, Reject)]
+
+
+def admission_of(core: AdmissionCore, d: Dispatch):
+    """The admitted request behind a Dispatch event, while it holds its permit (the core's own
+    record: for tests of the core's internals)."""
+    adm = core.permits.get(d.request_id)
+    assert adm is not None, f"{d.request_id} holds no permit"
+    return adm

@@ -8,7 +8,7 @@ import pytest
 from bouncer.config import AgentWindowConfig
 from bouncer.core.agents import AgentWindow
 from bouncer.core.outcomes import Terminal
-from core_helpers import dispatched, info, make_core, observe_idle, rejected, tenant
+from core_helpers import admission_of, dispatched, info, make_core, observe_idle, rejected, tenant
 
 
 def window(**kw) -> AgentWindow:
@@ -105,15 +105,15 @@ def test_core_holds_a_new_agent_until_the_window_has_room():
     first = dispatched(core.offer(info(session_id="agent-1"), 0.0))
     assert first
     held = core.offer(info(session_id="agent-2"), 0.1)
-    assert not dispatched(held) and not rejected(held) and core.queued == 1  # waits, is not refused
+    assert not dispatched(held) and not rejected(held) and core.view.queued == 1  # waits, is not refused
     # agent-1's next step goes at once, ahead of the waiting agent
     assert dispatched(core.offer(info(session_id="agent-1"), 0.2))
-    for adm in list(core.inflight.values()):
+    for adm in list(core.permits):
         core.finished(adm.request_id, 1.0, Terminal.COMPLETED)
-    assert core.queued == 1  # agent-1 is between steps, still active
+    assert core.view.queued == 1  # agent-1 is between steps, still active
     assert core.next_wakeup() == pytest.approx(6.0)  # when agent-1 times out
     events = observe_idle(core, 6.5)  # a fresh scrape; the idle agent has timed out by now
-    assert [d.adm.session for d in dispatched(events)] == ["agent-2"]
+    assert [admission_of(core, d).session for d in dispatched(events)] == ["agent-2"]
     snap = core.snapshot(6.5)["models"]["m"]["agents"]
     assert snap == {"window": 1.0, "active": 1}
 
@@ -183,13 +183,13 @@ def test_an_agents_steps_wait_for_its_home_replica_rather_than_recompute_elsewhe
     core = make_core(policy={"max_inflight_per_replica": 1})
     ctx = list(range(100, 350))  # a 4,000-token context
     [first] = dispatched(_step(core, "agent-1", 4000, 0.0, ctx))
-    home = first.adm.replica
+    home = first.replica
     # a fan-out step while the first runs: its home is full (one in flight), the other replica
     # is idle, but there it would compute the whole context again
     held = _step(core, "agent-1", 4100, 0.1, ctx + [999])
-    assert not dispatched(held) and not rejected(held) and core.queued == 1
-    events = core.finished(first.adm.request_id, 1.0, Terminal.COMPLETED)
-    assert [d.adm.replica for d in dispatched(events)] == [home]
+    assert not dispatched(held) and not rejected(held) and core.view.queued == 1
+    events = core.finished(first.request_id, 1.0, Terminal.COMPLETED)
+    assert [d.replica for d in dispatched(events)] == [home]
 
 
 def test_a_new_agent_goes_only_where_the_living_agents_leave_room_for_its_context():
@@ -197,27 +197,27 @@ def test_a_new_agent_goes_only_where_the_living_agents_leave_room_for_its_contex
     homes = []
     for i, s in enumerate(("agent-1", "agent-2")):  # 12,000 tokens: 750 blocks of a replica's 1,000
         [d] = dispatched(_step(core, s, 12_000, 0.0, list(range(1000 * i, 1000 * i + 750))))
-        homes.append(d.adm.replica)
-        core.finished(d.adm.request_id, 0.5, Terminal.COMPLETED)
+        homes.append(d.replica)
+        core.finished(d.request_id, 0.5, Terminal.COMPLETED)
     assert len(set(homes)) == 2  # one agent's context per replica
     # both replicas are idle, but each holds an agent's context between its steps
     held = _step(core, "agent-3", 12_000, 1.0, list(range(5000, 5750)))
     assert not dispatched(held) and not rejected(held)
     events = observe_idle(core, 6.0)  # agent-1 and agent-2 idled out: their contexts may go
-    assert [d.adm.session for d in dispatched(events)] == ["agent-3"]
+    assert [admission_of(core, d).session for d in dispatched(events)] == ["agent-3"]
 
 
 def test_a_returning_agents_step_goes_before_a_new_agents():
     core = make_core(policy={"agents": {"initial": 1, "max": 1, "idle_timeout_s": 5}})
     [a1] = dispatched(core.offer(info(session_id="agent-1"), 0.0))
-    core.finished(a1.adm.request_id, 0.5, Terminal.COMPLETED)
+    core.finished(a1.request_id, 0.5, Terminal.COMPLETED)
     observe_idle(core, 6.0)  # agent-1 idles out, half-way through its session
     [a2] = dispatched(core.offer(info(session_id="agent-2"), 6.0))
     assert not dispatched(core.offer(info(session_id="agent-3"), 7.0))  # new: waits for the window
     assert not dispatched(core.offer(info(session_id="agent-1"), 8.0))  # back: waits too, but ahead
-    core.finished(a2.adm.request_id, 8.5, Terminal.COMPLETED)
+    core.finished(a2.request_id, 8.5, Terminal.COMPLETED)
     events = observe_idle(core, 14.0)  # agent-2 idled out
-    assert [d.adm.session for d in dispatched(events)] == ["agent-1"]
+    assert [admission_of(core, d).session for d in dispatched(events)] == ["agent-1"]
 
 
 def test_a_new_agent_that_would_outwait_its_ttl_for_a_slot_is_refused_at_once_with_the_wait():
@@ -227,7 +227,7 @@ def test_a_new_agent_that_would_outwait_its_ttl_for_a_slot_is_refused_at_once_wi
         if t:
             observe_idle(core, t)  # the previous one idled out
         [d] = dispatched(core.offer(info(session_id=f"agent-{i}"), t))
-        core.finished(d.adm.request_id, t + 0.5, Terminal.COMPLETED)
+        core.finished(d.request_id, t + 0.5, Terminal.COMPLETED)
     # agent-2 holds the slot; new agents queue while the expected wait fits their 10 s TTL
     for s in ("agent-3", "agent-4"):
         events = core.offer(info(session_id=s), 12.0)
@@ -237,15 +237,15 @@ def test_a_new_agent_that_would_outwait_its_ttl_for_a_slot_is_refused_at_once_wi
     assert refused.refusal.retry_after == pytest.approx(3 * 12.0 / 3)  # two ahead, one slot per 4 s
     # an agent coming back mid-session is never turned away: it waits, ahead of the new ones
     events = core.offer(info(session_id="agent-0"), 12.0)
-    assert not dispatched(events) and not rejected(events) and core.queued == 3
+    assert not dispatched(events) and not rejected(events) and core.view.queued == 3
 
 
 def test_agents_waiting_for_a_slot_take_it_in_order_a_long_context_is_not_passed_over():
     core = make_core(replicas=1, kv_blocks=1000, max_model_len=16_384, policy={"agents": {"idle_timeout_s": 5}})
     [a1] = dispatched(_step(core, "agent-1", 9_000, 0.0, list(range(560))))
-    core.finished(a1.adm.request_id, 0.5, Terminal.COMPLETED)  # agent-1 lives there, between steps
+    core.finished(a1.request_id, 0.5, Terminal.COMPLETED)  # agent-1 lives there, between steps
     assert not dispatched(_step(core, "agent-2", 12_000, 1.0, list(range(1000, 1750))))  # does not fit yet
     # a short context behind it would fit beside agent-1, but would keep agent-2 waiting for ever
     assert not dispatched(_step(core, "agent-3", 1_000, 2.0, list(range(2000, 2062))))
     events = observe_idle(core, 6.0)  # agent-1 idled out: agent-2 first (agent-3 then waits for its prefill)
-    assert [d.adm.session for d in dispatched(events)] == ["agent-2"]
+    assert [admission_of(core, d).session for d in dispatched(events)] == ["agent-2"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from bouncer.core.outcomes import Terminal
-from core_helpers import dispatched, info, make_core, tenant
+from core_helpers import admission_of, dispatched, info, make_core, tenant
 
 
 def contend(fairness: str, weights: dict[str, float], offers: dict[str, tuple[int, int]], steps: int = 300):
@@ -27,8 +27,8 @@ def contend(fairness: str, weights: dict[str, float], offers: dict[str, tuple[in
                     inflight.append(d)
         done, inflight = inflight, []
         for d in done:
-            served[d.adm.tenant] += d.adm.cost_tokens
-            inflight += dispatched(core.finished(d.adm.request_id, now + 0.5, Terminal.COMPLETED, 10))
+            served[d.tenant] += admission_of(core, d).cost_tokens
+            inflight += dispatched(core.finished(d.request_id, now + 0.5, Terminal.COMPLETED, 10))
     total = sum(served.values())
     return {n: s / total for n, s in served.items()}
 

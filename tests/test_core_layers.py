@@ -8,7 +8,7 @@ from bouncer.config import parse_config
 from bouncer.core.admission import AdmissionCore
 from bouncer.core.fleet import Telemetry
 from bouncer.core.outcomes import Layer, Terminal
-from core_helpers import dispatched, info, make_config, make_core, observe_idle, tenant
+from core_helpers import admission_of, dispatched, info, make_config, make_core, observe_idle, tenant
 
 
 def only_reject(events):
@@ -52,12 +52,12 @@ def test_context_budget_refuses_and_clamps():
     assert r.reason == "context_length_exceeded" and r.param == "max_tokens"
     # default max_tokens is clamped to what the context leaves
     (d,) = dispatched(core.offer(info(prompt=1900, max_tokens=None), 0.0))
-    assert d.adm.max_tokens == 148
+    assert d.max_tokens == 148
     # an ask above the tenant cap is clamped to the cap, not refused
     (d,) = dispatched(core.offer(info(prompt=10, max_tokens=5000), 0.0))
-    assert d.adm.max_tokens == 1000
+    assert d.max_tokens == 1000
     (d,) = dispatched(core.offer(info(prompt=10, max_tokens=None), 0.0))
-    assert d.adm.max_tokens == 300
+    assert d.max_tokens == 300
 
 
 # -- rate limits and breaker ---------------------------------------------------------------------------
@@ -82,13 +82,13 @@ def test_breaker_opens_on_timeouts_then_probes():
     core = make_core(policy={"breaker": {"failures": 2, "window_s": 10, "open_s": 5}})
     for t in (0.0, 1.0):
         (d,) = dispatched(core.offer(info(), t))
-        core.finished(d.adm.request_id, t + 0.5, Terminal.FAILED, reason="upstream_timeout")
+        core.finished(d.request_id, t + 0.5, Terminal.FAILED, reason="upstream_timeout")
     r = only_reject(core.offer(info(), 2.0))
     assert (r.status, r.reason) == (429, "circuit_open") and r.retry_after == pytest.approx(4.5)
     observe_idle(core, 7.0)
     (probe,) = dispatched(core.offer(info(), 7.0))  # half-open: one probe goes through
     assert only_reject(core.offer(info(), 7.1)).reason == "circuit_open"
-    core.finished(probe.adm.request_id, 7.5, Terminal.COMPLETED, completion_tokens=10)
+    core.finished(probe.request_id, 7.5, Terminal.COMPLETED, completion_tokens=10)
     assert dispatched(core.offer(info(), 7.6))  # closed again
 
 
@@ -101,12 +101,12 @@ def test_kv_full_replica_holds_then_dispatches_on_finish():
     for _i in range(10):
         admitted += dispatched(core.offer(info(), 0.0))
     assert len(admitted) == 6  # 6 x 13 = 78 blocks; a 7th would pass 90
-    assert core.queued == 4
+    assert core.view.queued == 4
     # one finishing is not enough: hysteresis keeps the replica busy until usage < 0.5
-    core.finished(admitted[0].adm.request_id, 1.0, Terminal.COMPLETED, completion_tokens=100)
+    core.finished(admitted[0].request_id, 1.0, Terminal.COMPLETED, completion_tokens=100)
     ev = []
     for a in admitted[1:3]:
-        ev += core.finished(a.adm.request_id, 1.0, Terminal.COMPLETED, completion_tokens=100)
+        ev += core.finished(a.request_id, 1.0, Terminal.COMPLETED, completion_tokens=100)
     assert dispatched(ev)
 
 
@@ -121,19 +121,19 @@ def test_scraped_usage_counts_even_when_own_accounting_is_low():
 def test_reserve_policy_reserves_max_tokens():
     core = make_core(replicas=1, kv_blocks=1000, policy={"kv_reservation": "reserve"})
     (d,) = dispatched(core.offer(info(prompt=100, max_tokens=1500), 0.0))
-    assert d.adm.expected_output == 1500 and d.adm.blocks == 100
+    assert admission_of(core, d).expected_output == 1500 and admission_of(core, d).blocks == 100
     core2 = make_core(replicas=1, kv_blocks=1000, policy={"expected_output_default": 200})
     (d,) = dispatched(core2.offer(info(prompt=100, max_tokens=1500), 0.0))
-    assert d.adm.expected_output == 200
+    assert admission_of(core2, d).expected_output == 200
 
 
 def test_expected_output_is_learned():
     core = make_core(replicas=1, kv_blocks=100000)
     for _ in range(20):
         (d,) = dispatched(core.offer(info(max_tokens=2000), 0.0))
-        core.finished(d.adm.request_id, 1.0, Terminal.COMPLETED, completion_tokens=50)
+        core.finished(d.request_id, 1.0, Terminal.COMPLETED, completion_tokens=50)
     (d,) = dispatched(core.offer(info(max_tokens=2000), 2.0))
-    assert 50 <= d.adm.expected_output < 60
+    assert 50 <= admission_of(core, d).expected_output < 60
 
 
 def test_tenant_kv_share_is_reserved_but_lent_when_idle():
@@ -159,7 +159,7 @@ def test_context_cap_tightens_under_pressure():
     # pressure 0.75 is halfway from 0.5 to 1.0: cap = 4000 x (1 - 0.75 x 0.5) = 2500
     assert dispatched(core.offer(info(prompt=2000, max_tokens=400), 0.0))
     assert not dispatched(core.offer(info(prompt=2000, max_tokens=1000), 0.0))
-    assert core.queued == 1
+    assert core.view.queued == 1
 
 
 # -- layers 4 and 5 -----------------------------------------------------------------------------------
@@ -188,7 +188,7 @@ def test_full_waiting_room_is_529_and_evicts_sheddable_for_higher_priority():
     ev = core.offer(info("b"), 0.0)  # room is full: the newest sheddable request is evicted
     (ev,) = ev
     assert ev.terminal is Terminal.EVICTED and ev.refusal.status == 529 and ev.tenant == "free"
-    assert core.queued == 3
+    assert core.view.queued == 3
     core.offer(info("free"), 0.0)  # a sheddable newcomer cannot evict its own band
     r = only_reject(core.offer(info("free"), 0.0))
     assert (r.status, r.reason) == (529, "queue_full")
@@ -238,7 +238,7 @@ def test_higher_band_dispatches_first():
     core.offer(info("a"), 0.0)
     core.offer(info("vip"), 0.0)
     ev = core.observe("m/0", Telemetry(at=1.0, kv_usage=0.0, running=0, waiting=0), 1.0)
-    assert [d.adm.tenant for d in dispatched(ev)] == ["vip", "a"]
+    assert [d.tenant for d in dispatched(ev)] == ["vip", "a"]
 
 
 def test_stale_telemetry_fail_closed_vs_fail_open():
@@ -258,7 +258,7 @@ def test_failed_scrape_makes_replica_unusable():
     core.observe("m/0", None, 0.0)
     for _ in range(4):
         (d,) = dispatched(core.offer(info(), 0.0))
-        assert d.adm.replica == "m/1"
+        assert d.replica == "m/1"
 
 
 def test_drain_queues_up_to_cap_then_503_and_undrain_dispatches():
@@ -276,13 +276,13 @@ def test_retry_after_grows_with_backlog():
     for i in range(30):
         core.observe("m/0", Telemetry(at=float(i), kv_usage=0.0, running=0, waiting=0), float(i))
         for d in dispatched(core.offer(info("a", prompt=500, max_tokens=500), float(i))):
-            core.finished(d.adm.request_id, float(i), Terminal.COMPLETED, completion_tokens=500)
+            core.finished(d.request_id, float(i), Terminal.COMPLETED, completion_tokens=500)
     core.observe("m/0", Telemetry(at=30.0, kv_usage=0.99, running=50, waiting=0), 30.0)
     retry = []
     for _n in range(4):
         for _ in range(10):
             core.offer(info("a", prompt=200, max_tokens=10), 30.0)
-        retry.append(core.retry_after(core.models["m"], 0, 30.0))
+        retry.append(core.models["m"].backlog.retry_after(0, 30.0))
     assert retry == sorted(retry) and retry[-1] > retry[0] * 3
     assert retry[0] == pytest.approx(10, abs=1)  # 10 queued ahead at 1 completion per second
 
@@ -292,7 +292,8 @@ def test_a_light_tenant_is_not_refused_for_a_heavy_tenants_backlog():
     core = make_core(replicas=1, kv_blocks=1000, policy={"slo_queue_fraction": 0.5},
                      tenants=[tenant("light", slo={"ttft_s": 4.0}), tenant("heavy", slo={"ttft_s": 4.0})])
     core.observe("m/0", Telemetry(at=0.0, kv_usage=0.99, running=50, waiting=0), 0.0)
-    core.models["m"].completions.extend(float(t) for t in range(-27, 3))
+    for t in range(-27, 3):  # a measured service rate: about 1 completion/s
+        core.stores.backlog.note_completion("m", float(t))
     heavy = [core.offer(info("heavy"), 2.0) for _ in range(6)]
     assert heavy[:2] == [[], []]  # queued: 1 and 2 requests ahead fit 2 s
     assert all(e and e[0].refusal.reason == "deadline_infeasible" for e in heavy[2:])
@@ -308,7 +309,8 @@ def test_queued_request_expires_with_its_ttft_slo_and_infeasible_ones_are_refuse
     assert core.offer(info("a"), 0.0) == []
     assert core.next_wakeup() == 1.0  # its TTL is half its 2 s TTFT SLO, not the 60 s default
     # measured drain rate of 1 request/s, and 5 queued ahead: a 2 s TTFT cannot be met
-    core.models["m"].completions.extend(float(t) for t in range(-28, 2))  # 30 in the last 30 s
+    for t in range(-28, 2):  # 30 in the last 30 s
+        core.stores.backlog.note_completion("m", float(t))
     for _ in range(4):
         core.offer(info("b"), 1.0)
     (r,) = core.offer(info("a"), 1.0)
@@ -317,7 +319,7 @@ def test_queued_request_expires_with_its_ttft_slo_and_infeasible_ones_are_refuse
     # rate (a and b are active, equal weights): 4 request-slots at 30 completions in 29 s. Back
     # once the wait fits its 1 s budget.
     assert r.refusal.retry_after == pytest.approx(2 * 2 / (30 / 29) - 1)
-    assert core.queued == 5  # the refused one left the queue
+    assert core.view.queued == 5  # the refused one left the queue
 
 
 def test_eviction_takes_the_lowest_band_first_then_its_newest_request():

@@ -6,9 +6,8 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from bouncer.core.admission import Dispatch, Reject
 from bouncer.core.fleet import Telemetry
-from bouncer.core.outcomes import Terminal
+from bouncer.core.outcomes import Dispatch, Reject, Terminal
 from core_helpers import info, make_core, tenant
 
 TENANTS = ["gold", "std", "free"]
@@ -45,9 +44,9 @@ def test_every_request_ends_once_and_permits_return(ops, fairness, ordering):
     def apply(events):
         for e in events:
             if isinstance(e, Dispatch):
-                assert e.adm.request_id in queued or e.adm.request_id == last_offer
-                queued.discard(e.adm.request_id)
-                inflight.append(e.adm.request_id)
+                assert e.request_id in queued or e.request_id == last_offer
+                queued.discard(e.request_id)
+                inflight.append(e.request_id)
             else:
                 assert isinstance(e, Reject)
                 queued.discard(e.request_id)
@@ -108,11 +107,11 @@ def test_every_request_ends_once_and_permits_return(ops, fairness, ordering):
     assert set(terminal) == set(offered)
     assert all(n == 1 for n in terminal.values()), "a request ended twice"
     assert core.stats.offered == len(offered) == sum(core.stats.outcomes.values())
-    assert core.queued == 0 and not core.inflight
+    assert core.view.queued == 0 and not core.view.inflight
     for r in core.replicas.values():
         assert r.inflight_blocks == 0 and not r.inflight and r.unstarted == 0 and r.queued_prefill_tokens == 0 \
             and r.queued_prefill_pairs == 0
         assert r.blocks_since_sample == 0
-    assert all(t.inflight_blocks == 0 for t in core.tenants.values())
+    assert all(core.permits.tenant_blocks(t) == 0 for t in ("gold", "std", "free"))
     for ms in core.models.values():
         assert ms.flow.tokens == 0 and all(b.count == 0 and b.tokens == 0 for b in ms.flow.bands.values())

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from bouncer.core.outcomes import Terminal
 from bouncer.core.retries import RetryLedger
-from core_helpers import dispatched, info, make_core, observe_idle, tenant
+from core_helpers import admission_of, dispatched, info, make_core, observe_idle, tenant
 
 FIRST_ATTEMPT = {"retries": {"deadline": "first-attempt"}}  # the default, stated
 
@@ -18,7 +18,7 @@ def offer_one(core, now, retry_count, digest=7):
     observe_idle(core, now)  # fresh telemetry: the replica takes it at once
     ev = dispatched(core.offer(info("a", prompt_digest=digest, retry_count=retry_count), now))
     assert len(ev) == 1
-    return ev[0].adm
+    return admission_of(core, ev[0])
 
 
 def test_ledger_keeps_the_first_arrival_for_retries_only():

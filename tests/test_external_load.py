@@ -91,7 +91,7 @@ def test_guidellm_at_3x_overload_then_idle_leaves_nothing_in_flight(tmp_path):
         assert run.total > 500 and run.successful > 0
         assert run.errored > 0.2 * run.total  # overload: the flood was pushed back
         core = gw.core
-        poll_until(lambda: bg_loop.call(lambda: len(core.inflight) + core.queued) == 0, timeout=15,
+        poll_until(lambda: bg_loop.call(lambda: core.view.inflight + core.view.queued) == 0, timeout=15,
                    what="in-flight and queued back at 0 after guidellm")
         assert engine.running() == 0
         stats = bg_loop.call(lambda: core.stats)
@@ -159,7 +159,7 @@ def test_chaos_random_disconnects_frozen_and_killed_engines_leave_no_permit_and_
         running.result(120)
         assert len(statuses) > 200 and 500 not in statuses, sorted(set(statuses))
         core = gw.core
-        poll_until(lambda: bg_loop.call(lambda: len(core.inflight) + core.queued) == 0, timeout=60,
+        poll_until(lambda: bg_loop.call(lambda: core.view.inflight + core.view.queued) == 0, timeout=60,
                    what="in-flight and queued back at 0 after the chaos")
         poll_until(lambda: all(e.running() == 0 for e in engines), timeout=30, what="engines idle")
         stats = bg_loop.call(lambda: core.stats)

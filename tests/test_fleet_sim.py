@@ -70,7 +70,7 @@ def test_every_request_gets_exactly_one_outcome_under_overload(name):
     assert res.outcomes["completed"] > 0
     # nothing is left holding KV or permits
     if isinstance(policy, CorePolicy):
-        assert not policy.core.inflight and policy.core.queued == 0
+        assert not policy.core.view.inflight and policy.core.view.queued == 0
 
 
 def test_no_admission_queues_at_the_engine():

@@ -81,7 +81,7 @@ def test_fuzzed_requests_get_documented_answers_and_leave_nothing_behind(fleet):
     fuzz()
     assert sent["n"] >= EXAMPLES
     core = fleet.gateway.core
-    poll_until(lambda: fleet.call(lambda: len(core.inflight) + core.queued) == 0, timeout=30, what="nothing left")
+    poll_until(lambda: fleet.call(lambda: core.view.inflight + core.view.queued) == 0, timeout=30, what="nothing left")
     engine = fleet.engines[0][1].engine
     poll_until(lambda: fleet.call(lambda: not engine.has_work), timeout=30, what="engine idle")
     stats = fleet.call(lambda: core.stats)

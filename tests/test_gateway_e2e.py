@@ -112,7 +112,7 @@ def test_admin_endpoints_need_the_admin_key_and_drain_works(fleet):
         results.append(await c.completions.create(model="demo-llm", prompt="q", max_tokens=2))
 
     fut = fleet.bg_loop.start_task(queued_call())
-    poll_until(lambda: fleet.call(lambda: fleet.gateway.core.queued) == 1, what="held while draining")
+    poll_until(lambda: fleet.call(lambda: fleet.gateway.core.view.queued) == 1, what="held while draining")
     code, _, _ = post(fleet.url + "/admin/undrain", json.dumps({"model": "demo-llm"}).encode(), key="admin")
     assert code == 200
     fut.result(30)
@@ -131,7 +131,7 @@ def test_reload_applies_new_config_without_dropping_inflight(fleet):
         return [x.usage.completion_tokens async for x in s if x.usage][-1]
 
     running = fleet.bg_loop.start_task(long_stream())
-    poll_until(lambda: fleet.call(lambda: len(fleet.gateway.core.inflight)) == 1, what="stream in flight")
+    poll_until(lambda: fleet.call(lambda: fleet.gateway.core.view.inflight) == 1, what="stream in flight")
     new = json.loads(json.dumps(fleet.config))
     new["tenants"].append(tenant("carol"))
     code, _, raw = post(fleet.url + "/admin/reload", json.dumps(new).encode(), key="admin")
@@ -164,8 +164,8 @@ def test_x_session_id_makes_a_request_a_step_of_an_agent(fleet):
         client.completions.create(model="demo-llm", prompt="plan the next tool call", max_tokens=3,
                                   extra_headers={"x-session-id": "agent-42"}, user="someone")
     client.completions.create(model="demo-llm", prompt="a chat", max_tokens=3, user="someone-else")
-    agents = fleet.call(lambda: fleet.gateway.core.models["demo-llm"].agents)
-    assert fleet.call(lambda: list(agents.active)) == ["agent-42"]  # `user` alone is not a session
+    window = fleet.call(lambda: fleet.gateway.core.models["demo-llm"].agents.window)
+    assert fleet.call(lambda: list(window.active)) == ["agent-42"]  # `user` alone is not a session
     text = urllib.request.urlopen(fleet.url + "/metrics", timeout=5).read().decode()
     assert 'bouncer_active_agents{model="demo-llm"} 1.0' in text and "bouncer_agent_window" in text
 
@@ -201,7 +201,7 @@ def test_upstream_refusals_are_held_not_passed_on_including_streaming_200_with_e
         assert sum(n for k, n in decisions.items() if k[0] == "requeued") >= 2
         stats = f.call(lambda: f.gateway.core.stats)
         assert stats.outcomes["completed"] == 8 and stats.outcomes["failed"] == 0
-        assert f.call(lambda: len(f.gateway.core.inflight)) == 0
+        assert f.call(lambda: f.gateway.core.view.inflight) == 0
     finally:
         f.close()
 

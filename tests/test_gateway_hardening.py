@@ -66,7 +66,7 @@ def assert_openai_error(status: int, headers: dict, raw: bytes, expect: int | No
 
 
 def idle(f) -> None:
-    poll_until(lambda: f.call(lambda: len(f.gateway.core.inflight) + f.gateway.core.queued) == 0,
+    poll_until(lambda: f.call(lambda: f.gateway.core.view.inflight + f.gateway.core.view.queued) == 0,
                what="in-flight and queued back at 0")
 
 
@@ -88,7 +88,7 @@ def test_1_a_malformed_stream_options_is_400_and_leaks_no_permit(fleet, options)
             "stream_options": options}, key="free")
         err = assert_openai_error(code, headers, raw, 400)
         assert err["param"] == "stream_options"
-    assert fleet.call(lambda: len(fleet.gateway.core.inflight)) == 0
+    assert fleet.call(lambda: fleet.gateway.core.view.inflight) == 0
     client = openai.OpenAI(base_url=fleet.url + "/v1", api_key="alice", max_retries=0, timeout=10)
     assert client.completions.create(model="demo-llm", prompt="hi", max_tokens=2).usage.completion_tokens == 2
 
@@ -107,14 +107,14 @@ def test_1_a_client_leaving_in_the_turn_its_request_is_dispatched_returns_the_pe
         info = RequestInfo("q1", key_digest("alice"), "m", 100, 10)
         task = asyncio.create_task(gw._decision("q1", lambda: core.offer(info, gw.clock())))
         await asyncio.sleep(0)
-        assert core.queued == 1
+        assert core.view.queued == 1
         # room opens: the core dispatches it and its future gets the result; in that same turn,
         # before the waiting task runs again, its client disconnects
         gw._apply(core.observe("r0", Telemetry(at=gw.clock(), kv_usage=0.0, running=0, waiting=0), gw.clock()))
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        return len(core.inflight), core.stats.outcomes[Terminal.CANCELLED]
+        return core.view.inflight, core.stats.outcomes[Terminal.CANCELLED]
 
     assert asyncio.run(scenario()) == (0, 1)
 
@@ -127,8 +127,8 @@ def test_1_a_permit_the_shell_loses_is_reclaimed_counted_and_logged(bg_loop, cap
         with caplog.at_level(logging.WARNING, logger="bouncer.gateway"):
             # admitted with nobody to serve it: the events are dropped, as a bug would drop them
             f.call(lambda: core.offer(info, f.gateway.clock()))
-            assert f.call(lambda: len(core.inflight)) == 1
-            poll_until(lambda: f.call(lambda: len(core.inflight)) == 0, timeout=5, what="permit reclaimed")
+            assert f.call(lambda: core.view.inflight) == 1
+            poll_until(lambda: f.call(lambda: core.view.inflight) == 0, timeout=5, what="permit reclaimed")
             poll_until(lambda: any(getattr(r, "event", None) == "permit_reclaimed" for r in caplog.records),
                        timeout=2, what="reclaim logged")
         text = get(f.url + "/metrics")[2].decode()
@@ -147,7 +147,7 @@ def test_1_the_engines_own_counts_reveal_permits_held_for_nothing():
     from core_helpers import dispatched, info, make_core
     core = make_core(replicas=1, policy={"inflight_drift_s": 10})
     (d,) = dispatched(core.offer(info("a"), 0.0))
-    r = core.replicas[d.adm.replica]
+    r = core.replicas[d.replica]
     for t in (5.0, 10.0):  # the engine runs nothing, yet the gateway counts one in flight there
         core.observe(r.name, Telemetry(at=t, kv_usage=0.0, running=0, waiting=0), t)
         assert r.unseen_by_engine == 1 and not r.drift_reported
@@ -229,7 +229,7 @@ def test_2_whatever_the_backend_answers_the_client_gets_an_openai_answer(bg_loop
         assert code in (400, 502, 503, 504), (mode, code, err)
         if mode == "json-422":
             assert code == 400 and err["code"] == "upstream_rejected" and "temperature out of range" in err["message"]
-    poll_until(lambda: bg_loop.call(lambda: len(gw.core.inflight) + gw.core.queued) == 0, what="permit returned")
+    poll_until(lambda: bg_loop.call(lambda: gw.core.view.inflight + gw.core.view.queued) == 0, what="permit returned")
 
 
 def test_2_a_garbled_usage_still_completes_the_stream_for_the_openai_sdk(bg_loop, misbehaving):
@@ -284,13 +284,13 @@ def test_3_serve_with_a_bad_tokenizer_exits_2_before_saying_it_listens(tmp_path)
 # -- 4. client headers only tighten ----------------------------------------------------------------
 
 def test_4_a_header_cannot_loosen_its_tenants_slo():
-    from core_helpers import dispatched, info, make_core
+    from core_helpers import admission_of, dispatched, info, make_core
     core = make_core(tenants=[{**tenant("a"), "api_keys_sha256": [key_digest("key-a")],
                                "slo": {"ttft_s": 1.0, "tpot_s": 0.1}}])
     (loose,) = dispatched(core.offer(info("a", ttft_slo_s=600.0, tpot_slo_s=5.0), 0.0))
-    assert (loose.adm.ttft_slo, loose.adm.tpot_slo) == (1.0, 0.1)
+    assert (admission_of(core, loose).ttft_slo, admission_of(core, loose).tpot_slo) == (1.0, 0.1)
     (tight,) = dispatched(core.offer(info("a", ttft_slo_s=0.5), 0.0))
-    assert tight.adm.ttft_slo == 0.5 and tight.adm.ttft_deadline == 0.5
+    assert admission_of(core, tight).ttft_slo == 0.5 and admission_of(core, tight).ttft_deadline == 0.5
 
 
 @pytest.mark.parametrize("header", ["x-bouncer-ttft-ms", "x-bouncer-tpot-ms", "x-bouncer-ttl-ms"])
@@ -443,8 +443,8 @@ def test_7_a_backends_own_retry_after_rests_it_that_long():
     from core_helpers import dispatched, info, make_core, observe_idle
     core = make_core(replicas=1)
     (d,) = dispatched(core.offer(info("a"), 0.0))
-    replica = core.replicas[d.adm.replica]
-    core.requeue(d.adm.request_id, 1.0, retry_after=3.0)
+    replica = core.replicas[d.replica]
+    core.requeue(d.request_id, 1.0, retry_after=3.0)
     assert replica.cooldown_until == pytest.approx(4.0)
     assert not dispatched(observe_idle(core, 3.9)) and dispatched(observe_idle(core, 4.0))
 

@@ -73,7 +73,7 @@ def test_free_tier_flood_leaves_interactive_within_its_ttft_slo(bg_loop):
                               f.gateway.core.stats.slo_total["demo-interactive"]))
         assert slo[0] == slo[1] == 8
         # the flood's cancelled requests left nothing behind
-        poll_until(lambda: f.call(lambda: len(f.gateway.core.inflight) + f.gateway.core.queued) == 0,
+        poll_until(lambda: f.call(lambda: f.gateway.core.view.inflight + f.gateway.core.view.queued) == 0,
                    what="permits released")
         # Contrast, same flood straight at an engine: the probe waits behind it (FCFS).
         direct_url = f.engines[0][0] + "/v1"
@@ -95,15 +95,15 @@ def test_disconnect_while_queued_leaves_the_queue(bg_loop):
                                                    extra_body={"ignore_eos": True})
 
         holder = bg_loop.start_task(long_one())
-        poll_until(lambda: f.call(lambda: len(f.gateway.core.inflight)) == 1, what="first request running")
+        poll_until(lambda: f.call(lambda: f.gateway.core.view.inflight) == 1, what="first request running")
         impatient = openai.OpenAI(base_url=f.url + "/v1", api_key="alice", max_retries=0, timeout=0.5)
         with pytest.raises(openai.APITimeoutError):
             impatient.completions.create(model="demo-llm", prompt=MEDIUM_PROMPT, max_tokens=300)
         poll_until(lambda: f.call(lambda: f.gateway.core.stats.outcomes[Terminal.CANCELLED]) == 1,
                    what="queued request cancelled")
-        assert f.call(lambda: f.gateway.core.queued) == 0
+        assert f.call(lambda: f.gateway.core.view.queued) == 0
         holder.cancel()
-        poll_until(lambda: f.call(lambda: len(f.gateway.core.inflight)) == 0, what="permit released")
+        poll_until(lambda: f.call(lambda: f.gateway.core.view.inflight) == 0, what="permit released")
     finally:
         f.close()
 
@@ -128,7 +128,7 @@ def test_disconnect_mid_stream_cancels_upstream_and_releases_permit(bg_loop):
         bg_loop.start_task(read_two_chunks_then_leave()).result(30)
         engine = f.engines[0][1].engine
         poll_until(lambda: f.call(lambda: engine.counters.request_success["abort"]) == 1, what="upstream aborted")
-        poll_until(lambda: f.call(lambda: len(f.gateway.core.inflight)) == 0, what="permit released")
+        poll_until(lambda: f.call(lambda: f.gateway.core.view.inflight) == 0, what="permit released")
         assert f.call(lambda: engine.has_work) is False and f.call(lambda: engine.kv_usage) == 0.0
         assert f.call(lambda: f.gateway.core.stats.outcomes[Terminal.CANCELLED]) == 1
     finally:

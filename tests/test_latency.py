@@ -13,7 +13,7 @@ from bouncer.core.fleet import Telemetry
 from bouncer.core.latency import CORRECTION_MAX, LatencyPredictor, StepTimeModel, prefill_pairs
 from bouncer.core.outcomes import Terminal
 from bouncer.sim.profiles import DEFAULT_PROFILE
-from core_helpers import dispatched, info, observe_idle, rejected, tenant
+from core_helpers import admission_of, dispatched, info, observe_idle, rejected, tenant
 
 # 0.11 s per full step of 1,000 tokens; attention free unless a test says otherwise
 STEP = {"a": 0.01, "b": 1e-4, "c": 0.0, "max_batched_tokens": 1000}
@@ -53,7 +53,7 @@ def test_ttft_adds_prefill_attention_quadratic_in_the_prompt():
     r = core.replicas["m/0"]
     assert dispatched(core.offer(info(prompt=400), 0.0))
     assert r.queued_prefill_pairs == prefill_pairs(400, 400)
-    adm = next(iter(core.inflight.values()))
+    adm = next(iter(core.permits))
     assert r.predict_ttft(adm, 50, raw=True) == pytest.approx(
         r.latency.raw_ttft(400, 50, 0, 0) + 1e-8 * (prefill_pairs(400, 400) + prefill_pairs(400, 50)))
 
@@ -90,9 +90,9 @@ def test_the_core_corrects_its_replica_predictor_from_observed_first_tokens_and_
         now = float(i)
         observe_idle(core, now)
         (d,) = dispatched(core.offer(info("a", prompt=100, max_tokens=100), now))
-        ttft = 3 * d.adm.ttft_raw  # the engine is 3x slower to first token than its model
-        core.started(d.adm.request_id, now + ttft)
-        core.finished(d.adm.request_id, now + ttft + 99 * d.adm.tpot_raw, Terminal.COMPLETED, 100)
+        ttft = 3 * admission_of(core, d).ttft_raw  # the engine is 3x slower to first token than its model
+        core.started(d.request_id, now + ttft)
+        core.finished(d.request_id, now + ttft + 99 * admission_of(core, d).tpot_raw, Terminal.COMPLETED, 100)
     assert r.latency.ttft_factor == pytest.approx(3.0, rel=0.05)
     assert r.latency.tpot_factor == pytest.approx(1.0, rel=0.05)
 
@@ -122,13 +122,13 @@ def test_only_replicas_that_can_still_make_the_deadline_qualify(refuse):
     # round-robin alternates: three 5,000-token prompts wait on one replica, the other's started
     for _ in range(6):
         (d,) = dispatched(core.offer(info("b", prompt=5000, max_tokens=100), 0.0))
-        if d.adm.replica == "m/1":
-            core.started(d.adm.request_id, 0.0)
+        if d.replica == "m/1":
+            core.started(d.request_id, 0.0)
     assert (core.replicas["m/0"].queued_prefill_tokens, core.replicas["m/1"].queued_prefill_tokens) == (15_000, 0)
     # it is m/0's turn, where this request would wait 1.76 s for a 1 s TTFT SLO; m/1 can make it
     # (with refusal off too: that only governs requests no replica can serve in time)
     (d,) = dispatched(core.offer(info("a", prompt=100), 0.0))
-    assert d.adm.replica == "m/1" and not d.adm.predicted_infeasible
+    assert d.replica == "m/1" and not d.predicted_late
 
 
 def test_a_best_effort_tenant_is_demoted_instead_of_refused():
@@ -141,17 +141,17 @@ def test_a_best_effort_tenant_is_demoted_instead_of_refused():
     assert adm.deadline == pytest.approx(30.0)  # the TTL is no longer cut to the SLO
     # behind band 0, which still sends: it waits while that prefill queue would delay band 0's next
     assert core.tick(0.01) == []
-    for rid in list(core.inflight):
+    for rid in core.view.inflight_ids():
         core.started(rid, 0.5)
     (d,) = dispatched(core.tick(0.5))
-    assert d.adm.request_id == req.request_id
+    assert d.request_id == req.request_id
 
 
 def test_with_refusal_off_infeasible_requests_are_only_flagged():
     core = core_with_steps([tenant("a", slo={"ttft_s": 1.0}), tenant("b")], policy={"refuse_infeasible": False})
     _fill_prefill_queue(core, 15_000)
     (d,) = dispatched(core.offer(info("a", prompt=100), 0.0))
-    assert d.adm.predicted_infeasible
+    assert d.predicted_late
 
 
 def test_a_queued_request_leaves_at_its_latest_start_time():
@@ -175,12 +175,12 @@ def test_tpot_hold_keeps_the_batch_within_the_strictest_tpot_slo_running_there()
     # 0.01 s fixed, 8 fit under the guarded 0.045 s (0.05 x tpot_guard_margin 0.9), a 9th does not.
     sent = [dispatched(core.offer(info("a", prompt=4000, max_tokens=256), 0.0)) for _ in range(9)]
     assert [len(s) for s in sent] == [1] * 8 + [0]
-    assert core.replicas["m/0"].predict_tpot(sent[0][0].adm, 0.0) > 0.045
-    first = sent[0][0].adm.request_id
+    assert core.replicas["m/0"].predict_tpot(admission_of(core, sent[0][0]), 0.0) > 0.045
+    first = sent[0][0].request_id
     core.started(first, 0.1)
     # (telemetry here must stay fresh: a stale replica takes nothing)
     (d,) = dispatched(core.finished(first, 1.0, Terminal.COMPLETED, 256))  # room again: the 9th goes
-    assert d.adm.request_id not in {s[0].adm.request_id for s in sent[:8]}
+    assert d.request_id not in {s[0].request_id for s in sent[:8]}
     # without the hold all nine go at once
     unguarded = core_with_steps(tenants, step, {**policy, "tpot_hold": False})
     assert all(dispatched(unguarded.offer(info("a", prompt=4000, max_tokens=256), 0.0)) for _ in range(9))
@@ -192,7 +192,7 @@ def test_lower_bands_leave_room_in_the_batch_while_a_higher_band_is_sending():
     tenants = [tenant("rt", 10, slo={"tpot_s": 0.05}), tenant("std", slo={"tpot_s": 0.15})]
     core = core_with_steps(tenants, step, {"prefill_busy_tokens": 10**6, "tpot_reserve_fraction": 0.3})
     (d,) = dispatched(core.offer(info("rt", prompt=4000, max_tokens=256), 0.0))
-    core.started(d.adm.request_id, 0.05)
+    core.started(d.request_id, 0.05)
     # while the realtime band sends, the standard band fills batches only to 0.05 x 0.9 x 0.7 =
     # 31.5 ms: 5 requests in all (30.5 ms), not the 8 the realtime TPOT target allows
     sent = [dispatched(core.offer(info("std", prompt=4000, max_tokens=256), 0.1)) for _ in range(5)]
@@ -202,7 +202,7 @@ def test_lower_bands_leave_room_in_the_batch_while_a_higher_band_is_sending():
     # without the reserve the standard band fills the batch to the realtime target
     core = core_with_steps(tenants, step, {"prefill_busy_tokens": 10**6, "tpot_reserve_fraction": 0.0})
     (d,) = dispatched(core.offer(info("rt", prompt=4000, max_tokens=256), 0.0))
-    core.started(d.adm.request_id, 0.05)
+    core.started(d.request_id, 0.05)
     assert sum(len(dispatched(core.offer(info("std", prompt=4000, max_tokens=256), 0.1))) for _ in range(9)) == 7
 
 
@@ -212,7 +212,7 @@ def test_without_a_step_time_model_nothing_is_predicted():
     core = AdmissionCore(parse_config(cfg), 0.0)
     observe_idle(core, 0.0)
     (d,) = dispatched(core.offer(info("a"), 0.0))
-    assert core.replicas["m/0"].latency is None and d.adm.ttft_raw is None
+    assert core.replicas["m/0"].latency is None and admission_of(core, d).ttft_raw is None
 
 
 @pytest.fixture
@@ -245,7 +245,7 @@ def test_lower_bands_keep_the_prefill_queue_short_while_a_higher_band_is_sending
     core = core_with_steps([tenant("rt", 10, slo={"ttft_s": 0.5}), tenant("std")],
                            policy={"prefill_busy_tokens": 10**6})
     (d,) = dispatched(core.offer(info("rt", prompt=10), 0.0))
-    core.started(d.adm.request_id, 0.05)
+    core.started(d.request_id, 0.05)
     # 900 queued prefill tokens: a realtime request would start after one step (0.1 s), within a
     # quarter of its 0.5 s SLO (ttft_reserve_fraction); 1,800 would take two steps (0.22 s)
     assert dispatched(core.offer(info("std", prompt=900), 0.1))
@@ -254,7 +254,7 @@ def test_lower_bands_keep_the_prefill_queue_short_while_a_higher_band_is_sending
     assert dispatched(observe_idle(core, 9.0) + core.tick(9.0)) == []
     # ten seconds without a realtime request: the reserve lifts (at the next scrape)
     (d,) = dispatched(observe_idle(core, 10.2))
-    assert d.adm.request_id == held.request_id
+    assert d.request_id == held.request_id
 
 
 def test_the_tpot_guard_cuts_a_replica_for_requests_slower_than_their_own_tpot_slo():
@@ -263,8 +263,8 @@ def test_the_tpot_guard_cuts_a_replica_for_requests_slower_than_their_own_tpot_s
 
     def complete(name: str, tpot: float, now: float) -> None:
         (d,) = dispatched(core.offer(info(name, prompt=10, max_tokens=101), now))
-        core.started(d.adm.request_id, now)
-        core.finished(d.adm.request_id, now + 100 * tpot, Terminal.COMPLETED, 101)
+        core.started(d.request_id, now)
+        core.finished(d.request_id, now + 100 * tpot, Terminal.COMPLETED, 101)
 
     complete("std", 0.10, 0.0)  # slower than realtime's SLO, within its own: no cut
     assert r.concurrency_limit == float("inf")
@@ -281,7 +281,7 @@ def test_a_request_warm_on_a_replica_passes_the_tpot_guards_limit_a_cold_one_wai
     cold = info("b", prompt=512, block_digests=list(range(100, 132)))
     assert core.offer(cold, 0.1) == []
     (d,) = dispatched(core.offer(info("a", prompt=600, block_digests=prefix), 0.1))
-    assert d.adm.prefill_tokens == 600 - 512  # only what it does not share is computed
+    assert admission_of(core, d).prefill_tokens == 600 - 512  # only what it does not share is computed
 
 
 def test_a_warm_request_is_not_turned_away_by_the_busy_marks_hysteresis():
@@ -296,7 +296,7 @@ def test_a_warm_request_is_not_turned_away_by_the_busy_marks_hysteresis():
     assert dispatched(core.observe("m/0", Telemetry(at=0.2, kv_usage=0.88, running=1, waiting=0), 0.2)) == []
     # ... but one that shares the cached prefix needs only a few new blocks, and fits under 92%
     (d,) = dispatched(core.offer(info("a", prompt=600, block_digests=prefix), 0.2))
-    assert d.adm.prefill_tokens == 600 - 512
+    assert admission_of(core, d).prefill_tokens == 600 - 512
 
 
 def test_bench_feasibility_command_saves_what_it_prints(tmp_path):

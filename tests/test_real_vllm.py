@@ -146,7 +146,7 @@ def test_holds_requests_when_vllm_is_saturated_instead_of_passing_its_503s(gatew
     assert max(seen_usage) > 0.3  # the scraped KV usage really moved
     stats = loop.call(lambda: gw.core.stats)
     assert stats.outcomes["completed"] == 16 and stats.outcomes["refused"] == 0
-    assert loop.call(lambda: len(gw.core.inflight)) == 0
+    assert loop.call(lambda: gw.core.view.inflight) == 0
 
 
 def test_follows_vllms_kv_events_onto_our_own_block_digests(gateway):

@@ -6,10 +6,19 @@ from bouncer.config import Routing
 from bouncer.core.blocks import chain_block_hashes
 from bouncer.core.fleet import ReplicaState
 from bouncer.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, PreciseIndex
+from bouncer.core.pool import PoolView
 from bouncer.core.prefix_index import ApproxPrefixIndex, ReplicaPrefixIndex
+from bouncer.core.registry import make_router
 from bouncer.core.requests import Admission, RequestInfo
-from bouncer.core.routing import PrefixAwareRouter, SglangCacheAwareRouter, make_router
-from core_helpers import dispatched, info, make_core
+from bouncer.core.routing import PrefixAwareRouter, SglangCacheAwareRouter, cached_tokens
+from core_helpers import admission_of, dispatched, info, make_core
+
+
+def choose(router, adm, candidates, now, backlogged=()):
+    """The router's pick, as placement calls it: every replica fresh, cached tokens computed once."""
+    replicas = {r.name: r for r in [*candidates, *backlogged]}
+    cached = {name: cached_tokens(r, adm, now) for name, r in replicas.items()}
+    return router.choose(adm, list(candidates), PoolView(replicas, None, now), 16384, list(backlogged), cached)
 
 TOKENS = list(range(1000, 1000 + 64 * 16))  # 64 blocks of 16
 DIGESTS = chain_block_hashes(TOKENS)
@@ -110,7 +119,7 @@ def test_prefix_aware_goes_where_the_prefix_is_warm():
     warm, cold = replica("warm"), replica("cold")
     warm.prefix.record(DIGESTS, 0.0)
     router = PrefixAwareRouter()
-    assert router.choose(admission(DIGESTS), [cold, warm], 1.0, {"warm": True, "cold": True}, 16384, []) is warm
+    assert choose(router, admission(DIGESTS), [cold, warm], 1.0, []) is warm
 
 
 def test_sticky_replica_keeps_the_request_within_the_margin_and_loses_it_beyond():
@@ -118,16 +127,15 @@ def test_sticky_replica_keeps_the_request_within_the_margin_and_loses_it_beyond(
     sticky, other = replica("sticky"), replica("other")
     adm = admission(DIGESTS[:32], prompt=1000)
     sticky.prefix.record(DIGESTS[:32], 0.0)  # holds the whole prompt: 999 tokens cached
-    fresh = {"sticky": True, "other": True}
     # sticky's KV is fuller, so by cost alone `other` wins; its predicted TTFT (prefill tokens
     # ahead plus its own) is 400 + 1 against other's 300 + 1000: well within the margin
     sticky.queued_prefill_tokens, other.queued_prefill_tokens = 400, 300
     sticky.inflight_blocks = 9000  # 90% KV by our own accounting
     router = PrefixAwareRouter(cfg)
-    assert router.choose(adm, [sticky, other], 1.0, fresh, 16384, []) is sticky
+    assert choose(router, adm, [sticky, other], 1.0, []) is sticky
     # a long queue on the sticky replica: 3,000 + 1 > 1.5 x (0 + 1,000)
     sticky.queued_prefill_tokens, other.queued_prefill_tokens = 3000, 0
-    assert router.choose(adm, [sticky, other], 1.0, fresh, 16384, []) is other
+    assert choose(router, adm, [sticky, other], 1.0, []) is other
 
 
 def test_a_warm_replica_with_a_full_prefill_queue_keeps_its_claim_within_the_margin():
@@ -135,34 +143,32 @@ def test_a_warm_replica_with_a_full_prefill_queue_keeps_its_claim_within_the_mar
     warm, cold = replica("warm"), replica("cold")
     adm = admission(DIGESTS[:40], prompt=12_000)  # 640 tokens cached on `warm`
     warm.prefix.record(DIGESTS[:40], 0.0)
-    fresh = {"warm": True, "cold": True}
     router = PrefixAwareRouter(cfg)
     # over the busy threshold, but 17,000 + 11,360 tokens ahead is within 1.5 x (9,000 + 12,000)
     warm.queued_prefill_tokens, cold.queued_prefill_tokens = 17_000, 9_000
-    assert router.choose(adm, [cold], 1.0, fresh, 16384, backlogged=[warm]) is warm
+    assert choose(router, adm, [cold], 1.0, [warm]) is warm
     # far over: 40,000 + 11,360 > 31,500
     warm.queued_prefill_tokens = 40_000
-    assert router.choose(adm, [cold], 1.0, fresh, 16384, backlogged=[warm]) is cold
+    assert choose(router, adm, [cold], 1.0, [warm]) is cold
 
 
 def test_sglang_cache_aware_follows_its_documented_rule():
     router = SglangCacheAwareRouter(Routing())
     a, b = replica("a"), replica("b")
-    fresh = {"a": True, "b": True}
-    first = router.choose(admission(DIGESTS[:20]), [a, b], 0.0, fresh, 16384, [])
+    first = choose(router, admission(DIGESTS[:20]), [a, b], 0.0, [])
     # balanced and a match over the 0.3 threshold: back to the same worker
-    assert router.choose(admission(DIGESTS[:20]), [a, b], 0.0, fresh, 16384, []) is first
+    assert choose(router, admission(DIGESTS[:20]), [a, b], 0.0, []) is first
     # a prompt matching 5 of 20 blocks (25% < 30%): the smaller tree wins
     other = b if first is a else a
     partial = DIGESTS[:5] + chain_block_hashes(list(range(15 * 16)), parent=DIGESTS[4])
-    assert router.choose(admission(partial), [a, b], 0.0, fresh, 16384, []) is other
+    assert choose(router, admission(partial), [a, b], 0.0, []) is other
     # imbalanced (100 vs 10 in flight: diff > 64 and ratio > 1.5): shortest queue, warm or not
     first.inflight = {str(i): None for i in range(100)}
     other.inflight = {str(i): None for i in range(10)}
-    assert router.choose(admission(DIGESTS[:20]), [a, b], 0.0, fresh, 16384, []) is other
+    assert choose(router, admission(DIGESTS[:20]), [a, b], 0.0, []) is other
     # 100 vs 40: diff 60 is under the absolute threshold, so still cache-aware
     other.inflight = {str(i): None for i in range(40)}
-    assert router.choose(admission(DIGESTS[:20]), [a, b], 0.0, fresh, 16384, []) is first
+    assert choose(router, admission(DIGESTS[:20]), [a, b], 0.0, []) is first
 
 
 def test_routers_are_chosen_by_name_and_unknown_names_are_refused():
@@ -180,10 +186,10 @@ def test_core_counts_only_uncached_prompt_tokens_as_queued_prefill():
     core = make_core(replicas=1)
     first = core.offer(info(prompt=64 * 16 + 5, block_digests=DIGESTS), 0.0)
     (d,) = dispatched(first)
-    r = core.replicas[d.adm.replica]
+    r = core.replicas[d.replica]
     assert r.queued_prefill_tokens == 64 * 16 + 5
     second = dispatched(core.offer(info(prompt=64 * 16 + 5, block_digests=DIGESTS), 0.1))
-    assert second and second[0].adm.prefill_tokens == 5  # the whole prefix was just sent there
+    assert second and admission_of(core, second[0]).prefill_tokens == 5  # the whole prefix was just sent there
 
 
 def test_core_routes_by_kv_events_and_reports_the_index_mode():
@@ -195,7 +201,7 @@ def test_core_routes_by_kv_events_and_reports_the_index_mode():
     assert snap[names[1]]["prefix_index"]["precise_blocks"] == 8
     assert snap[names[0]]["prefix_index"]["mode"] == "approximate"
     (d,) = dispatched(core.offer(info(prompt=8 * 16 + 3, block_digests=DIGESTS[:8]), 1.0))
-    assert d.adm.replica == names[1]
+    assert d.replica == names[1]
 
 
 def test_the_router_is_chosen_by_config_and_swapped_by_a_reload():
@@ -203,9 +209,9 @@ def test_the_router_is_chosen_by_config_and_swapped_by_a_reload():
     from core_helpers import make_config
 
     core = make_core()
-    assert core.router.name == "prefix-aware"  # the default
-    before = core.router
+    assert core.placement.router.name == "prefix-aware"  # the default
+    before = core.placement.router
     core.reload(parse_config(make_config()), 1.0)
-    assert core.router is before  # an unrelated reload keeps its state
+    assert core.placement.router is before  # an unrelated reload keeps its state
     core.reload(parse_config(make_config(policy={"routing": {"router": "sglang-cache-aware"}})), 2.0)
-    assert core.router.name == "sglang-cache-aware"
+    assert core.placement.router.name == "sglang-cache-aware"

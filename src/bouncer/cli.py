@@ -250,6 +250,12 @@ def cmd_bench_feasibility(args) -> None:
                 args.out)
 
 
+def cmd_bench_core(args) -> None:
+    from bouncer.bench.core_cost import main as core_cost
+
+    core_cost(args.scenario, args.load, args.duration, args.replicas, args.out)
+
+
 def cmd_bench_report(args) -> None:
     from bouncer.bench.report import write_report
 
@@ -296,7 +302,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_config_hash_key)
 
     from bouncer.bench.goodput import POLICIES
-    from bouncer.core.routing import ROUTERS
+    from bouncer.core.registry import ROUTERS
     from bouncer.sim.scenarios import SCENARIOS
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
@@ -347,6 +353,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--samples", type=int, default=30, help="refused requests let through, one paired run each")
     p.add_argument("--out", help="write the result JSON")
     p.set_defaults(func=cmd_bench_feasibility)
+
+    p = bench.add_parser("core", help="the admission core's microseconds per call on a simulated workload")
+    p.add_argument("--scenario", default="surge", choices=[s for s in SCENARIOS if s != "agents"])
+    p.add_argument("--load", type=float, default=2.0)
+    p.add_argument("--duration", type=float, default=120.0, help="simulated seconds of arrivals")
+    p.add_argument("--replicas", type=int, default=2)
+    p.add_argument("--out", help="write the numbers as JSON")
+    p.set_defaults(func=cmd_bench_core)
 
     p = bench.add_parser("report", help="Markdown and plots from `bench run` result files")
     p.add_argument("files", nargs="+", help="result JSON files or folders of them")

@@ -20,6 +20,15 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+def _registered(kind: str, name: str) -> str:
+    """A policy name must name an entry of `bouncer.core.registry` (the one place names live)."""
+    from bouncer.core import registry  # at validation time: the registry imports this module
+
+    if name not in registry.KINDS[kind]:
+        raise ValueError(f"unknown {kind} {name!r}; known: {', '.join(registry.names(kind))}")
+    return name
+
+
 def key_digest(api_key: str) -> str:
     """API keys are stored and compared as SHA-256 hex digests, never in clear."""
     return hashlib.sha256(api_key.encode()).hexdigest()
@@ -154,11 +163,14 @@ class Saturation(_Strict):
     # llm-d's utilization detector, max(queue / queue threshold, KV / KV threshold) averaged over
     # replicas; llm-d's defaults are 5 and 0.8. Bouncer runs the pool hotter (vLLM preempts only at
     # 100% KV) and leaves the margin to the band ceilings: sheddable bands stop at 0.8 of this.
+    detector: str = Field("utilization", description="the saturation detector (bouncer.core.registry)")
     queue_depth_threshold: float = Field(8.0, gt=0)
     kv_threshold: float = Field(0.95, gt=0, le=1)
 
-
-RouterName = Literal["round-robin", "least-loaded", "llmd-scorers", "sglang-cache-aware", "prefix-aware"]
+    @field_validator("detector")
+    @classmethod
+    def _known(cls, name: str) -> str:
+        return _registered("saturation detector", name)
 
 
 class Routing(_Strict):
@@ -168,7 +180,8 @@ class Routing(_Strict):
     prefix keeps the request unless its predicted TTFT (prefill work ahead plus its own) exceeds
     the cheapest replica's by more than sticky_margin (relative) plus sticky_slack_tokens."""
 
-    router: RouterName = "prefix-aware"
+    router: str = Field("prefix-aware", description="round-robin | least-loaded | llmd-scorers | "
+                                                    "sglang-cache-aware | prefix-aware (bouncer.core.registry)")
     queue_weight: float = Field(1.0, ge=0)
     prefix_weight: float = Field(1.0, ge=0)
     kv_weight: float = Field(1.0, ge=0)
@@ -182,6 +195,11 @@ class Routing(_Strict):
     cache_threshold: float = Field(0.3, ge=0, le=1)
     balance_abs_threshold: int = Field(64, ge=0)
     balance_rel_threshold: float = Field(1.5, ge=1)
+
+    @field_validator("router")
+    @classmethod
+    def _known(cls, name: str) -> str:
+        return _registered("router", name)
 
 
 class AgentWindowConfig(_Strict):
@@ -242,9 +260,9 @@ class Policy(_Strict):
                                                                "requests' prefill alone does not mark it full for "
                                                                "bands >= 0)")
     max_inflight_per_replica: int = Field(1024, ge=1)
-    fairness: Literal["round-robin", "wdrr"] = "wdrr"
+    fairness: str = Field("wdrr", description="wdrr | round-robin (bouncer.core.registry)")
     wdrr_quantum_tokens: int = Field(4096, ge=1)
-    ordering: Literal["fcfs", "edf"] = "edf"
+    ordering: str = Field("edf", description="edf | fcfs (bouncer.core.registry)")
     default_ttl_s: float = Field(30.0, gt=0)
     band_ceilings: dict[int, float] = Field(default_factory=dict,
                                             description="saturation ceiling per priority band")
@@ -315,6 +333,16 @@ class Policy(_Strict):
     telemetry: Telemetry = Telemetry()
     breaker: Breaker = Breaker()
     saturation: Saturation = Saturation()
+
+    @field_validator("fairness")
+    @classmethod
+    def _known_fairness(cls, name: str) -> str:
+        return _registered("fairness", name)
+
+    @field_validator("ordering")
+    @classmethod
+    def _known_ordering(cls, name: str) -> str:
+        return _registered("ordering", name)
 
     @model_validator(mode="after")
     def _hysteresis(self) -> Policy:

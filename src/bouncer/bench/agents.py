@@ -145,6 +145,6 @@ def run(policy: str, sessions: int, duration_s: float = 3600.0, replicas: int = 
         "prefix_recomputed_tokens": done["prefix_recomputed"], "preemption_recomputed_tokens": preempt_recomputed,
         "preemptions": sum(c.num_preemptions for c in counters),
         "prefix_hit_rate_over_time": over_time,
-        "agent_window": gw.core.models[next(iter(gw.core.models))].agents.window
+        "agent_window": next(iter(gw.core.view.snapshot(reached)["models"].values()))["agents"]["window"]
         if policy == "bouncer" else None,
     }

@@ -34,7 +34,8 @@ from dataclasses import dataclass
 
 from bouncer.bench.goodput import fleet_capacity, fleet_config, tenant_configs
 from bouncer.config import BouncerConfig
-from bouncer.core.admission import Dispatch, Reject
+from bouncer.core.admission import Exemption
+from bouncer.core.outcomes import Dispatch, Reject
 from bouncer.sim.fleet import FleetSim, PolicyEvent, SimRequest
 from bouncer.sim.policies import BOUNCER_POLICY, CorePolicy, core_config
 from bouncer.sim.profiles import DEFAULT_PROFILE
@@ -64,46 +65,36 @@ class LoggingCorePolicy(CorePolicy):
 
     def __init__(self, name: str, config: BouncerConfig, let_through: str | None = None,
                  no_expiry: bool = False) -> None:
-        super().__init__(name, config)
+        # `let_through`: the one attempt admitted even when predicted late; with `no_expiry`,
+        # kept queued as long as its client waits
+        exemption = Exemption(let_through, keep_queued=no_expiry) if let_through is not None else None
+        super().__init__(name, config, exemption)
         self.attempts: dict[str, Attempt] = {}
-        self.let_through = let_through  # the one attempt admitted even when predicted late
-        self.no_expiry = no_expiry  # and kept queued as long as its client waits
-        if let_through is not None:
-            self.core.acts_on_infeasible = lambda adm: adm.request_id != let_through and \
-                self.core.policy.refuse_infeasible  # type: ignore[method-assign]
 
     def offer(self, req: SimRequest, now: float) -> list[PolicyEvent]:
         a = self.attempts[req.attempt_id] = Attempt(now, req.ttft_slo)
-        shipped = self.core.policy
-        if req.attempt_id == self.let_through and self.no_expiry:
-            self.core.policy = shipped.model_copy(update={"ttl_within_slo": False})
         t0 = time.perf_counter()
         events = self.core.offer(self._info(req), now)
         a.offer_s = time.perf_counter() - t0
-        self.core.policy = shipped
         if any(isinstance(e, Reject) and e.request_id == req.attempt_id and e.refusal.reason == "deadline_infeasible"
                for e in events):
             a.refused_at_arrival = True
         events = self._convert(events)
-        adm = self.core.models[next(iter(self.core.models))].flow.get(req.attempt_id)
-        if adm is not None and adm.predicted_infeasible:
+        queued = self.core.view.queued_request(req.attempt_id)
+        if queued is not None and queued.predicted_late:
             a.flagged = True
         return events
 
     def _convert(self, events) -> list[PolicyEvent]:
         for e in events:
-            a = self.attempts.get(e.request_id if isinstance(e, Reject) else e.adm.request_id)
+            a = self.attempts.get(e.request_id)
             if a is None:
                 continue
             if isinstance(e, Dispatch):
-                adm = e.adm
-                a.dispatched_at = adm.dispatched_at
-                r = self.core.replicas[adm.replica]
-                if r.latency is not None and adm.ttft_raw is not None:
-                    a.predicted_ttft = adm.ttft_raw * r.latency.ttft_factor
-                    a.predicted_tpot = adm.tpot_raw * r.latency.tpot_factor
-                a.flagged = a.flagged or adm.predicted_infeasible
-            elif e.refusal.reason == "deadline_infeasible":
+                a.dispatched_at = e.dispatched_at
+                a.predicted_ttft, a.predicted_tpot = e.predicted_ttft_s, e.predicted_tpot_s
+                a.flagged = a.flagged or e.predicted_late
+            elif isinstance(e, Reject) and e.refusal.reason == "deadline_infeasible":
                 a.flagged = a.refused_infeasible = True
         return super()._convert(events)
 

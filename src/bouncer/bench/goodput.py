@@ -17,7 +17,7 @@ import pathlib
 
 from bouncer.config import Routing
 from bouncer.core.blocks import leading_run
-from bouncer.core.routing import make_router
+from bouncer.core.registry import make_router
 from bouncer.sim.fleet import FleetConfig, FleetSim, SimRequest
 from bouncer.sim.policies import (
     BOUNCER_POLICY,

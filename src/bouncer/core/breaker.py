@@ -2,7 +2,11 @@
 
 It trips on failures that hurt the shared fleet: upstream timeouts and runaway sequences that
 ran into the context limit. While open, the tenant's requests are refused at once (cheap) for
-`open_s`; then one probe is let through (half-open), and its outcome closes or re-opens it.
+`open_s`; then one probe is let through (half-open), and its outcome closes or re-opens it. A
+probe that ends with neither (refused by a later layer, expired, cancelled) gives its turn back
+(`release_probe`, the core's finaliser calls it), so the next request probes instead; and a probe
+out for longer than `open_s` without news is given up on the same way, so no lost probe can keep
+the tenant out for ever.
 """
 
 from __future__ import annotations
@@ -25,21 +29,28 @@ class CircuitBreaker:
         self.state = BreakerState.CLOSED
         self._failures: deque[float] = deque()
         self._opened_at = 0.0
-        self._probe_out = False
+        self._probe_since: float | None = None  # when the half-open probe went out
 
-    def allow(self, now: float) -> float | None:
-        """None if a request may pass; else seconds until the breaker will let one through."""
+    def allow(self, now: float) -> tuple[float | None, bool]:
+        """(None if a request may pass, else seconds until the breaker will let one through;
+        whether the request that passes is the half-open probe)."""
         if self.state is BreakerState.OPEN:
             remaining = self._opened_at + self.open_s - now
             if remaining > 0:
-                return remaining
+                return remaining, False
             self.state = BreakerState.HALF_OPEN
-            self._probe_out = False
+            self._probe_since = None
         if self.state is BreakerState.HALF_OPEN:
-            if self._probe_out:
-                return self.open_s
-            self._probe_out = True
-        return None
+            if self._probe_since is not None and now - self._probe_since < self.open_s:
+                return self._probe_since + self.open_s - now, False
+            self._probe_since = now
+            return None, True
+        return None, False
+
+    def release_probe(self) -> None:
+        """The probe ended without telling success from failure: the next request probes."""
+        if self.state is BreakerState.HALF_OPEN:
+            self._probe_since = None
 
     def record_success(self, now: float) -> None:
         if self.state is BreakerState.HALF_OPEN:

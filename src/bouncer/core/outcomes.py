@@ -1,22 +1,24 @@
-"""What the core decides about a request, as typed values.
+"""What the core decides about a request, as typed, immutable values.
 
 Every offered request ends in exactly one terminal outcome: completed, refused (with layer and
 reason), expired, evicted, cancelled, or failed upstream. Turning an outcome into an HTTP status
-happens in one place: `Refusal.status`.
+happens in one place: `Refusal.status`. The shells get decisions as events (`Dispatch`,
+`Reject`, `Reclaimed`), immutable values (named tuples: cheap to make, once per request) that say
+what to do and never let them reach into the core's state.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from enum import StrEnum
+from typing import NamedTuple
 
 
 class Layer(StrEnum):
-    VALIDATION = "validation"  # 1: well-formed, authenticated, known model, parameters in range
-    CONTEXT = "context"  # 2: prompt + max_tokens fit the context
+    VALIDATION = "validation"  # well-formed, authenticated, known model, parameters in range
+    CONTEXT = "context"  # prompt + max_tokens fit the context
     RATE = "rate"  # per-tenant rate limits and circuit breaker
-    QUEUE = "queue"  # 4: waiting room bounds
-    FLOW = "flow"  # 5: bands, shedding, TTL, eviction, drain
+    QUEUE = "queue"  # waiting room bounds, usable backends
+    FLOW = "flow"  # bands, shedding, TTL, eviction, drain, the agent window
     SLO = "slo"  # deadline feasibility
     UPSTREAM = "upstream"  # the backend failed or refused
 
@@ -30,48 +32,79 @@ class Terminal(StrEnum):
     FAILED = "failed"
 
 
+class Reason(StrEnum):
+    """Why a request was refused or ended; clients see it as the error's `code`."""
+
+    INVALID_REQUEST = "invalid_request"
+    INVALID_PARAMETER = "invalid_parameter"
+    CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+    UNAUTHENTICATED = "unauthenticated"
+    MODEL_NOT_ALLOWED = "model_not_allowed"
+    MODEL_NOT_FOUND = "model_not_found"
+    BODY_TOO_LARGE = "body_too_large"
+    REQUEST_TIMEOUT = "request_timeout"  # the client sent its headers or body too slowly
+    RATE_LIMITED_REQUESTS = "rate_limited_requests"
+    RATE_LIMITED_TOKENS = "rate_limited_tokens"
+    CIRCUIT_OPEN = "circuit_open"
+    TENANT_QUEUE_FULL = "tenant_queue_full"
+    DEADLINE_INFEASIBLE = "deadline_infeasible"
+    RETRY_PAST_DEADLINE = "retry_past_deadline"
+    QUEUE_FULL = "queue_full"
+    SATURATED = "saturated"
+    AGENT_WINDOW_FULL = "agent_window_full"
+    EVICTED = "evicted"
+    TTL_EXPIRED = "ttl_expired"
+    DRAINING = "draining"
+    NO_BACKEND = "no_backend"
+    TOO_MANY_CONNECTIONS = "too_many_connections"
+    UPSTREAM_REJECTED = "upstream_rejected"  # the backend found the request invalid (its message is passed on)
+    UPSTREAM_REFUSED = "upstream_refused"  # no backend will take it: they refuse it for load, or rest past its TTL
+    UPSTREAM_ERROR = "upstream_error"
+    UPSTREAM_TIMEOUT = "upstream_timeout"
+    CLIENT_DISCONNECTED = "client_disconnected"  # how a cancelled request ended (not a refusal)
+    INTERNAL_ERROR = "internal_error"  # a bug in the gateway: counted and logged, never expected
+
+
 # HTTP status by reason; the reason names the cause so clients can tell "overloaded, retry soon"
 # apart from "invalid, do not retry". 529 is "the fleet is saturated" (Anthropic's overloaded
 # status, also Dynamo's), 429 is "you (the tenant) are over your limits".
-STATUS_BY_REASON: dict[str, int] = {
-    "invalid_request": 400,
-    "invalid_parameter": 400,
-    "context_length_exceeded": 400,
-    "unauthenticated": 401,
-    "model_not_allowed": 403,
-    "model_not_found": 404,
-    "body_too_large": 413,
-    "rate_limited_requests": 429,
-    "rate_limited_tokens": 429,
-    "circuit_open": 429,
-    "tenant_queue_full": 429,
-    "deadline_infeasible": 429,
-    "retry_past_deadline": 429,
-    "queue_full": 529,
-    "saturated": 529,
-    "agent_window_full": 529,
-    "evicted": 529,
-    "ttl_expired": 503,
-    "draining": 503,
-    "no_backend": 503,
-    "upstream_rejected": 400,  # the backend found the request invalid (its message is passed on)
-    "upstream_refused": 503,  # every backend tried refused it for load, as many times as policy allows
-    "upstream_error": 502,
-    "upstream_timeout": 504,
-    "request_timeout": 408,  # the client sent its headers or body too slowly
-    "too_many_connections": 503,
-    "internal_error": 500,  # a bug in the gateway: counted and logged, never expected
+STATUS_BY_REASON: dict[Reason, int] = {
+    Reason.INVALID_REQUEST: 400,
+    Reason.INVALID_PARAMETER: 400,
+    Reason.CONTEXT_LENGTH_EXCEEDED: 400,
+    Reason.UNAUTHENTICATED: 401,
+    Reason.MODEL_NOT_ALLOWED: 403,
+    Reason.MODEL_NOT_FOUND: 404,
+    Reason.REQUEST_TIMEOUT: 408,
+    Reason.BODY_TOO_LARGE: 413,
+    Reason.RATE_LIMITED_REQUESTS: 429,
+    Reason.RATE_LIMITED_TOKENS: 429,
+    Reason.CIRCUIT_OPEN: 429,
+    Reason.TENANT_QUEUE_FULL: 429,
+    Reason.DEADLINE_INFEASIBLE: 429,
+    Reason.RETRY_PAST_DEADLINE: 429,
+    Reason.QUEUE_FULL: 529,
+    Reason.SATURATED: 529,
+    Reason.AGENT_WINDOW_FULL: 529,
+    Reason.EVICTED: 529,
+    Reason.TTL_EXPIRED: 503,
+    Reason.DRAINING: 503,
+    Reason.NO_BACKEND: 503,
+    Reason.TOO_MANY_CONNECTIONS: 503,
+    Reason.UPSTREAM_REJECTED: 400,
+    Reason.UPSTREAM_REFUSED: 503,
+    Reason.UPSTREAM_ERROR: 502,
+    Reason.UPSTREAM_TIMEOUT: 504,
+    Reason.INTERNAL_ERROR: 500,
 }
 
-
 # refusals a retry of the same request cannot escape (it keeps its first attempt's deadline)
-NEVER_RETRYABLE = frozenset({"retry_past_deadline"})
+NEVER_RETRYABLE = frozenset({Reason.RETRY_PAST_DEADLINE})
 
 
-@dataclass(frozen=True, slots=True)
-class Refusal:
+class Refusal(NamedTuple):
     layer: Layer
-    reason: str
+    reason: Reason
     message: str
     retry_after: float | None = None  # seconds; set for every overload refusal
     param: str | None = None
@@ -104,3 +137,43 @@ class Refusal:
         if s >= 500:
             return "api_error"
         return "invalid_request_error"
+
+
+class Dispatch(NamedTuple):
+    """Send this request to `replica` now."""
+
+    request_id: str
+    replica: str
+    model: str
+    tenant: str
+    band: int  # its band when dispatched (lower than its tenant's if it was demoted)
+    max_tokens: int  # after defaults and clamping: what to ask the engine for
+    arrival: float
+    dispatched_at: float
+    predicted_ttft_s: float | None = None  # on that replica, corrected; None without a step-time model
+    predicted_tpot_s: float | None = None
+    predicted_late: bool = False  # found unable to meet its TTFT SLO and let through (not acted on)
+
+
+class Reject(NamedTuple):
+    """This request ends here with an error (refused, expired in the queue, or evicted)."""
+
+    request_id: str
+    refusal: Refusal
+    terminal: Terminal
+    tenant: str
+    band: int | None
+
+
+class Reclaimed(NamedTuple):
+    """An admitted request's permit outlived its lease without the shell renewing it: the core
+    took it back (a lost permit in the shell costs a slot for a while, not the fleet for ever)."""
+
+    request_id: str
+    tenant: str
+    band: int
+    replica: str
+    age_s: float
+
+
+Event = Dispatch | Reject | Reclaimed

@@ -1,10 +1,22 @@
-"""Per-tenant token buckets, with time passed in.
+"""Per-tenant rate limits: token buckets with time passed in, behind a store.
 
 A bucket holds up to `burst` units and refills at `rate` units per second. Taking more than it
-holds is refused with the time until it would hold enough: that is the Retry-After.
+holds is refused with the time until it would hold enough: that is the Retry-After. Each tenant
+has a request bucket and a token bucket (prompt + max_tokens), either optional.
+
+`RateLimitStore` is what the core asks: `take` charges a request if both buckets allow it (else
+says which limit and for how long), and `refund` gives a charge back, for a request a later,
+costlier layer refused (the waiting room was full, say): a limit counts what the fleet took on.
+`LocalRateLimits` keeps the buckets in this process; a shared store keeps them where several
+gateways see the same ones.
 """
 
 from __future__ import annotations
+
+from typing import Protocol
+
+from bouncer.config import RateLimit
+from bouncer.core.outcomes import Reason
 
 
 class TokenBucket:
@@ -34,29 +46,67 @@ class TokenBucket:
         self._refill(now)
         self.level -= min(amount, self.burst)
 
+    def give_back(self, amount: float, now: float) -> None:
+        self._refill(now)
+        self.level = min(self.burst, self.level + min(amount, self.burst))
+
 
 class TenantRateLimiter:
     """Request and token buckets for one tenant; either may be absent (unlimited)."""
 
-    def __init__(self, requests_per_s: float | None, request_burst: int | None,
-                 tokens_per_min: float | None, token_burst: int | None, now: float) -> None:
-        self.requests = TokenBucket(requests_per_s, request_burst or max(1.0, 2 * requests_per_s), now) \
-            if requests_per_s else None
-        tokens_per_s = tokens_per_min / 60 if tokens_per_min else None
-        self.tokens = TokenBucket(tokens_per_s, token_burst or 10 * tokens_per_s, now) if tokens_per_s else None
+    def __init__(self, cfg: RateLimit, now: float) -> None:
+        self.requests = TokenBucket(cfg.requests_per_s, cfg.request_burst or max(1.0, 2 * cfg.requests_per_s), now) \
+            if cfg.requests_per_s else None
+        tokens_per_s = cfg.tokens_per_min / 60 if cfg.tokens_per_min else None
+        self.tokens = TokenBucket(tokens_per_s, cfg.token_burst or 10 * tokens_per_s, now) if tokens_per_s else None
 
-    def check(self, tokens: int, now: float) -> tuple[str, float] | None:
+    def take(self, tokens: int, now: float) -> tuple[Reason, float] | None:
         """None if the request may pass (and is charged); else (reason, retry_after)."""
         if self.requests is not None:
             wait = self.requests.wait_time(1, now)
             if wait > 0:
-                return "rate_limited_requests", wait
+                return Reason.RATE_LIMITED_REQUESTS, wait
         if self.tokens is not None:
             wait = self.tokens.wait_time(tokens, now)
             if wait > 0:
-                return "rate_limited_tokens", wait
+                return Reason.RATE_LIMITED_TOKENS, wait
         if self.requests is not None:
             self.requests.take(1, now)
         if self.tokens is not None:
             self.tokens.take(tokens, now)
         return None
+
+    def refund(self, tokens: int, now: float) -> None:
+        if self.requests is not None:
+            self.requests.give_back(1, now)
+        if self.tokens is not None:
+            self.tokens.give_back(tokens, now)
+
+
+class RateLimitStore(Protocol):
+    """Tenants' rate-limit buckets. Contract: `take` is atomic (it charges only when it lets the
+    request pass); `refund` of a charge taken earlier makes the tenant's budget as if that
+    request had not come (up to the bucket's burst); `configure` with a tenant's limits starts
+    its buckets full, and is a no-op for limits it already has."""
+
+    def configure(self, tenant: str, limits: RateLimit, now: float) -> None: ...
+    def take(self, tenant: str, tokens: int, now: float) -> tuple[Reason, float] | None: ...
+    def refund(self, tenant: str, tokens: int, now: float) -> None: ...
+
+
+class LocalRateLimits:
+    """The buckets of this process's tenants."""
+
+    def __init__(self) -> None:
+        self._limiters: dict[str, tuple[RateLimit, TenantRateLimiter]] = {}
+
+    def configure(self, tenant: str, limits: RateLimit, now: float) -> None:
+        current = self._limiters.get(tenant)
+        if current is None or current[0] != limits:
+            self._limiters[tenant] = (limits, TenantRateLimiter(limits, now))
+
+    def take(self, tenant: str, tokens: int, now: float) -> tuple[Reason, float] | None:
+        return self._limiters[tenant][1].take(tokens, now)
+
+    def refund(self, tenant: str, tokens: int, now: float) -> None:
+        self._limiters[tenant][1].refund(tokens, now)

@@ -47,6 +47,7 @@ class Admission:
     deadline: float  # TTL: leaves the queue at this time
     ttft_deadline: float | None  # arrival + TTFT SLO
     ttft_slo: float | None = None  # the TTFT it was promised: its tenant's, or a client header's if tighter
+    context_limit: int = 0  # the model's max_model_len: a completion that reaches it is a runaway
     tpot_slo: float | None = None  # the same for TPOT
     replica: str | None = None  # set when dispatched
     dispatched_at: float | None = None
@@ -60,6 +61,8 @@ class Admission:
     retry_key: RetryKey | None = None  # how its client's retries are known again (policy.retries)
     predicted_infeasible: bool = False  # found unable to meet its TTFT SLO (refused, demoted, or let through)
     lease_until: float = 0.0  # its permit is reclaimed after this unless the shell renews it
+    rate_charge: int = 0  # tokens its tenant's rate limits were charged (refunded if it is refused later)
+    breaker_probe: bool = False  # the one request a half-open breaker let through: its outcome decides
     # uncorrected predictions made at dispatch, to correct the replica's predictor by
     ttft_raw: float | None = None
     tpot_raw: float | None = None

@@ -12,14 +12,31 @@ says it is retrying (`x-stainless-retry-count`, sent by the OpenAI SDKs): two us
 same prompt are two requests.
 
 Pure and bounded: a completed request is forgotten, and so is any first attempt older than
-`remember_s` or beyond `max_entries` (the oldest first).
+`remember_s` or beyond `max_entries` (the oldest first). `RetryLedger` is the in-process store;
+the core sees it as a `RetryStore`, which a shared store implements for several gateways (a
+retry may reach another gateway than its first attempt did).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import Protocol
 
 RetryKey = tuple[str, str, int, int | None]  # tenant, model, prompt digest, max_tokens as asked
+
+
+class RetryStore(Protocol):
+    """First attempts by key. Contract: `arrived(key, retry=False)` records `now` and returns it;
+    `arrived(key, retry=True)` returns the recorded first arrival (recording `now` when none is
+    remembered); `completed(key)` forgets it; nothing older than `remember_s` is returned, and
+    at most `max_entries` are kept."""
+
+    remember_s: float
+    max_entries: int
+
+    def __len__(self) -> int: ...
+    def arrived(self, key: RetryKey, retry: bool, now: float) -> float: ...
+    def completed(self, key: RetryKey) -> None: ...
 
 
 class RetryLedger:

@@ -2,7 +2,7 @@
 
 A router only ranks candidates the core has already filtered (not busy, fresh or fail-open,
 room for the request's KV). When none is eligible, routing defers to admission, which holds the
-request. Routers are chosen by name (`policy.routing.router`). What each replica holds in its
+request. Routers are chosen by name (`policy.routing.router`, `bouncer.core.registry`). What each replica holds in its
 prefix cache lives on the replica (`ReplicaState.prefix`), fed by the core on every dispatch and
 by the engine's KV events where it publishes them.
 """
@@ -14,6 +14,7 @@ from typing import Protocol
 
 from bouncer.config import Routing
 from bouncer.core.fleet import ReplicaState
+from bouncer.core.pool import PoolView
 from bouncer.core.prefix_index import ApproxPrefixIndex
 from bouncer.core.requests import Admission
 
@@ -25,11 +26,12 @@ SGLANG_TREE_BLOCKS = 67_108_864 // 4 // 16
 class Router(Protocol):
     name: str
 
-    def choose(self, adm: Admission, candidates: list[ReplicaState], now: float, fresh: dict[str, bool],
-               prefill_busy_tokens: int, backlogged: list[ReplicaState]) -> ReplicaState:
+    def choose(self, adm: Admission, candidates: list[ReplicaState], view: PoolView, prefill_busy_tokens: int,
+               backlogged: list[ReplicaState], cached: dict[str, int]) -> ReplicaState:
         """One of `candidates` (never empty). `backlogged` replicas are usable but full for now
-        (prefill queue or KV headroom): a router may still send a request there
-        when its cache makes up for the wait; the engine queues it."""
+        (prefill queue or KV headroom): a router may still send a request there when its cache
+        makes up for the wait; the engine queues it. `cached`: the prompt tokens each of them
+        holds (`cached_tokens`), computed once for this placement."""
 
 
 def cached_tokens(r: ReplicaState, adm: Admission, now: float) -> int:
@@ -44,7 +46,7 @@ class RoundRobinRouter:
     def __init__(self, cfg: Routing | None = None) -> None:
         self._turn = itertools.count()
 
-    def choose(self, adm, candidates, now, fresh, prefill_busy_tokens, backlogged=()):
+    def choose(self, adm, candidates, view, prefill_busy_tokens, backlogged, cached):
         return candidates[next(self._turn) % len(candidates)]
 
 
@@ -56,8 +58,8 @@ class LeastLoadedRouter:
     def __init__(self, cfg: Routing | None = None) -> None:
         pass
 
-    def choose(self, adm, candidates, now, fresh, prefill_busy_tokens, backlogged=()):
-        return min(candidates, key=lambda r: r.projected_usage(now, fresh[r.name])
+    def choose(self, adm, candidates, view, prefill_busy_tokens, backlogged, cached):
+        return min(candidates, key=lambda r: r.projected_usage(view.now, view.is_fresh(r))
                    + r.queued_prefill_tokens / prefill_busy_tokens)
 
 
@@ -74,14 +76,14 @@ class LlmdScorerRouter:
     def __init__(self, cfg: Routing | None = None) -> None:
         pass
 
-    def choose(self, adm, candidates, now, fresh, prefill_busy_tokens, backlogged=()):
+    def choose(self, adm, candidates, view, prefill_busy_tokens, backlogged, cached):
         digests = adm.info.block_digests
-        queues = [r.queue_depth(fresh[r.name]) for r in candidates]
+        queues = [r.queue_depth(view.is_fresh(r)) for r in candidates]
         qmin, qmax = min(queues), max(queues)
         best, best_score = candidates[0], -1.0
         for r, q in zip(candidates, queues, strict=True):
             prefix = r.prefix.approx.match(digests) / len(digests) if digests else 0.0
-            kv = 1.0 - min(1.0, r.projected_usage(now, fresh[r.name]))
+            kv = 1.0 - min(1.0, r.projected_usage(view.now, view.is_fresh(r)))
             queue = 1.0 if qmax == qmin else 1.0 - (q - qmin) / (qmax - qmin)
             score = self.W_PREFIX * prefix + self.W_KV * kv + self.W_QUEUE * queue
             if score > best_score:
@@ -114,7 +116,7 @@ class SglangCacheAwareRouter:
             tree = self.trees[r.name] = ApproxPrefixIndex(SGLANG_TREE_BLOCKS)
         return tree
 
-    def choose(self, adm, candidates, now, fresh, prefill_busy_tokens, backlogged=()):
+    def choose(self, adm, candidates, view, prefill_busy_tokens, backlogged, cached):
         loads = [len(r.inflight) for r in candidates]
         lo, hi = min(loads), max(loads)
         digests = adm.info.block_digests
@@ -147,23 +149,21 @@ class PrefixAwareRouter:
     def __init__(self, cfg: Routing | None = None) -> None:
         self.cfg = cfg or Routing()
 
-    def choose(self, adm, candidates, now, fresh, prefill_busy_tokens, backlogged=()):
+    def choose(self, adm, candidates, view, prefill_busy_tokens, backlogged, cached):
         c = self.cfg
         prompt = adm.info.prompt_tokens
         best = sticky = None
         best_cost = float("inf")
-        cached: dict[str, int] = {}
         for r in candidates:
-            cached[r.name] = hit = cached_tokens(r, adm, now)
+            hit = cached[r.name]
             cost = (c.queue_weight * r.queued_prefill_tokens + c.prefix_weight * (prompt - hit)) / prefill_busy_tokens \
-                + c.kv_weight * r.projected_usage(now, fresh[r.name])
+                + c.kv_weight * r.projected_usage(view.now, view.is_fresh(r))
             if cost < best_cost:
                 best, best_cost = r, cost
             if hit > (cached[sticky.name] if sticky else 0):
                 sticky = r
         for r in backlogged:
-            cached[r.name] = hit = cached_tokens(r, adm, now)
-            if hit > (cached[sticky.name] if sticky else 0):
+            if cached[r.name] > (cached[sticky.name] if sticky else 0):
                 sticky = r
         assert best is not None
         # Only a replica holding *more* of the prompt than the cheapest one has a claim: a prefix
@@ -177,12 +177,3 @@ class PrefixAwareRouter:
         return best
 
 
-ROUTERS = {cls.name: cls for cls in (RoundRobinRouter, LeastLoadedRouter, LlmdScorerRouter, SglangCacheAwareRouter,
-                                     PrefixAwareRouter)}
-
-
-def make_router(name: str, cfg: Routing | None = None) -> Router:
-    try:
-        return ROUTERS[name](cfg)
-    except KeyError:
-        raise ValueError(f"unknown router {name!r}; known: {', '.join(sorted(ROUTERS))}") from None

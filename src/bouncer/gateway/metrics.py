@@ -28,21 +28,20 @@ class _CoreCollector:
         self.connections = connections
 
     def collect(self):
-        core = self.core_ref()
-        now = self.clock()
+        view = self.core_ref().view
+        stats = view.stats
+        snap = view.snapshot(self.clock())
         decisions = CounterMetricFamily(
             "bouncer_decisions", "Admission decisions and terminal outcomes by layer and reason.",
             labels=["outcome", "layer", "reason", "tenant", "band"])
-        for (outcome, layer, reason, tenant, band), n in sorted(core.stats.decisions.items(), key=str):
+        for (outcome, layer, reason, tenant, band), n in sorted(stats.decisions.items(), key=str):
             decisions.add_metric([outcome, layer, reason, tenant, "-" if band is None else str(band)], n)
         yield decisions
-        yield CounterMetricFamily("bouncer_offered_requests", "Requests offered to admission.",
-                                  value=core.stats.offered)
+        yield CounterMetricFamily("bouncer_offered_requests", "Requests offered to admission.", value=stats.offered)
         yield GaugeMetricFamily("bouncer_inflight_requests", "Admitted requests holding a permit.",
-                                value=len(core.inflight))
+                                value=snap["inflight"])
         yield CounterMetricFamily("bouncer_permits_reclaimed", "Permits taken back after their lease ran out "
-                                  "unrenewed (each one a request the gateway lost track of).",
-                                  value=core.stats.reclaimed)
+                                  "unrenewed (each one a request the gateway lost track of).", value=stats.reclaimed)
         conns = self.connections()
         if conns is not None:
             yield GaugeMetricFamily("bouncer_connections_open", "Open client connections.", value=conns.open)
@@ -57,16 +56,15 @@ class _CoreCollector:
         agent_window = GaugeMetricFamily("bouncer_agent_window", "Active agents allowed (AIMD window).",
                                          labels=["model"])
         active_agents = GaugeMetricFamily("bouncer_active_agents", "Agents (sessions) active now.", labels=["model"])
-        snap = core.snapshot(now)
-        for name, ms in core.models.items():
-            for band in ms.flow.bands_desc():
-                depth.add_metric([name, str(band.priority)], band.count)
-                queued_tokens.add_metric([name, str(band.priority)], band.tokens)
-            sat.add_metric([name], snap["models"][name]["saturation"])
-            draining.add_metric([name], 1.0 if ms.draining else 0.0)
-            if ms.agents is not None:
-                agent_window.add_metric([name], ms.agents.window)
-                active_agents.add_metric([name], len(ms.agents.active))
+        for name, ms in snap["models"].items():
+            for band, b in ms["bands"].items():
+                depth.add_metric([name, str(band)], b["queued"])
+                queued_tokens.add_metric([name, str(band)], b["tokens"])
+            sat.add_metric([name], ms["saturation"])
+            draining.add_metric([name], 1.0 if ms["draining"] else 0.0)
+            if ms["agents"] is not None:
+                agent_window.add_metric([name], ms["agents"]["window"])
+                active_agents.add_metric([name], ms["agents"]["active"])
         yield depth
         yield queued_tokens
         yield sat
@@ -130,8 +128,8 @@ class _CoreCollector:
                                     labels=["tenant"])
         ratio = GaugeMetricFamily("bouncer_slo_attainment_ratio", "Share of completed requests within SLO.",
                                   labels=["tenant"])
-        for tenant, n in sorted(core.stats.slo_total.items()):
-            m = core.stats.slo_met[tenant]
+        for tenant, n in sorted(stats.slo_total.items()):
+            m = stats.slo_met[tenant]
             met.add_metric([tenant], m)
             total.add_metric([tenant], n)
             ratio.add_metric([tenant], m / n if n else 1.0)

@@ -23,7 +23,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from bouncer.core.outcomes import Terminal
+from bouncer.core.outcomes import Reason, Terminal
 from bouncer.gateway.upstream import UpstreamError, UpstreamResponse, UpstreamTimeout
 from bouncer.openai_wire import ApiError, dumps
 
@@ -48,7 +48,7 @@ class Outcome:
     """How an admitted request ended, for the core's `finished`."""
 
     terminal: Terminal = Terminal.FAILED
-    reason: str | None = "upstream_error"
+    reason: Reason | None = Reason.UPSTREAM_ERROR
     completion_tokens: int = 0
     first_token_at: float | None = None
 
@@ -56,7 +56,7 @@ class Outcome:
 class UpstreamFailure(Exception):
     """The backend failed before the response to the client started: answer with this error."""
 
-    def __init__(self, status: int, reason: str, message: str, retry_after: float | None = None) -> None:
+    def __init__(self, status: int, reason: Reason, message: str, retry_after: float | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.reason = reason
@@ -96,8 +96,8 @@ def failure_for_status(status: int, headers: dict[str, str], raw: bytes) -> Upst
         return Requeue(retry_after_header(headers))
     if 400 <= status < 500:
         message = _backend_message(raw) or f"the backend rejected the request ({status})"
-        return UpstreamFailure(400, "upstream_rejected", message)
-    return UpstreamFailure(502, "upstream_error", f"the backend answered {status}")
+        return UpstreamFailure(400, Reason.UPSTREAM_REJECTED, message)
+    return UpstreamFailure(502, Reason.UPSTREAM_ERROR, f"the backend answered {status}")
 
 
 def completion_tokens(obj: dict[str, Any]) -> int | None:
@@ -156,7 +156,7 @@ async def sse_batches(chunks: AsyncIterator[bytes]) -> AsyncIterator[list[bytes]
         yield [buf + b"\n\n"]
 
 
-def error_event(status: int, reason: str, message: str) -> bytes:
+def error_event(status: int, reason: Reason, message: str) -> bytes:
     err = ApiError(status, message, "api_error", code=reason, layer="upstream", reason=reason)
     return b"data: " + dumps(err.body()) + b"\n\n"
 
@@ -170,7 +170,7 @@ async def relay_json(up: UpstreamResponse, read_timeout: float, clock: Callable[
     except orjson.JSONDecodeError:
         obj = None
     if not isinstance(obj, dict):
-        raise UpstreamFailure(502, "upstream_error", "the backend's answer is not a JSON object")
+        raise UpstreamFailure(502, Reason.UPSTREAM_ERROR, "the backend's answer is not a JSON object")
     out.first_token_at = clock()
     on_first_token(out.first_token_at)
     out.completion_tokens = completion_tokens(obj) or 0
@@ -186,10 +186,10 @@ async def relay_stream(up: UpstreamResponse, request: web.Request, read_timeout:
     batches = sse_batches(up.chunks(read_timeout))
     batch = await anext(batches, None)
     if not batch:
-        raise UpstreamFailure(502, "upstream_error", "the backend closed the stream without an event")
+        raise UpstreamFailure(502, Reason.UPSTREAM_ERROR, "the backend closed the stream without an event")
     first = event_json(batch[0])
     if not isinstance(first, dict):
-        raise UpstreamFailure(502, "upstream_error", "the backend's stream does not start with a JSON event")
+        raise UpstreamFailure(502, Reason.UPSTREAM_ERROR, "the backend's stream does not start with a JSON event")
     if "error" in first:
         err = first["error"]
         code = err.get("code") if isinstance(err, dict) else None
@@ -197,7 +197,7 @@ async def relay_stream(up: UpstreamResponse, request: web.Request, read_timeout:
             raise Requeue(None)
         message = err.get("message") if isinstance(err, dict) else err
         message = message[:MAX_ERROR_MESSAGE] if isinstance(message, str) and message else "an error event"
-        raise UpstreamFailure(502, "upstream_error", f"the backend sent {message}")
+        raise UpstreamFailure(502, Reason.UPSTREAM_ERROR, f"the backend sent {message}")
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     content_events = 0
     try:
@@ -211,7 +211,7 @@ async def relay_stream(up: UpstreamResponse, request: web.Request, read_timeout:
                 batch = await anext(batches, None)
         except (UpstreamError, TimeoutError) as exc:
             timeout = isinstance(exc, UpstreamTimeout | TimeoutError)
-            out.reason = "upstream_timeout" if timeout else "upstream_error"
+            out.reason = Reason.UPSTREAM_TIMEOUT if timeout else Reason.UPSTREAM_ERROR
             out.completion_tokens = out.completion_tokens or content_events
             await _write(resp, error_event(504 if timeout else 502, out.reason,
                                            f"the backend failed mid-stream: {exc}"))
@@ -222,7 +222,7 @@ async def relay_stream(up: UpstreamResponse, request: web.Request, read_timeout:
         out.terminal, out.reason = Terminal.COMPLETED, None
     except ClientGone:
         # closing the unfinished upstream response (the caller does) makes the engine abort it
-        out.terminal, out.reason = Terminal.CANCELLED, "client_disconnected"
+        out.terminal, out.reason = Terminal.CANCELLED, Reason.CLIENT_DISCONNECTED
         out.completion_tokens = out.completion_tokens or content_events
     return resp
 

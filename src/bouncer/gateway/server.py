@@ -34,10 +34,10 @@ from aiohttp import web
 from prometheus_client import generate_latest
 
 from bouncer.config import BouncerConfig, ConfigError, key_digest, load_config, parse_config
-from bouncer.core.admission import AdmissionCore, Dispatch, Event, Reclaimed, Reject, backend_name
+from bouncer.core.admission import AdmissionCore
 from bouncer.core.fleet import Telemetry
-from bouncer.core.outcomes import Layer, Refusal, Terminal
-from bouncer.core.requests import Admission
+from bouncer.core.model_state import backend_name
+from bouncer.core.outcomes import Dispatch, Event, Layer, Reason, Reclaimed, Refusal, Reject, Terminal
 from bouncer.gateway import kv_events
 from bouncer.gateway.connections import GuardedSite, Limits
 from bouncer.gateway.metrics import GatewayMetrics
@@ -61,8 +61,8 @@ SCRAPE_TIMEOUT_S = 5.0  # a scrape that has not answered in this long failed
 
 def error_response(refusal: Refusal) -> web.Response:
     """The one place a refusal becomes an HTTP answer: status, OpenAI error body, headers."""
-    err = ApiError(refusal.status, refusal.message, refusal.error_type, code=refusal.reason, param=refusal.param,
-                   layer=refusal.layer.value, reason=refusal.reason)
+    err = ApiError(refusal.status, refusal.message, refusal.error_type, code=str(refusal.reason), param=refusal.param,
+                   layer=refusal.layer.value, reason=str(refusal.reason))
     headers = {"x-bouncer-layer": refusal.layer.value, "x-bouncer-reason": refusal.reason}
     if not refusal.should_retry:
         # this request cannot succeed if sent again (the OpenAI SDKs honour it); a Retry-After
@@ -148,7 +148,7 @@ class Gateway:
 
     def _sync_scrapers(self) -> None:
         loop = asyncio.get_running_loop()
-        live = {name for name, r in self.core.replicas.items() if not r.removed}
+        live = set(self.core.view.replica_names(live_only=True))
         for name in list(self._scrapers):
             if name not in live:
                 self._scrapers.pop(name).cancel()
@@ -181,18 +181,18 @@ class Gateway:
     def _apply(self, events: list[Event]) -> None:
         for event in events:
             if isinstance(event, Reclaimed):
-                adm = event.adm
                 log.warning("permit reclaimed: its lease ran out unrenewed", extra={
-                    "event": "permit_reclaimed", "rid": adm.request_id, "tenant": adm.tenant, "band": adm.priority,
-                    "replica": adm.replica, "age_s": round(event.age_s, 3)})
+                    "event": "permit_reclaimed", "rid": event.request_id, "tenant": event.tenant, "band": event.band,
+                    "replica": event.replica, "age_s": round(event.age_s, 3)})
                 continue
-            rid = event.adm.request_id if isinstance(event, Dispatch) else event.request_id
+            rid = event.request_id
             fut = self._waiters.pop(rid, None)
             if fut is not None and not fut.done():
                 fut.set_result(event)
             elif isinstance(event, Dispatch):
                 # its client is gone already: give the permit straight back
-                self._apply(self.core.finished(rid, self.clock(), Terminal.CANCELLED, reason="client_disconnected"))
+                self._apply(self.core.finished(rid, self.clock(), Terminal.CANCELLED,
+                                               reason=Reason.CLIENT_DISCONNECTED))
 
     async def _ticker(self) -> None:
         while True:
@@ -211,7 +211,7 @@ class Gateway:
         healthy: bool | None = None
         drifting = False
         while True:
-            replica = self.core.replicas[name]
+            replica = self.core.view.replica(name)
             model = self.prepared.models[replica.model]
             interval = self.config.policy.telemetry.scrape_interval_s
             at = self.clock()
@@ -230,6 +230,7 @@ class Gateway:
                             extra={"event": "backend_health", "replica": name, "url": replica.url,
                                    "healthy": telemetry is not None, "error": error})
                 healthy = telemetry is not None
+            replica = self.core.view.replica(name)
             if replica.drift_reported != drifting:
                 drifting = replica.drift_reported
                 log.warning("in-flight drift: the engine runs fewer requests than the gateway counts there"
@@ -269,7 +270,7 @@ class Gateway:
         except Exception:
             self.metrics.internal_errors.inc()
             log.exception("internal error", extra={"event": "internal_error", "path": request.path})
-            return error_response(Refusal(Layer.VALIDATION, "internal_error", "internal error in the gateway"))
+            return error_response(Refusal(Layer.VALIDATION, Reason.INTERNAL_ERROR, "internal error in the gateway"))
         finally:
             if notify:
                 proto.request_finished()
@@ -284,7 +285,7 @@ class Gateway:
     def _refuse_early(self, rid: str, refusal: Refusal, line: dict) -> web.Response:
         """A refusal made before the core saw the request (body, JSON, parameters)."""
         self.core.record_refusal(rid, refusal)
-        line.update(outcome=Terminal.REFUSED.value, layer=refusal.layer.value, reason=refusal.reason)
+        line.update(outcome=Terminal.REFUSED.value, layer=refusal.layer.value, reason=str(refusal.reason))
         return error_response(refusal)
 
     async def _generate(self, request: web.Request, kind: str, path: str) -> web.StreamResponse:
@@ -304,7 +305,8 @@ class Gateway:
     async def _generate_for(self, request: web.Request, kind: str, path: str, rid: str,
                             line: dict[str, Any]) -> web.StreamResponse:
         limits = self.config.limits
-        too_large = Refusal(Layer.VALIDATION, "body_too_large", f"request body exceeds {limits.max_body_bytes} bytes")
+        too_large = Refusal(Layer.VALIDATION, Reason.BODY_TOO_LARGE,
+                            f"request body exceeds {limits.max_body_bytes} bytes")
         if request.content_length is not None and request.content_length > limits.max_body_bytes:
             return self._refuse_early(rid, too_large, line)
         try:
@@ -312,7 +314,7 @@ class Gateway:
         except web.HTTPRequestEntityTooLarge:  # past the app's client_max_size of limit + 1
             raw = None
         except TimeoutError:
-            return self._refuse_early(rid, Refusal(Layer.VALIDATION, "request_timeout",
+            return self._refuse_early(rid, Refusal(Layer.VALIDATION, Reason.REQUEST_TIMEOUT,
                                                    f"the request body did not arrive within "
                                                    f"{self.config.listen.body_timeout_s:g} s"), line)
         if raw is None or len(raw) > limits.max_body_bytes:
@@ -329,21 +331,20 @@ class Gateway:
             else:
                 info = request_info(rid, kind, body, request.headers, tokenizer, block_size)
         except ApiError as err:
-            reason = "invalid_request" if err.code == "invalid_json" else "invalid_parameter"
+            reason = Reason.INVALID_REQUEST if err.code == "invalid_json" else Reason.INVALID_PARAMETER
             return self._refuse_early(rid, Refusal(Layer.VALIDATION, reason, err.message, param=err.param), line)
         line.update(model=info.model, stream=bool(body.get("stream")), prompt_tokens=info.prompt_tokens)
         decision = await self._decision(rid, lambda: self.core.offer(info, self.clock()))
         while True:
-            line.update(tenant=decision.adm.tenant if isinstance(decision, Dispatch) else decision.tenant,
-                        band=decision.adm.priority if isinstance(decision, Dispatch) else decision.priority)
+            line.update(tenant=decision.tenant, band=decision.band)
             if isinstance(decision, Reject):
                 r = decision.refusal
-                line.update(outcome=decision.terminal.value, layer=r.layer.value, reason=r.reason)
+                line.update(outcome=decision.terminal.value, layer=r.layer.value, reason=str(r.reason))
                 return error_response(r)
-            adm = decision.adm
-            self.metrics.observe_queue_wait(adm.tenant, adm.priority, adm.dispatched_at - adm.arrival)
-            line.update(queue_wait_s=round(adm.dispatched_at - adm.arrival, 4), replica=adm.replica)
-            result = await self._serve_admitted(request, path, body, adm, line)
+            wait = decision.dispatched_at - decision.arrival
+            self.metrics.observe_queue_wait(decision.tenant, decision.band, wait)
+            line.update(queue_wait_s=round(wait, 4), replica=decision.replica)
+            result = await self._serve_admitted(request, path, body, decision, line)
             if not isinstance(result, Requeue):
                 return result
             # the replica refused it: the core holds it again until it fits elsewhere, or ends it
@@ -363,25 +364,25 @@ class Gateway:
             if fut.done() and not fut.cancelled() and isinstance(fut.result(), Dispatch):
                 # dispatched in the very turn the client left (the result was set, the task was
                 # cancelled before it ran on): its permit goes straight back
-                self._apply(self.core.finished(rid, now, Terminal.CANCELLED, reason="client_disconnected"))
+                self._apply(self.core.finished(rid, now, Terminal.CANCELLED, reason=Reason.CLIENT_DISCONNECTED))
             else:
                 self._apply(self.core.cancel(rid, now))
             raise
 
-    async def _serve_admitted(self, request: web.Request, path: str, body: dict[str, Any], adm: Admission,
+    async def _serve_admitted(self, request: web.Request, path: str, body: dict[str, Any], d: Dispatch,
                               line: dict[str, Any]) -> web.StreamResponse | Requeue:
         """Send an admitted request upstream and relay the answer. Owns its permit: whatever
         happens here, the core hears how it ended (or gets it back to hold again, on `Requeue`)."""
-        rid = adm.request_id
+        rid = d.request_id
         out = Outcome()
         requeued = False
         self._live.add(rid)
         try:
-            model = self.prepared.models[adm.info.model]
-            replica = self.core.replicas[adm.replica]
+            model = self.prepared.models[d.model]
+            url = self.core.view.replica(d.replica).url
             upstream_body = dict(body)
             upstream_body["model"] = model.upstream_model or model.name
-            upstream_body["max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"] = adm.max_tokens
+            upstream_body["max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"] = d.max_tokens
             streaming = bool(body.get("stream"))
             options = body.get("stream_options") or {}  # checked: an object
             if streaming:
@@ -391,7 +392,7 @@ class Gateway:
                 self.core.started(rid, at)
 
             read_timeout = self.upstream.read_timeout
-            up = await self.upstream.post_json(self._upstream_url(replica.url, path), dumps(upstream_body))
+            up = await self.upstream.post_json(self._upstream_url(url, path), dumps(upstream_body))
             try:
                 if up.status != 200:
                     raise failure_for_status(up.status, up.headers, await up.read(read_timeout))
@@ -408,13 +409,13 @@ class Gateway:
             out.reason = exc.reason
             return error_response(Refusal(Layer.UPSTREAM, exc.reason, exc.message, exc.retry_after))
         except UpstreamTimeout:
-            out.reason = "upstream_timeout"
+            out.reason = Reason.UPSTREAM_TIMEOUT
             return error_response(Refusal(Layer.UPSTREAM, out.reason, "the backend timed out", 1.0))
         except UpstreamError as exc:
-            out.reason = "upstream_error"
+            out.reason = Reason.UPSTREAM_ERROR
             return error_response(Refusal(Layer.UPSTREAM, out.reason, f"backend connection failed: {exc}", 1.0))
         except (asyncio.CancelledError, ConnectionResetError):
-            out.terminal, out.reason = Terminal.CANCELLED, "client_disconnected"
+            out.terminal, out.reason = Terminal.CANCELLED, Reason.CLIENT_DISCONNECTED
             raise
         finally:
             self._live.discard(rid)
@@ -423,9 +424,9 @@ class Gateway:
                 if out.terminal is Terminal.COMPLETED:
                     tpot = (now - out.first_token_at) / (out.completion_tokens - 1) \
                         if out.first_token_at is not None and out.completion_tokens > 1 and body.get("stream") else None
-                    self.metrics.observe_completed(adm.tenant, adm.arrival, out.first_token_at, tpot, now)
+                    self.metrics.observe_completed(d.tenant, d.arrival, out.first_token_at, tpot, now)
                 line.update(outcome=out.terminal.value, reason=out.reason, completion_tokens=out.completion_tokens,
-                            ttft_s=None if out.first_token_at is None else round(out.first_token_at - adm.arrival, 4),
+                            ttft_s=None if out.first_token_at is None else round(out.first_token_at - d.arrival, 4),
                             layer=Layer.UPSTREAM.value if out.terminal is Terminal.FAILED else None)
                 self._apply(self.core.finished(rid, now, out.terminal, out.completion_tokens, out.reason))
 

@@ -13,9 +13,12 @@ import math
 import xxhash
 
 from bouncer.config import BouncerConfig, key_digest, parse_config
-from bouncer.core.admission import AdmissionCore, Dispatch, Reject
+from bouncer.core.admission import AdmissionCore, Exemption
+from bouncer.core.dispatch import blocks_and_prefill
 from bouncer.core.fleet import ReplicaState, Telemetry
-from bouncer.core.outcomes import Terminal
+from bouncer.core.outcomes import Dispatch, Reject, Terminal
+from bouncer.core.permits import LocalPermits
+from bouncer.core.pool import PoolView
 from bouncer.core.prefix_index import ApproxPrefixIndex
 from bouncer.core.requests import Admission, RequestInfo
 from bouncer.core.routing import RoundRobinRouter, Router, cached_tokens
@@ -34,26 +37,26 @@ class CorePolicy:
     """Bouncer's admission core, as the gateway runs it. Also the base of baselines that are
     the same machinery with a peer's parameters (llm-d flow control)."""
 
-    def __init__(self, name: str, config: BouncerConfig) -> None:
+    def __init__(self, name: str, config: BouncerConfig, exemption: Exemption | None = None) -> None:
         self.name = name
-        self.core = AdmissionCore(config, 0.0)  # routes as config.policy.routing says
+        self.core = AdmissionCore(config, 0.0, exemption=exemption)  # routes as config.policy.routing says
         self._keys = {t.name: t.api_keys_sha256[0] for t in config.tenants}
         self._renew_every = config.policy.permit_lease_s / 4
         self._next_renew = 0.0
 
     @property
     def replica_names(self) -> list[str]:
-        return list(self.core.replicas)
+        return self.core.view.replica_names()
 
     @property
     def queued(self) -> int:
-        return self.core.queued
+        return self.core.view.queued
 
     def _convert(self, events) -> list[PolicyEvent]:
         out: list[PolicyEvent] = []
         for e in events:
             if isinstance(e, Dispatch):
-                out.append(Dispatched(e.adm.request_id, e.adm.replica))
+                out.append(Dispatched(e.request_id, e.replica))
             else:
                 assert isinstance(e, Reject)
                 r = e.refusal
@@ -94,7 +97,7 @@ class CorePolicy:
     def observe(self, replica: str, telemetry: Telemetry, now: float):
         if now >= self._next_renew:  # as the gateway does: what runs keeps its permit
             self._next_renew = now + self._renew_every
-            self.core.renew(list(self.core.inflight), now)
+            self.core.renew(self.core.view.inflight_ids(), now)
         return self._convert(self.core.observe(replica, telemetry, now))
 
     def kv_events(self, replica: str, stored: list[tuple[str, int]], removed: list[tuple[str, int]],
@@ -161,35 +164,27 @@ class NoAdmission(_Passthrough):
         for r in self.fleet.values():
             r.offload_blocks = offload_blocks
             r.sync_capacity()
-        self._fresh = dict.fromkeys(replicas, True)
-        self._adm: dict[str, Admission] = {}
+        self.permits = LocalPermits()  # the core's own in-flight accounting, for the router to read
 
     def offer(self, req, now):
         adm = Admission(RequestInfo(req.attempt_id, None, SIM_MODEL, req.prompt_len, req.max_tokens,
                                     block_digests=req.block_digests),
                         req.tenant, req.priority, req.max_tokens, req.output_len, now, math.inf, None)
-        r = self.router.choose(adm, list(self.fleet.values()), now, self._fresh, self.PREFILL_SCALE, [])
-        adm.replica, adm.dispatched_at = r.name, now
-        adm.blocks = -(-(req.prompt_len + req.output_len) // r.block_size)
-        adm.prefill_tokens = req.prompt_len - cached_tokens(r, adm, now)
+        cached = {name: cached_tokens(r, adm, now) for name, r in self.fleet.items()}
+        r = self.router.choose(adm, list(self.fleet.values()), PoolView(self.fleet, None, now), self.PREFILL_SCALE,
+                               [], cached)
+        blocks_and_prefill(adm, r, cached)
         r.prefix.record(req.block_digests, now)
-        r.add(adm.request_id, adm, adm.blocks, adm.prefill_tokens)
-        self._adm[req.attempt_id] = adm
+        self.permits.grant(adm, r, now, math.inf)
         return self._dispatch(req, r.name)
 
     def started(self, attempt_id, now):
-        adm = self._adm.get(attempt_id)
-        if adm is not None and adm.first_token_at is None:
-            adm.first_token_at = now
-            self.fleet[adm.replica].mark_started(adm)
+        adm = self.permits.get(attempt_id)
+        if adm is not None:
+            self.permits.started(adm, self.fleet[adm.replica], now)
 
     def finished(self, attempt_id, now, completed, completion_tokens):
-        adm = self._adm.pop(attempt_id, None)
-        if adm is not None:
-            r = self.fleet[adm.replica]
-            if adm.first_token_at is None:
-                r.mark_started(adm)
-            r.remove(attempt_id, adm.blocks)
+        self.permits.release(attempt_id, self.fleet)
         return super().finished(attempt_id, now, completed, completion_tokens)
 
     def engine_refused(self, attempt_id, now):

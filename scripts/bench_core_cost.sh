@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# The admission core's cost per call on this tree against another revision, on the same calls, in
+# one run on the same machine: `bouncer bench core`'s record and replay (bouncer/bench/core_cost.py).
+# One simulated run (surge, load 2, 120 s, 2 replicas) is recorded, then replayed on REV and on
+# this tree, alternating, 5 times each; the fastest replay of each is reported (the least
+# disturbed), and docs/bench/core-cost.json saved.   usage: scripts/bench_core_cost.sh [REV]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+rev=$(git rev-parse --short "${1:-HEAD~1}")  # saved as a commit, which stays true after more commits
+work=$(mktemp -d)
+trap 'git worktree remove --force "$work/old" >/dev/null 2>&1 || true; rm -rf "$work"' EXIT
+git worktree add -q --detach "$work/old" "$rev"
+cp src/bouncer/bench/core_cost.py "$work/core_cost_tool.py"  # the same measurement on both trees
+export BOUNCER_CACHE_DIR="$work/cache"
+PYTHONPATH="$PWD/src:$work" .venv/bin/python -c "import core_cost_tool; core_cost_tool.record('$work/calls.pickle')"
+for i in 1 2 3 4 5; do
+  for tree in old new; do
+    src=$([ "$tree" = old ] && echo "$work/old/src" || echo "$PWD/src")
+    PYTHONPATH="$src:$work" .venv/bin/python -c "
+import json, core_cost_tool
+r = core_cost_tool.replay('$work/calls.pickle')
+r['tree'] = '$tree'
+print(json.dumps(r))" >> "$work/runs.jsonl"
+  done
+done
+.venv/bin/python - "$work/runs.jsonl" "$rev" <<'PY'
+import json, sys
+runs = [json.loads(line) for line in open(sys.argv[1])]
+best = {tree: min((r for r in runs if r["tree"] == tree), key=lambda r: r["total_seconds"]) for tree in ("old", "new")}
+print(f"core cost per call, replaying one recorded run (surge, load 2, 120 s, 2 replicas), fastest of 5 replays each:")
+print(f"  {'':>10}  {sys.argv[2]:>12}  {'this tree':>12}")
+for name in ("offer", "tick", "finished", "observe", "started"):
+    old, new = best["old"]["calls"].get(name), best["new"]["calls"].get(name)
+    if old and new:
+        print(f"  {name:>10}: {old['mean_us']:9.1f} us  {new['mean_us']:9.1f} us  ({new['mean_us'] / old['mean_us']:.2f}x, "
+              f"{new['n']} calls)")
+print(f"  {'all':>10}: {best['old']['total_seconds']:9.2f} s   {best['new']['total_seconds']:9.2f} s   "
+      f"({best['new']['total_seconds'] / best['old']['total_seconds']:.2f}x)")
+json.dump({"revision": sys.argv[2], "best": best, "runs": runs}, open("docs/bench/core-cost.json", "w"), indent=1)
+PY

@@ -1,0 +1,97 @@
+"""`bouncer bench core`: what the admission core costs per call, on a simulated workload.
+
+Two steps, so that the core alone is measured and two revisions can be compared on the very same
+calls:
+- `record`: one goodput run (`bench run`'s setup: a scenario at a load, Bouncer's policy), with
+  every call the simulator makes on the core written down (entry point, arguments) with the config;
+- `replay`: a fresh core fed those calls in order, each timed. The core is deterministic, so a
+  replay decides exactly what the recorded run decided, on any revision whose entry points take
+  the same arguments; nothing but the core runs while it is timed.
+
+`scripts/bench_core_cost.sh REV` records once and replays on REV and on this tree, alternating,
+and reports the fastest replay of each (the least disturbed by a noisy machine), per entry point.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import statistics
+import time
+from collections import defaultdict
+
+ENTRY_POINTS = ("offer", "tick", "started", "finished", "observe", "cancel", "requeue", "renew", "kv_digests")
+
+
+def record(path: str, scenario: str = "surge", load: float = 2.0, duration_s: float = 120.0, replicas: int = 2,
+           seed: int = 0) -> int:
+    """Run the scenario and write its core calls to `path`; returns how many."""
+    from bouncer.bench import goodput
+    from bouncer.sim import policies
+
+    calls: list[tuple[str, tuple, dict]] = []
+    configs = []
+    original = policies.CorePolicy.__init__
+
+    def recording_init(self, name, config, *args, **kwargs):
+        original(self, name, config, *args, **kwargs)
+        configs.append(config.model_dump(mode="json", exclude_defaults=True))
+        core = self.core
+        for entry in ENTRY_POINTS:
+            call = getattr(core, entry)
+
+            def wrapper(*a, _call=call, _entry=entry, **k):
+                calls.append((_entry, a if _entry != "renew" else (list(a[0]), *a[1:]), k))
+                return _call(*a, **k)
+            setattr(core, entry, wrapper)  # this run's core only: an instrument, not a change
+
+    policies.CorePolicy.__init__ = recording_init
+    try:
+        goodput.simulate(scenario, "bouncer", load, seed, replicas, duration_s)
+    finally:
+        policies.CorePolicy.__init__ = original
+    with open(path, "wb") as f:
+        pickle.dump({"config": configs[-1], "calls": calls, "scenario": scenario, "load": load,
+                     "duration_s": duration_s, "replicas": replicas, "seed": seed}, f)
+    return len(calls)
+
+
+def replay(path: str) -> dict:
+    """Feed a fresh core the recorded calls; seconds spent per entry point."""
+    from bouncer.config import parse_config
+    from bouncer.core.admission import AdmissionCore
+
+    with open(path, "rb") as f:
+        recorded = pickle.load(f)
+    core = AdmissionCore(parse_config(recorded["config"]), 0.0)
+    spent: dict[str, float] = defaultdict(float)
+    counts: dict[str, int] = defaultdict(int)
+    clock = time.perf_counter
+    for entry, args, kwargs in recorded["calls"]:
+        call = getattr(core, entry)
+        t0 = clock()
+        call(*args, **kwargs)
+        spent[entry] += clock() - t0
+        counts[entry] += 1
+    return {"calls": {e: {"n": counts[e], "seconds": spent[e], "mean_us": spent[e] / counts[e] * 1e6}
+                      for e in counts}, "total_seconds": sum(spent.values())}
+
+
+def main(scenario: str, load: float, duration_s: float, replicas: int, out_path: str | None,
+         repeats: int = 5) -> None:
+    import tempfile
+
+    with tempfile.NamedTemporaryFile(suffix=".pickle") as f:
+        n = record(f.name, scenario, load, duration_s, replicas)
+        runs = [replay(f.name) for _ in range(repeats)]
+    best = min(runs, key=lambda r: r["total_seconds"])
+    print(f"core cost on {scenario} at load {load:g}, {replicas} replicas: {n} calls replayed "
+          f"(fastest of {repeats} replays: {best['total_seconds']:.2f} s)")
+    for entry, c in sorted(best["calls"].items(), key=lambda kv: -kv[1]["seconds"]):
+        spread = [r["calls"][entry]["mean_us"] for r in runs]
+        print(f"  {entry:>10}: {c['n']:>7} calls, {c['mean_us']:7.1f} us each "
+              f"(replays: {min(spread):.1f}-{max(spread):.1f}, median {statistics.median(spread):.1f})")
+    if out_path:
+        with open(out_path, "w") as out:
+            json.dump({"scenario": scenario, "load": load, "duration_s": duration_s, "replicas": replicas,
+                       "calls": n, "best": best, "runs": runs}, out, indent=1)

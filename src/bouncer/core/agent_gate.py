@@ -1,0 +1,130 @@
+"""The agent layer as the rest of the core sees it: one gate per model, a no-op when agents are off.
+
+With `policy.agents.enabled`, `WindowGate` puts `bouncer.core.agents.AgentWindow` (the window, the
+homes, the rules, all explained there) in the request path: it names a request's session and its
+place in its tenant's queue, may hold an agent's next step, keeps an agent on its home replica, and
+refuses a new agent that would outwait its TTL for a slot. `NoAgents` does none of it: requests get
+no session, so every agent branch of the core is skipped by the same test (`adm.session`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Container
+
+from bouncer.config import Policy
+from bouncer.core.agents import AgentWindow
+from bouncer.core.blocks import num_blocks
+from bouncer.core.fleet import ReplicaState
+from bouncer.core.pool import PoolView
+from bouncer.core.requests import STEP_ACTIVE, STEP_OTHER, STEP_RETURNING, Admission
+
+
+class NoAgents:
+    enabled = False
+    window: AgentWindow | None = None
+
+    def classify(self, adm: Admission) -> None:
+        pass
+
+    def expire(self, now: float, waiting: Container[str]) -> None:
+        pass
+
+    def next_wakeup(self, waiting: Container[str]) -> float | None:
+        return None
+
+    def observe(self, view: PoolView, now: float) -> None:
+        pass
+
+
+class WindowGate:
+    enabled = True
+
+    def __init__(self, policy: Policy) -> None:
+        self.window = AgentWindow(policy.agents)
+        self.configure(policy)
+
+    def configure(self, policy: Policy) -> None:
+        self.window.cfg = policy.agents  # keeps its window and its active agents
+        self.session_from_user = policy.agents.session_from_user
+
+    def classify(self, adm: Admission) -> None:
+        """Its session (`x-session-id`, or `user` where configured) and its rank in its tenant's
+        queue: an active agent's step first, then a returning agent's, then the rest."""
+        info = adm.info
+        adm.session = info.session_id or (info.user if self.session_from_user else None)
+        if adm.session is not None:
+            w = self.window
+            adm.queue_rank = (STEP_ACTIVE if w.is_active(adm.session) else
+                              STEP_RETURNING if w.is_returning(adm.session) else STEP_OTHER)
+
+    def outwaits_ttl(self, adm: Admission, waiting: Container[str], now: float) -> tuple[int, float] | None:
+        """For a new agent's first step that waits for a slot: (agents waiting before it, the
+        expected wait) when that wait runs past its queue TTL, else None."""
+        w = self.window
+        ahead = sum(1 for s in waiting if s != adm.session and not w.is_active(s))  # type: ignore[attr-defined]
+        wait = w.wait_for_slot(ahead, now)
+        if wait is None or now + wait <= adm.deadline:
+            return None
+        return ahead, wait
+
+    def is_newcomer(self, adm: Admission) -> bool:
+        return adm.session is not None and not self.window.is_active(adm.session)
+
+    def may_dispatch(self, adm: Admission, now: float, waiting: Container[str]) -> bool:
+        return self.window.may_dispatch(adm.session, now, waiting)  # type: ignore[arg-type]
+
+    def where(self, adm: Admission, candidates: list[ReplicaState], backlogged: list[ReplicaState],
+              cached: dict[str, int], replicas: dict[str, ReplicaState]
+              ) -> tuple[list[ReplicaState], list[ReplicaState]] | None:
+        """Where an agent's step may go: an active agent's goes where its context is, or waits
+        for room there (None: hold it), since computed again elsewhere its context would also
+        evict another agent's; a new agent's (or one whose context is gone) only where the agents
+        living there leave room for it."""
+        w = self.window
+        home = w.home(adm.session)  # type: ignore[arg-type]
+        if home is not None and cached[home] > 0:
+            r = replicas[home]
+            if r not in candidates and r not in backlogged:
+                return None
+            return [r], []
+        fits = [r for r in candidates if r.name == home or w.room(r.name, r.capacity_blocks)
+                >= num_blocks(adm.info.prompt_tokens + adm.expected_output, r.block_size)]
+        return fits, backlogged
+
+    def dispatched(self, adm: Admission, now: float) -> None:
+        self.window.dispatched(adm.session, now, adm.blocks, adm.replica)  # type: ignore[arg-type]
+
+    def finished(self, adm: Admission, now: float) -> None:
+        self.window.finished(adm.session, now)  # type: ignore[arg-type]
+
+    def expire(self, now: float, waiting: Container[str]) -> None:
+        self.window.expire(now, waiting)
+
+    def next_wakeup(self, waiting: Container[str]) -> float | None:
+        """When an idle agent frees its slot (a dispatch opportunity)."""
+        return self.window.next_expiry(waiting)
+
+    def observe(self, view: PoolView, now: float) -> None:
+        """The window's signals: pool KV usage, and the prefix-cache counters summed over the
+        model's replicas (None unless every usable replica reports them)."""
+        usable = [r.telemetry for r in view.usable_replicas() if r.telemetry is not None]
+        queries = hits = None
+        if usable and all(t.prefix_queries is not None and t.prefix_hits is not None for t in usable):
+            queries = sum(t.prefix_queries for t in usable)  # type: ignore[misc]
+            hits = sum(t.prefix_hits for t in usable)  # type: ignore[misc]
+        sizes = [t.num_blocks for t in usable]
+        pool_blocks = sum(sizes) if sizes and all(sizes) else None  # type: ignore[arg-type]
+        self.window.observe(view.pool_usage(), queries, hits, now, pool_blocks)
+
+
+AgentGate = NoAgents | WindowGate
+
+
+def make_gate(policy: Policy, current: AgentGate | None) -> AgentGate:
+    """The gate a (re)loaded policy asks for; a window keeps its state across reloads."""
+    if not policy.agents.enabled:
+        return NoAgents()
+    if isinstance(current, WindowGate):
+        current.configure(policy)
+        return current
+    return WindowGate(policy)

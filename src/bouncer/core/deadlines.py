@@ -1,0 +1,133 @@
+"""Deadlines: a request's SLOs and TTL, how long it may wait, and whether it can still be on time.
+
+- SLOs are its tenant's; a client's headers may only tighten them (`tighter`). A retry keeps its
+  first attempt's TTFT deadline (`policy.retries`): its user has waited since then.
+- Its queue TTL is its tenant's (or a client's shorter one), and with `ttl_within_slo` it leaves
+  the waiting room once waiting longer could only make it late: its TTFT SLO minus
+  `ttft_safety_factor` x the best predicted TTFT (`queue_budget`).
+- Feasibility: queued at arrival, a request whose wait plus predicted TTFT already runs past its
+  SLO is late (`late_by`), and is refused (429 deadline_infeasible) or demoted to best-effort
+  (`demote`), as its tenant says, before any prefill.
+- Band protection: a band that sent requests recently has its TTFT and TPOT SLOs protected from
+  lower bands (`BandSLOs`), which placement reads as reserves.
+"""
+
+from __future__ import annotations
+
+from bouncer.config import Policy, Tenant
+from bouncer.core.backlog import Backlog
+from bouncer.core.outcomes import Layer, Reason, Refusal
+from bouncer.core.requests import Admission, RequestInfo
+from bouncer.core.retries import RetryKey
+
+INF = float("inf")
+BAND_ACTIVE_S = 10.0  # a band that sent a request this recently has its TTFT protected from lower bands
+
+
+def tighter(asked: float | None, configured: float | None) -> float | None:
+    """The stricter of a client's SLO and its tenant's (either may be unset)."""
+    if asked is None or configured is None:
+        return configured if asked is None else asked
+    return min(asked, configured)
+
+
+def new_admission(info: RequestInfo, tenant: Tenant, policy: Policy, max_tokens: int, expected_output: int,
+                  first_arrival: float | None, retry_key: RetryKey | None, seq: int,
+                  now: float) -> tuple[Admission, float | None]:
+    """The request as the later layers see it, with its deadlines; and how much of its TTFT SLO
+    is left (less than the SLO for a retry; None without one)."""
+    ttl = tenant.queue_ttl_s or policy.default_ttl_s
+    if info.ttl_s is not None:
+        ttl = min(ttl, info.ttl_s)
+    ttft_slo = tighter(info.ttft_slo_s, tenant.slo.ttft_s)
+    ttft_left = ttft_slo - (now - first_arrival) if ttft_slo and first_arrival is not None else ttft_slo
+    adm = Admission(info=info, tenant=tenant.name, priority=tenant.priority, max_tokens=max_tokens,
+                    expected_output=expected_output, arrival=now, deadline=now + ttl,
+                    ttft_deadline=now + ttft_left if ttft_slo else None, ttft_slo=ttft_slo,
+                    tpot_slo=tighter(info.tpot_slo_s, tenant.slo.tpot_s), seq=seq, retry_key=retry_key,
+                    lease_until=now + policy.permit_lease_s)
+    return adm, ttft_left
+
+
+def queue_budget(adm: Admission, ttft_left: float, best_ttft: float | None, policy: Policy, now: float) -> None:
+    """Waiting longer, it could only be served late: its queueing budget is what its SLO leaves
+    after the best predicted TTFT, with room for that prediction's error (without a step-time
+    model, a fixed share of the SLO)."""
+    if not policy.ttl_within_slo:
+        return
+    budget = (ttft_left - policy.ttft_safety_factor * best_ttft if best_ttft is not None
+              else ttft_left * policy.slo_queue_fraction)
+    adm.deadline = min(adm.deadline, now + max(0.0, budget))
+
+
+def late_by(backlog: Backlog, adm: Admission, ttft_left: float, best_ttft: float | None, policy: Policy,
+            now: float) -> float | None:
+    """How far past its TTFT deadline (`ttft_left` from now) a queued newcomer is predicted to
+    start (None: in time, or no estimate): the wait in the gateway's queue, then the best
+    predicted TTFT, from the prefill work on the replica, x ttft_safety_factor. Without a
+    step-time model: the wait (to its first token) against slo_queue_fraction of what is left."""
+    if best_ttft is None:
+        wait = backlog.estimated_wait(adm.priority, now, adm.tenant)
+        budget = ttft_left * policy.slo_queue_fraction
+        return wait - budget if wait is not None and wait > budget else None
+    wait = backlog.queue_wait(adm.priority, now, adm.tenant) or 0.0
+    late = wait + policy.ttft_safety_factor * best_ttft - ttft_left
+    return late if late > 0 else None
+
+
+def past_first_deadline(adm: Admission, tenant: Tenant, policy: Policy, acting: bool,
+                        since_first: float) -> Refusal | None:
+    """A retry whose first attempt's deadline has passed: as its tenant says of infeasible
+    requests, refused (another retry cannot meet it either), or demoted to best-effort (None).
+    `acting`: refusals of late requests are on (else it is only flagged, and demoted)."""
+    adm.predicted_infeasible = True
+    if tenant.slo.on_infeasible == "refuse" and acting:
+        return Refusal(Layer.SLO, Reason.RETRY_PAST_DEADLINE,
+                       f"a retry {since_first:.2f} s after its first attempt, past that attempt's TTFT SLO "
+                       f"({adm.ttft_slo:g} s): another retry cannot meet it")
+    demote(adm, tenant, policy)
+    return None
+
+
+def demote(adm: Admission, tenant: Tenant, policy: Policy) -> None:
+    """`adm` (not queued) will run best-effort: in the best-effort band, without a TTFT
+    deadline, until its TTL."""
+    adm.best_effort = True
+    adm.priority = min(adm.priority, policy.best_effort_priority)
+    adm.ttft_deadline = None  # EDF now orders it by its TTL, no longer cut to the SLO
+    ttl = tenant.queue_ttl_s or policy.default_ttl_s
+    adm.deadline = adm.arrival + min(ttl, adm.info.ttl_s if adm.info.ttl_s is not None else ttl)
+
+
+class BandSLOs:
+    """Per band, the strictest TTFT and TPOT SLO it asked for recently."""
+
+    __slots__ = ("ttft", "tpot")
+
+    def __init__(self) -> None:
+        self.ttft: dict[int, tuple[float, float]] = {}  # band -> (strictest recent SLO, last arrival)
+        self.tpot: dict[int, tuple[float, float]] = {}
+
+    def note(self, adm: Admission, now: float) -> None:
+        if adm.ttft_slo:
+            self._note(self.ttft, adm.priority, adm.ttft_slo, now)
+        if adm.tpot_slo:
+            self._note(self.tpot, adm.priority, adm.tpot_slo, now)
+
+    @staticmethod
+    def _note(slos: dict[int, tuple[float, float]], band: int, slo: float, now: float) -> None:
+        prev = slos.get(band)
+        recent = prev is not None and now - prev[1] <= BAND_ACTIVE_S
+        slos[band] = (min(prev[0], slo) if recent else slo, now)
+
+    def protected(self, priority: int, now: float) -> tuple[float, float]:
+        """The strictest TTFT and TPOT SLOs of bands above `priority` that sent requests
+        recently (inf where none)."""
+        if not self.ttft and not self.tpot:
+            return INF, INF
+        return self._strictest(self.ttft, priority, now), self._strictest(self.tpot, priority, now)
+
+    @staticmethod
+    def _strictest(slos: dict[int, tuple[float, float]], priority: int, now: float) -> float:
+        return min((slo for band, (slo, seen) in slos.items()
+                    if band > priority and now - seen <= BAND_ACTIVE_S), default=float("inf"))

@@ -1,0 +1,85 @@
+"""One model's state in the core: its waiting room, its replicas, its agents, its bands' SLOs."""
+
+from __future__ import annotations
+
+from bouncer.config import BouncerConfig, ModelConfig, Policy
+from bouncer.core.agent_gate import AgentGate, NoAgents
+from bouncer.core.backlog import Backlog, BacklogStore
+from bouncer.core.deadlines import BandSLOs
+from bouncer.core.fairness import CreditStore, FairnessPolicy
+from bouncer.core.fleet import ReplicaState
+from bouncer.core.flow import FlowQueues
+from bouncer.core.latency import LatencyPredictor, StepTimeModel
+from bouncer.core.ordering import OrderingPolicy
+
+
+class ModelState:
+    __slots__ = ("cfg", "flow", "draining", "replicas", "agents", "tpot_target", "band_slos", "backlog")
+
+    def __init__(self, cfg: ModelConfig, flow: FlowQueues, backlog: BacklogStore) -> None:
+        self.cfg = cfg
+        self.flow = flow
+        self.draining = False
+        self.replicas: dict[str, ReplicaState] = {}
+        self.agents: AgentGate = NoAgents()
+        self.tpot_target: float | None = None  # strictest TPOT SLO of its tenants, with margin
+        self.band_slos = BandSLOs()
+        self.backlog = Backlog(cfg.name, flow, self.replicas, backlog)
+
+    def reconfigure(self, m: ModelConfig, config: BouncerConfig, fairness: FairnessPolicy, ordering: OrderingPolicy,
+                    credit: CreditStore, agents: AgentGate, registry: dict[str, ReplicaState]) -> None:
+        """A (re)loaded config: policies swapped in (queues re-ordered at once under a new
+        ordering; credit kept under one fairness policy means nothing to another), its
+        tenants' strictest TPOT SLO, its replicas."""
+        p = config.policy
+        self.cfg = m
+        if self.flow.fairness.name != fairness.name:
+            for band in self.flow.bands.values():
+                for q in band.queues.values():
+                    credit.reset((m.name, band.priority, q.tenant))
+        self.flow.fairness = fairness
+        if self.flow.ordering.name != ordering.name:
+            self.flow.reorder(ordering)
+        self.agents = agents
+        slos = [t.slo.tpot_s for t in config.tenants if t.slo.tpot_s and (not t.models or m.name in t.models)]
+        self.tpot_target = min(slos) * p.tpot_guard_margin if slos else None
+        self.sync_replicas(p, registry)
+
+    def sync_replicas(self, policy: Policy, registry: dict[str, ReplicaState]) -> None:
+        """Its replicas as its config lists them (new ones also entered in `registry`, the core's
+        by name); a replica no longer listed finishes its work and gets nothing new. A replica's
+        latency corrections survive a reload that keeps its step-time model."""
+        m = self.cfg
+        step = m.step_time
+        step_model = StepTimeModel(step.a, step.b, step.c, step.max_batched_tokens, step.d) if step else None
+        listed = set()
+        for i, b in enumerate(m.backends):
+            name = backend_name(m.name, i, b.name)
+            listed.add(name)
+            r = self.replicas.get(name)
+            if r is None:
+                r = self.replicas[name] = registry[name] = ReplicaState(name, m.name, b.url, _backend_blocks(m, b),
+                                                                        m.block_size)
+            r.url, r.configured_blocks, r.removed = b.url, _backend_blocks(m, b), False
+            r.offload_blocks = b.kv_offload_blocks
+            r.prefix.events_staleness_s = policy.routing.kv_events_staleness_s
+            if step_model is None:
+                r.latency = None
+            elif r.latency is None or r.latency.model != step_model:
+                r.latency = LatencyPredictor(step_model)
+            r.sync_capacity()
+        for name, r in self.replicas.items():
+            if name not in listed:
+                r.removed = True
+
+
+def backend_name(model: str, index: int, explicit: str | None) -> str:
+    return explicit or f"{model}/{index}"
+
+
+def _backend_blocks(model: ModelConfig, backend) -> int | None:
+    if backend.kv_blocks:
+        return backend.kv_blocks
+    if backend.kv_cache_gb and model.kv:
+        return int(backend.kv_cache_gb * 1e9 / model.kv.bytes_per_token) // model.block_size
+    return None

@@ -1,0 +1,81 @@
+"""A model's replicas as one call of the core sees them: which are fresh, usable, how full.
+
+Built once per call (`PoolView`), so every layer of one decision reads the same freshness and
+usability, instead of each recomputing it. A replica's KV usage (and the pool's saturation, which
+`bouncer.core.saturation` computes from it) is remembered until a request is granted there
+(`granted`): within one dispatch loop, that is the only thing that moves it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from bouncer.config import Policy
+from bouncer.core.fleet import ReplicaState
+
+
+class PoolView:
+    __slots__ = ("replicas", "now", "_fresh", "_usable", "_reserve", "_project", "_usage", "_pool_usage",
+                 "saturation")
+
+    def __init__(self, replicas: dict[str, ReplicaState], policy: Policy | None, now: float) -> None:
+        self.replicas = replicas
+        self.now = now
+        self._usage: dict[str, float] = {}
+        self._pool_usage: float | None = None
+        self.saturation: float | None = None  # the detector's last answer on this view, until a grant
+        self._fresh: dict[str, bool] = {}
+        self._usable: dict[str, bool] = {}  # it may be sent work: listed, answering, and fresh (or failing open)
+        if policy is None:  # a router deployed on its own (a baseline): it trusts what it has
+            self._reserve, self._project = False, True
+            for name, r in replicas.items():
+                self._fresh[name] = True
+                self._usable[name] = not r.removed and r.healthy
+            return
+        staleness = policy.telemetry.staleness_s
+        fail_open = policy.telemetry.on_stale == "fail-open"
+        self._reserve = policy.kv_reservation == "reserve"
+        self._project = policy.project_recent_dispatches
+        for name, r in replicas.items():
+            t = r.telemetry
+            fresh = self._fresh[name] = r.healthy and t is not None and now - t.at <= staleness
+            self._usable[name] = not r.removed and r.healthy and (fresh or fail_open)
+
+    def is_fresh(self, r: ReplicaState) -> bool:
+        """Its telemetry is recent and its last scrape answered."""
+        return self._fresh[r.name]
+
+    def usable(self, r: ReplicaState) -> bool:
+        """It may be sent work: listed, answering, and fresh (or stale, failing open)."""
+        return self._usable[r.name]
+
+    def usable_replicas(self) -> Iterable[ReplicaState]:
+        usable = self._usable
+        return (r for name, r in self.replicas.items() if usable[name])
+
+    def any_usable(self) -> bool:
+        return any(self._usable.values())
+
+    def usage(self, r: ReplicaState, fresh: bool | None = None) -> float:
+        """KV usage it is heading for (`ReplicaState.projected_usage`, as policy says); `fresh`
+        overrides whether its scraped figure counts."""
+        name = r.name
+        if fresh is not None and fresh != self._fresh[name]:  # (rare: an unhealthy replica's own accounting)
+            return r.projected_usage(self.now, fresh, reserve=self._reserve, project=self._project)
+        usage = self._usage.get(name)
+        if usage is None:
+            usage = self._usage[name] = r.projected_usage(self.now, self._fresh[name], reserve=self._reserve,
+                                                          project=self._project)
+        return usage
+
+    def granted(self, r: ReplicaState) -> None:
+        """A request was granted on `r`: its usage, and the pool's saturation, moved."""
+        self._usage.pop(r.name, None)
+        self.saturation = self._pool_usage = None
+
+    def pool_usage(self) -> float:
+        """Mean KV usage over the usable replicas (1.0 with none)."""
+        if self._pool_usage is None:
+            usages = [self.usage(r) for r in self.usable_replicas()]
+            self._pool_usage = sum(usages) / len(usages) if usages else 1.0
+        return self._pool_usage

@@ -1,0 +1,109 @@
+"""The core as its shells may read it: counts, queues and replicas, never its private fields.
+
+The gateway (metrics, /admin/state, its scrapers), the simulator and the benchmarks read the core
+through `CoreView` only. Everything it returns is a copy or an immutable value, except `stats`,
+whose counters the core keeps and the shells only read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from bouncer.core.agent_gate import WindowGate
+from bouncer.core.finaliser import CoreStats
+from bouncer.core.fleet import ReplicaState
+from bouncer.core.pool import PoolView
+
+if TYPE_CHECKING:
+    from bouncer.core.admission import AdmissionCore
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaInfo:
+    name: str
+    model: str
+    url: str | None
+    configured_blocks: int | None
+    removed: bool
+    healthy: bool
+    drift_reported: bool  # its engine has counted fewer requests than we have in flight there, for a while
+    unseen_by_engine: int
+
+
+@dataclass(frozen=True, slots=True)
+class QueuedInfo:
+    tenant: str
+    band: int
+    predicted_late: bool  # found unable to meet its TTFT SLO (and not acted on)
+
+
+class CoreView:
+    def __init__(self, core: AdmissionCore) -> None:
+        self._core = core
+
+    @property
+    def stats(self) -> CoreStats:
+        return self._core.stats
+
+    @property
+    def inflight(self) -> int:
+        return len(self._core.permits)
+
+    def inflight_ids(self) -> list[str]:
+        return [adm.request_id for adm in self._core.permits]
+
+    @property
+    def queued(self) -> int:
+        return sum(len(ms.flow) for ms in self._core.models.values())
+
+    def replica_names(self, live_only: bool = False) -> list[str]:
+        return [name for name, r in self._core.replicas.items() if not (live_only and r.removed)]
+
+    def replica(self, name: str) -> ReplicaInfo:
+        r = self._core.replicas[name]
+        return ReplicaInfo(r.name, r.model, r.url, r.configured_blocks, r.removed, r.healthy, r.drift_reported,
+                           r.unseen_by_engine)
+
+    def queued_request(self, request_id: str) -> QueuedInfo | None:
+        for ms in self._core.models.values():
+            adm = ms.flow.get(request_id)
+            if adm is not None:
+                return QueuedInfo(adm.tenant, adm.priority, adm.predicted_infeasible)
+        return None
+
+    def snapshot(self, now: float) -> dict:
+        core = self._core
+        retries = core.finaliser.retries
+        out = {"inflight": self.inflight, "queued": self.queued, "permits_reclaimed": core.stats.reclaimed,
+               "models": {}, "retries_remembered": None if retries is None else len(retries)}
+        for name, ms in core.models.items():
+            view = PoolView(ms.replicas, core.policy, now)
+            window = ms.agents.window if isinstance(ms.agents, WindowGate) else None
+            out["models"][name] = {
+                "draining": ms.draining,
+                "agents": None if window is None else {"window": window.window, "active": len(window.active)},
+                "saturation": round(core.saturation.saturation(view), 4),
+                "queued": len(ms.flow),
+                "bands": {b.priority: {"queued": b.count, "tokens": b.tokens,
+                                       "tenants": {q.tenant: q.count for q in b.queues.values() if q.count}}
+                          for b in ms.flow.bands_desc()},
+                "replicas": {r.name: _replica_snapshot(r, view, now) for r in ms.replicas.values()},
+            }
+        return out
+
+
+def _replica_snapshot(r: ReplicaState, view: PoolView, now: float) -> dict:
+    fresh = view.is_fresh(r)
+    p = r.prefix
+    index = {"mode": "precise" if p.events_live(now) else "approximate", "approx_blocks": len(p.approx)}
+    if p.precise is not None:
+        index.update(precise_blocks=len(p.precise), kv_events=p.precise.events, unplaced_blocks=p.precise.unplaced)
+    return {"url": r.url, "healthy": r.healthy, "fresh": fresh, "busy": r.busy, "removed": r.removed,
+            "inflight": len(r.inflight), "inflight_unseen_by_engine": r.unseen_by_engine,
+            "inflight_drift": r.drift_reported, "capacity_blocks": r.capacity_blocks,
+            "projected_kv_usage": round(r.projected_usage(now, fresh), 4),
+            "telemetry_age_s": None if r.telemetry is None else round(r.telemetry_age(now), 3),
+            "prefix_index": index,
+            "latency": None if r.latency is None else {"ttft_factor": round(r.latency.ttft_factor, 3),
+                                                        "tpot_factor": round(r.latency.tpot_factor, 3)}}

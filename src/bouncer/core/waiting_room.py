@@ -1,0 +1,54 @@
+"""The waiting room's doors, at arrival: whether a request may join the queue at all.
+
+Layers 4 and 5 as a request arrives, in order: a model being drained holds only so many; with no
+usable backend nothing is queued; sheddable traffic is refused while the pool is saturated past
+its band's ceiling; a tenant's own queue is bounded (429: its fault), and so is the whole room,
+per band and in total (529: the fleet's), where a newcomer that outranks the lowest queued
+sheddable request evicts it instead of being refused.
+"""
+
+from __future__ import annotations
+
+from bouncer.config import Policy
+from bouncer.core.model_state import ModelState
+from bouncer.core.outcomes import Layer, Reason, Refusal
+from bouncer.core.pool import PoolView
+from bouncer.core.requests import Admission
+from bouncer.core.saturation import SaturationDetector, ceiling
+
+
+def door(ms: ModelState, adm: Admission, view: PoolView, saturation: SaturationDetector,
+         policy: Policy, now: float) -> Refusal | list[Admission]:
+    """Why `adm` may not join the waiting room, or the queued requests it evicts (often none)."""
+    flow, band, model = ms.flow, adm.priority, adm.info.model
+
+    def refused(layer: Layer, reason: Reason, message: str) -> Refusal:
+        return Refusal(layer, reason, message, ms.backlog.retry_after(band, now, adm.tenant))
+
+    if ms.draining:
+        if len(flow) >= policy.drain_queue_cap:
+            return refused(Layer.FLOW, Reason.DRAINING, f"model `{model}` is draining for a swap")
+    else:
+        if not view.any_usable():
+            return refused(Layer.QUEUE, Reason.NO_BACKEND, f"no usable backend for model `{model}`")
+        if band < 0 and saturation.saturation(view) >= ceiling(policy, band):
+            return refused(Layer.FLOW, Reason.SATURATED, "the fleet is saturated; sheddable traffic is refused")
+    q = flow.tenant_queue(adm)
+    qc = policy.queues
+    prompt = adm.info.prompt_tokens
+    if q is not None and (q.count >= qc.tenant_max_requests or q.tokens + prompt > qc.tenant_max_tokens):
+        return refused(Layer.QUEUE, Reason.TENANT_QUEUE_FULL, f"tenant {adm.tenant!r} has too many queued requests")
+    band_state = flow.bands.get(band)
+    if band_state is not None and band_state.count >= qc.band_max_requests:
+        # (evicting from the bands below would not make room in this one)
+        return refused(Layer.QUEUE, Reason.QUEUE_FULL, "the waiting room is full")
+    victims: list[Admission] = []
+    count, tokens = len(flow), flow.tokens
+    while count >= qc.max_requests or tokens + prompt > qc.max_tokens:
+        victim = flow.lowest_sheddable(below=band, excluding=victims)
+        if victim is None:
+            return refused(Layer.QUEUE, Reason.QUEUE_FULL, "the waiting room is full")
+        victims.append(victim)
+        count, tokens = count - 1, tokens - victim.info.prompt_tokens
+    return victims
+
