@@ -18,12 +18,13 @@ def tenant(name: str, priority: int = 0, **kw) -> dict:
 
 
 def make_config(tenants: list[dict] | None = None, replicas: int = 2, kv_blocks: int = 1000, policy=None,
-                max_model_len: int = 8192, limits=None) -> dict:
+                max_model_len: int = 8192, limits=None, model: dict | None = None) -> dict:
+    """`model`: more settings of the one model, `m`."""
     return {
         "tenants": tenants or [tenant("a")],
         "models": [{"name": "m", "max_model_len": max_model_len, "block_size": 16,
                     "backends": [{"url": f"http://127.0.0.1:{9000 + i}", "kv_blocks": kv_blocks}
-                                 for i in range(replicas)]}],
+                                 for i in range(replicas)], **(model or {})}],
         "policy": policy or {},
         **({"limits": limits} if limits else {}),
     }

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -74,3 +77,32 @@ def poll_until(predicate: Callable[[], bool], timeout: float = 20, what: str = "
         if time.monotonic() > deadline:
             raise TimeoutError(f"{what} not reached within {timeout} s")
         time.sleep(0.02)
+
+
+class EngineProcess:
+    """A `bouncer engine` in its own process, which a test can freeze, kill and start again."""
+
+    def __init__(self, *args: str) -> None:
+        self.port = free_port()
+        self.args = args
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.start()
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", "bouncer", "engine", "--port", str(self.port),
+                                      *self.args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_http_ok(self.url + "/health")
+
+    def signal(self, sig: int) -> None:
+        self.proc.send_signal(sig)
+
+    def running(self) -> float:
+        with urllib.request.urlopen(self.url + "/metrics", timeout=5) as resp:
+            text = resp.read().decode()
+        return sum(float(line.split()[-1]) for line in text.splitlines()
+                   if line.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting")))
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGCONT)
+        self.proc.kill()
+        self.proc.wait(10)

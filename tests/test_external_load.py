@@ -9,8 +9,6 @@ import os
 import pathlib
 import random
 import signal
-import subprocess
-import sys
 import time
 import urllib.request
 
@@ -21,39 +19,10 @@ import pytest
 from bouncer.bench import guidellm
 from conftest import start_gateway
 from gateway_setup import tenant
-from servers import BackgroundLoop, free_port, poll_until, wait_http_ok
+from servers import BackgroundLoop, EngineProcess, poll_until
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 GUIDELLM = pathlib.Path(os.environ.get("BOUNCER_GUIDELLM", REPO / ".venv-guidellm/bin/guidellm"))
-
-
-class EngineProcess:
-    """A `bouncer engine` in its own process, which a test can freeze, kill and start again."""
-
-    def __init__(self, *args: str) -> None:
-        self.port = free_port()
-        self.args = args
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.start()
-
-    def start(self) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "bouncer", "engine", "--port", str(self.port),
-                                      *self.args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        wait_http_ok(self.url + "/health")
-
-    def signal(self, sig: int) -> None:
-        self.proc.send_signal(sig)
-
-    def running(self) -> float:
-        with urllib.request.urlopen(self.url + "/metrics", timeout=5) as resp:
-            text = resp.read().decode()
-        return sum(float(line.split()[-1]) for line in text.splitlines()
-                   if line.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting")))
-
-    def stop(self) -> None:
-        self.proc.send_signal(signal.SIGCONT)
-        self.proc.kill()
-        self.proc.wait(10)
 
 
 def _gateway(bg_loop, engines: list[EngineProcess], **policy):

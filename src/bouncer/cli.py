@@ -182,7 +182,7 @@ def cmd_bench_run(args) -> None:
     result = run(args.scenario, args.policy, args.load, seed=args.seed, replicas=args.replicas,
                  duration_s=args.duration, trace=args.trace, profile=args.profile, routing=args.routing,
                  kv_events=args.kv_events, only_tenants=args.only_tenants.split(",") if args.only_tenants else None,
-                 policy_set=_policy_settings(args.set))
+                 policy_set=_policy_settings(args.set), step_time=args.step_time)
     if args.out:  # first: the summary below may go to a pipe that closes early
         save(result, args.out)
     o = result["outcomes"]
@@ -301,7 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("key")
     p.set_defaults(func=cmd_config_hash_key)
 
-    from bouncer.bench.goodput import POLICIES
+    from bouncer.bench.goodput import POLICIES, STEP_TIMES
     from bouncer.core.registry import ROUTERS
     from bouncer.sim.scenarios import SCENARIOS
 
@@ -333,6 +333,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="change one of the policy's settings for this run (bouncer and llmd-flow-control), "
                         "e.g. retries.deadline=first-attempt; repeatable")
+    p.add_argument("--step-time", choices=STEP_TIMES, default="given",
+                   help="what Bouncer knows of the engines' step time: given (the profile's coefficients in its "
+                        "config), learned (fitted online from its requests) or off (no latency prediction)")
     p.add_argument("--out", help="write the result JSON")
     p.set_defaults(func=cmd_bench_run)
 

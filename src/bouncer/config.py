@@ -113,17 +113,46 @@ class Backend(_Strict):
         return url.rstrip("/")
 
 
+StepTimeMode = Literal["learned", "given", "off"]
+
+
 class StepTimeConfig(_Strict):
     """The engine's step time, a + b x batched tokens + c x context tokens read + d x attention
-    pairs of prompt chunks (the simulator's engine model, docs/engine-model.md): where set, TTFT
-    and TPOT are predicted per replica and corrected online from what the gateway observes."""
+    pairs of prompt chunks (the simulator's engine model, docs/engine-model.md), from which TTFT
+    and TPOT are predicted per replica and corrected online from what the gateway observes.
+    `learned` (the default) fits the coefficients from the model's own requests
+    (bouncer/core/step_time_learner.py), with any given here as the prior; `given` uses them as
+    stated; `off` predicts nothing (no SLO feasibility, TPOT hold or band protection)."""
 
-    a: float = Field(gt=0, description="seconds per step")
-    b: float = Field(ge=0, description="seconds per batched token")
-    c: float = Field(0.0, ge=0, description="seconds per context token attention reads")
+    mode: StepTimeMode = Field("learned", description="learned (a, b, c, d if stated are the prior), given "
+                                                      "(needs a and b), or off; default: given when a is stated, "
+                                                      "else learned")
+    a: float | None = Field(None, gt=0, description="seconds per step")
+    b: float | None = Field(None, ge=0, description="seconds per batched token")
+    c: float | None = Field(None, ge=0, description="seconds per context token attention reads")
     max_batched_tokens: int = Field(8192, ge=1, description="the engine's --max-num-batched-tokens")
-    d: float = Field(0.0, ge=0, description="seconds per attention pair (a prompt token computed, a token "
-                                           "before it): prefill attention's compute, quadratic in the prompt")
+    d: float | None = Field(None, ge=0, description="seconds per attention pair (a prompt token computed, a token "
+                                                    "before it): prefill attention's compute, quadratic in the prompt")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_mode(cls, data: object) -> object:
+        if isinstance(data, dict) and "mode" not in data and data.get("a") is not None:
+            return {**data, "mode": "given"}  # coefficients stated, as before learning existed
+        return data
+
+    @model_validator(mode="after")
+    def _mode(self) -> StepTimeConfig:
+        if self.mode == "given" and (self.a is None or self.b is None):
+            raise ValueError("step_time mode 'given' needs a and b (or leave them out to have them learned)")
+        if self.mode == "learned" and 0 in (self.b, self.c, self.d):
+            raise ValueError("a learned step time's prior needs every coefficient it states > 0")
+        return self
+
+    def coefficients(self, default: tuple[float, float, float, float]) -> tuple[float, float, float, float]:
+        """a, b, c, d: those stated, the rest from `default` (given: 0 for c and d)."""
+        stated = (self.a, self.b, self.c, self.d)
+        return tuple(v if v is not None else dv for v, dv in zip(stated, default, strict=True))  # type: ignore[return-value]
 
 
 class ModelConfig(_Strict):
@@ -134,9 +163,15 @@ class ModelConfig(_Strict):
     max_model_len: int = Field(8192, ge=16)
     block_size: int = Field(16, ge=1)
     kv: KVGeometryConfig | None = None
-    step_time: StepTimeConfig | None = Field(None, description="enables latency prediction (SLO feasibility, "
-                                                                "the TPOT hold)")
+    step_time: StepTimeConfig = Field(default_factory=StepTimeConfig,
+                                      description="latency prediction (SLO feasibility, the TPOT hold): the engine's "
+                                                  "step time, learned by default")
     upstream_model: str | None = Field(None, description="name the backends serve it under; default: name")
+
+    @field_validator("step_time", mode="before")
+    @classmethod
+    def _default_step_time(cls, value: object) -> object:
+        return {} if value is None else value  # `step_time: null` is the default: learned
 
 
 class Queues(_Strict):
@@ -306,18 +341,19 @@ class Policy(_Strict):
     best_effort_priority: int = Field(-1, description="band of requests served best-effort after their deadline "
                                                       "was found infeasible")
     tpot_hold: bool = Field(True, description="hold a request while sending it would raise a replica's predicted "
-                                              "TPOT past the strictest TPOT SLO running there (needs step_time)")
+                                              "TPOT past the strictest TPOT SLO running there (needs a step time: "
+                                              "given, or learned and warm)")
     ttft_reserve_fraction: float = Field(0.25, ge=0, le=1, description="a lower band's request is held where it "
                                                                        "would push the predicted TTFT of a higher "
                                                                        "band's next request past this share of "
                                                                        "that band's TTFT SLO (0: off; needs "
-                                                                       "step_time)")
+                                                                       "a step time)")
     tpot_reserve_fraction: float = Field(0.3, ge=0, lt=1, description="while a higher band sends, a lower band's "
                                                                       "request joins a batch only while its "
                                                                       "predicted TPOT stays this share below the "
                                                                       "higher band's TPOT target, leaving room for "
                                                                       "that band's next requests (0: off; needs "
-                                                                      "step_time)")
+                                                                      "a step time)")
     slo_queue_fraction: float = Field(0.6, gt=0, le=1, description="share of the TTFT SLO a request may spend "
                                                                    "queued; the rest is for prefill")
     tpot_guard: bool = Field(True, description="per replica, cut the in-flight limit when completed requests "
@@ -525,9 +561,11 @@ models:
     max_model_len: 8192
     block_size: 16
     kv: {layers: 32, kv_heads: 8, head_dim: 128, dtype_bytes: 2}   # GQA: KV heads, not attention heads
-    # step time = a + b x batched tokens + c x context tokens (docs/engine-model.md): TTFT and TPOT
-    # are predicted per replica from it, and corrected online from what streams show
-    step_time: {a: 0.007, b: 0.000027, c: 0.00000005, max_batched_tokens: 8192}
+    # step time = a + b x batched tokens + c x context tokens + d x attention pairs
+    # (docs/engine-model.md): TTFT and TPOT are predicted per replica from it. Learned from the
+    # model's own requests by default (see /admin/state); a, b, c, d here are then the prior.
+    # mode: given uses them as stated; mode: off predicts nothing.
+    step_time: {mode: learned, max_batched_tokens: 8192}   # the engine's --max-num-batched-tokens
     backends:
       - url: http://10.0.0.11:8000   # KV blocks are scraped from vllm:cache_config_info
         kv_events: tcp://10.0.0.11:5557   # vLLM --kv-events-config publisher: a precise prefix index

@@ -71,8 +71,14 @@ def _merged(base: dict, changes: dict) -> dict:
     return out
 
 
+STEP_TIMES = ("given", "learned", "off")
+
+
 def make_policy(name: str, scenario: Scenario, cfg: FleetConfig, routing: str | None = None,
-                policy_set: dict | None = None):
+                policy_set: dict | None = None, step_time: str = "given"):
+    """`step_time` (bouncer only): `given`, the profile's coefficients stated in the config as an
+    operator who measured them would; `learned`, fitted online from the requests (only the
+    engine's token budget stated, which operators set themselves); `off`, no latency prediction."""
     names = [f"r{i}" for i in range(cfg.replicas)]
     blocks = cfg.kv_blocks or cfg.profile.num_blocks
     if name == "none":
@@ -92,11 +98,21 @@ def make_policy(name: str, scenario: Scenario, cfg: FleetConfig, routing: str | 
         if policy_set:
             policy = _merged(policy, policy_set)
         offload = cfg.profile.offload_blocks(cfg.cpu_offload_gib)
-        # Bouncer is told the engine's step-time model (as an operator states it in config); llm-d is not
-        step_time = cfg.profile.step_time_config if name == "bouncer" else None
+        # llm-d predicts no latency
+        step = _step_time_config(cfg, step_time) if name == "bouncer" else {"mode": "off"}
         return CorePolicy(name, core_config(tenant_configs(scenario), cfg.replicas, blocks, cfg.profile.block_size,
-                                           cfg.profile.max_model_len, policy, offload, step_time))
+                                           cfg.profile.max_model_len, policy, offload, step))
     raise ValueError(f"unknown policy {name!r}; known: {', '.join(POLICIES)}")
+
+
+def _step_time_config(cfg: FleetConfig, step_time: str) -> dict:
+    if step_time == "given":
+        return cfg.profile.step_time_config
+    if step_time == "learned":
+        return {"mode": "learned", "max_batched_tokens": cfg.profile.max_num_batched_tokens}
+    if step_time == "off":
+        return {"mode": "off"}
+    raise ValueError(f"unknown step time {step_time!r}; known: {', '.join(STEP_TIMES)}")
 
 
 def _check_policy_set(policy: str, policy_set: dict | None) -> None:
@@ -166,23 +182,28 @@ def _misses(requests: list[SimRequest]) -> dict[str, int]:
 
 def run(scenario_name: str, policy: str, load: float, seed: int = 0, replicas: int = 4, duration_s: float = 300.0,
         trace: str | None = None, profile: str = DEFAULT_PROFILE, routing: str | None = None,
-        kv_events: bool = False, only_tenants: list[str] | None = None, policy_set: dict | None = None) -> dict:
+        kv_events: bool = False, only_tenants: list[str] | None = None, policy_set: dict | None = None,
+        step_time: str = "given") -> dict:
     """One run, summarized. `routing` overrides the policy's router; `kv_events` has the engines
     publish their prefix-cache changes, which Bouncer's core uses to make its prefix index precise;
     `only_tenants` drops the other tenants' requests (capacity and arrivals stay those of the
-    whole mix); `policy_set` changes policy settings (nested, as in the config's `policy`)."""
+    whole mix); `policy_set` changes policy settings (nested, as in the config's `policy`);
+    `step_time` is what Bouncer knows of the engine's step time (`make_policy`)."""
     scenario, capacity, requests, result = simulate(scenario_name, policy, load, seed, replicas, duration_s, trace,
-                                                    profile, routing, kv_events, only_tenants, policy_set)
+                                                    profile, routing, kv_events, only_tenants, policy_set, step_time)
     out = summarize(scenario, policy, load, seed, replicas, duration_s, capacity, requests, result, routing)
     out["kv_events"] = kv_events
     out["only_tenants"] = only_tenants
     out["policy_set"] = policy_set or {}
+    if step_time != "given":  # recorded where it differs from every published run's
+        out["step_time"] = step_time
     return out
 
 
 def simulate(scenario_name: str, policy: str, load: float, seed: int, replicas: int, duration_s: float,
              trace: str | None = None, profile: str = DEFAULT_PROFILE, routing: str | None = None,
-             kv_events: bool = False, only_tenants: list[str] | None = None, policy_set: dict | None = None):
+             kv_events: bool = False, only_tenants: list[str] | None = None, policy_set: dict | None = None,
+             step_time: str = "given"):
     """The run itself, as `run` describes it: (scenario, capacity in req/s, requests with their
     outcomes, the fleet's result)."""
     _check_policy_set(policy, policy_set)
@@ -198,7 +219,7 @@ def simulate(scenario_name: str, policy: str, load: float, seed: int, replicas: 
         scenario.tenants = [t for t in scenario.tenants if t.name in only_tenants]
         requests = [r for r in requests if r.tenant in only_tenants]
     cfg = fleet_config(policy, replicas, profile, seed, scenario, kv_events)
-    gw = make_policy(policy, scenario, cfg, routing, policy_set)
+    gw = make_policy(policy, scenario, cfg, routing, policy_set, step_time)
     return scenario, capacity, requests, FleetSim(cfg, gw, gw.replica_names).run(requests)
 
 

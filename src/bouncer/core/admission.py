@@ -247,12 +247,14 @@ class AdmissionCore:
         return dispatch_event(adm, replica, now)
 
     # -- lifecycle of admitted requests -------------------------------------------------------
-    def started(self, request_id: str, now: float) -> None:
+    def started(self, request_id: str, now: float, measured: bool = True) -> None:
+        """Its first token came at `now`; `measured=False`: its whole answer came then (not
+        streamed), so its prefill is over but when it ended is not known."""
         adm = self.permits.get(request_id)
         if adm is None or adm.first_token_at is not None:
             return
         r = self.replicas[adm.replica]  # type: ignore[index]
-        feedback.first_token(adm, r, now)
+        feedback.first_token(adm, r, now, measured)
         self.permits.started(adm, r, now)
 
     def finished(self, request_id: str, now: float, terminal: Terminal, completion_tokens: int = 0,

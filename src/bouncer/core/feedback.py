@@ -13,7 +13,8 @@
 from __future__ import annotations
 
 from bouncer.config import Policy
-from bouncer.core.fleet import ReplicaState
+from bouncer.core.fleet import ReplicaState, decode_context
+from bouncer.core.latency import prefill_pairs
 from bouncer.core.output_length import OutputLengthModel
 from bouncer.core.requests import Admission
 
@@ -31,23 +32,56 @@ def learn_output(models: dict[str, OutputLengthModel], policy: Policy, model: st
 
 
 def at_dispatch(adm: Admission, r: ReplicaState, now: float) -> None:
-    """What it is predicted to see there, uncorrected, kept to correct the predictor by."""
+    """What it is predicted to see there, uncorrected, kept to correct the predictor by; and,
+    where the step time is learned, the terms of its TTFT to fit it by."""
+    p = r.predictor
+    if p is None:
+        return
     if r.latency is not None:
         adm.ttft_raw = r.predict_ttft(adm, adm.prefill_tokens, raw=True)
         adm.tpot_raw = r.predict_tpot(adm, now, raw=True)
-        r.latency.dispatched(adm.prefill_tokens, now)
+    if p.learner is not None:
+        pairs = r.queued_prefill_pairs + prefill_pairs(adm.info.prompt_tokens, adm.prefill_tokens)
+        adm.ttft_terms = p.ttft_terms(r.queued_prefill_tokens, adm.prefill_tokens, r.decoding, r.decode_context, pairs)
+    p.dispatched(adm.prefill_tokens, now)
 
 
-def first_token(adm: Admission, r: ReplicaState, now: float) -> None:
+def first_token(adm: Admission, r: ReplicaState, now: float, measured: bool) -> None:
+    """Its first token came at `now` (`measured`), or its whole answer did (a non-streamed
+    request: its prefill is over, but when it ended is not known)."""
     r.idle_refusals = 0  # it ran something: not a replica that refuses everything
+    adm.first_token_measured = measured
+    if not measured:
+        return
     if r.latency is not None and adm.ttft_raw is not None:
         r.latency.observe_ttft(adm.ttft_raw, now - adm.dispatched_at)  # type: ignore[operator]
+    learner = r.predictor.learner if r.predictor is not None else None
+    if learner is not None and adm.ttft_terms is not None:
+        learner.observe_ttft(adm.ttft_terms, now - adm.dispatched_at)  # type: ignore[operator]
+        adm.decode_start = (r.decoding + 1, r.decode_context + decode_context(adm))  # itself included
 
 
 def completed(adm: Admission, r: ReplicaState, now: float, completion_tokens: int) -> None:
-    if r.latency is not None and adm.tpot_raw is not None and adm.first_token_at is not None \
-            and completion_tokens > 1:
-        r.latency.observe_tpot(adm.tpot_raw, (now - adm.first_token_at) / (completion_tokens - 1))
+    """Its answer ended (it is no longer counted on `r`)."""
+    if adm.first_token_at is None or completion_tokens < 1:
+        return
+    learner = r.predictor.learner if r.predictor is not None else None
+    # the batch it decoded in: the mean of the one it started in and the one it ended in (itself
+    # counted in both)
+    end = (r.decoding + 1, r.decode_context + decode_context(adm))
+    if not adm.first_token_measured:
+        if learner is not None and adm.ttft_terms is not None:
+            learner.observe_whole(adm.ttft_terms, completion_tokens, end[0], end[1],
+                                  now - adm.dispatched_at)  # type: ignore[operator]
+        return
+    if completion_tokens < 2:
+        return
+    tpot = (now - adm.first_token_at) / (completion_tokens - 1)
+    if r.latency is not None and adm.tpot_raw is not None:
+        r.latency.observe_tpot(adm.tpot_raw, tpot)
+    if learner is not None and adm.decode_start is not None:
+        n, ctx = adm.decode_start
+        learner.observe_tpot(round((n + end[0]) / 2), (ctx + end[1]) / 2, r.predictor.prefill_rate(now), tpot)  # type: ignore[union-attr]
 
 
 def adapt_inflight_limit(policy: Policy, model_tpot_target: float | None, r: ReplicaState, adm: Admission,

@@ -71,10 +71,16 @@ class ReplicaState:
         self.unseen_by_engine = 0
         self.unseen_since: float | None = None
         self.drift_reported = False  # unseen for longer than the policy's inflight_drift_s
-        self.latency: LatencyPredictor | None = None  # where the model's step times are known
+        self.predictor: LatencyPredictor | None = None  # None with step_time off
         # what it holds in its prefix cache, as far as we know
         self.prefix = ReplicaPrefixIndex(self.capacity_blocks or DEFAULT_INDEX_BLOCKS, block_size,
                                          kv_events_staleness_s)
+
+    @property
+    def latency(self) -> LatencyPredictor | None:
+        """The predictor, where it can predict: a step time given, or learned and warm."""
+        p = self.predictor
+        return p if p is not None and p.model is not None else None
 
     @property
     def capacity_blocks(self) -> int | None:

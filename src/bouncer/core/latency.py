@@ -20,9 +20,11 @@ carries `p * s` of them, so s = a + b * (n + p * s) + c * ctx, hence
 
     TPOT ~ (a + b * n + c * ctx) / (1 - b * p)
 
-The coefficients are a starting point: real engines add scheduling gaps, KV waits and network,
-so each replica keeps two correction factors, moved towards observed / predicted after every
-first token (TTFT) and every completed stream (TPOT): the gateway sees both on each request.
+The coefficients are given in the config or learned from the model's own requests
+(`bouncer.core.step_time_learner`), shared by the model's replicas. Each replica adds what they
+miss there (scheduling gaps, KV waits, network) as two correction factors, moved towards
+observed / predicted after every first token (TTFT) and every completed stream (TPOT): the
+gateway sees both on each request.
 The factors are geometric moving averages, clamped so one outlier cannot swing them far.
 """
 
@@ -30,6 +32,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from bouncer.core.step_time_learner import StepTimeLearner
 
 CORRECTION_WEIGHT = 0.05  # each observation moves log(factor) 5% of the way to log(observed / predicted)
 CORRECTION_MIN, CORRECTION_MAX = 0.2, 5.0
@@ -49,6 +55,14 @@ class StepTimeModel:
         return self.a + self.b * batched_tokens + self.c * context_tokens
 
 
+def prefill_steps(budget: int, prefill_ahead: int, own_prefill: int, decoding: int) -> tuple[int, int]:
+    """Engine steps until a request's first token, and the tokens each batches: the prefill work
+    ahead and its own, at (budget - decoding requests) prefill tokens per step."""
+    per_step = max(1, budget - decoding)
+    work = prefill_ahead + max(1, own_prefill)  # at least its last prompt token is computed
+    return math.ceil(work / per_step), min(budget, decoding + work)
+
+
 def prefill_pairs(prompt_tokens: int, uncached: int) -> int:
     """Attention pairs of computing a prompt's last `uncached` tokens: each attends to itself
     and every token before it."""
@@ -57,14 +71,24 @@ def prefill_pairs(prompt_tokens: int, uncached: int) -> int:
 
 class LatencyPredictor:
     """Predicted TTFT and TPOT on one replica, corrected online. Pure: every call takes the
-    replica's load as numbers and `now`."""
+    replica's load as numbers and `now`. Its step-time model is the one configured (`given`) or
+    its model's learner's current fit (`bouncer.core.step_time_learner`), shared by the model's
+    replicas; `model` is None while a learner is still warming up."""
 
-    def __init__(self, model: StepTimeModel) -> None:
-        self.model = model
+    def __init__(self, given: StepTimeModel | None = None, learner: StepTimeLearner | None = None) -> None:
+        if (given is None) == (learner is None):
+            raise ValueError("a latency predictor has either a given step-time model or a learner")
+        self.given = given
+        self.learner = learner
+        self.budget = given.max_batched_tokens if given is not None else learner.max_batched_tokens  # type: ignore[union-attr]
         self.ttft_factor = 1.0
         self.tpot_factor = 1.0
         self._rate_acc = 0.0  # exponentially decayed sum of dispatched prefill tokens
         self._rate_at = 0.0
+
+    @property
+    def model(self) -> StepTimeModel | None:
+        return self.given if self.learner is None else self.learner.model
 
     # -- the model ---------------------------------------------------------------------------------
     def raw_ttft(self, prefill_ahead: int, own_prefill: int, decoding: int, decode_context: int,
@@ -72,11 +96,14 @@ class LatencyPredictor:
         """Uncorrected TTFT (s) after dispatch: the prefill work ahead, then its own (`pairs`:
         the attention pairs of both)."""
         m = self.model
-        budget = m.max_batched_tokens
-        per_step = max(1, budget - decoding)
-        work = prefill_ahead + max(1, own_prefill)  # at least its last prompt token is computed
-        steps = math.ceil(work / per_step)
-        return steps * m.step(min(budget, decoding + work), decode_context) + m.d * pairs
+        steps, batched = prefill_steps(m.max_batched_tokens, prefill_ahead, own_prefill, decoding)
+        return steps * m.step(batched, decode_context) + m.d * pairs
+
+    def ttft_terms(self, prefill_ahead: int, own_prefill: int, decoding: int, decode_context: int,
+                   pairs: int = 0) -> tuple[float, float, float, float]:
+        """raw_ttft as the coefficients' multipliers: raw_ttft = terms . (a, b, c, d)."""
+        steps, batched = prefill_steps(self.budget, prefill_ahead, own_prefill, decoding)
+        return (steps, steps * batched, steps * decode_context, pairs)
 
     def raw_tpot(self, decoding: int, decode_context: int, now: float) -> float:
         """Uncorrected TPOT (s) of a batch of `decoding` requests reading `decode_context` tokens,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bouncer.config import BouncerConfig, ModelConfig, Policy
+from bouncer.config import BouncerConfig, ModelConfig, Policy, StepTimeConfig
 from bouncer.core.agent_gate import AgentGate, NoAgents
 from bouncer.core.backlog import Backlog, BacklogStore
 from bouncer.core.deadlines import BandSLOs
@@ -11,10 +11,12 @@ from bouncer.core.fleet import ReplicaState
 from bouncer.core.flow import FlowQueues
 from bouncer.core.latency import LatencyPredictor, StepTimeModel
 from bouncer.core.ordering import OrderingPolicy
+from bouncer.core.step_time_learner import GENERIC_PRIOR, StepTimeLearner
 
 
 class ModelState:
-    __slots__ = ("cfg", "flow", "draining", "replicas", "agents", "tpot_target", "band_slos", "backlog")
+    __slots__ = ("cfg", "flow", "draining", "replicas", "agents", "tpot_target", "band_slos", "backlog",
+                 "step_time", "learner")
 
     def __init__(self, cfg: ModelConfig, flow: FlowQueues, backlog: BacklogStore) -> None:
         self.cfg = cfg
@@ -25,6 +27,8 @@ class ModelState:
         self.tpot_target: float | None = None  # strictest TPOT SLO of its tenants, with margin
         self.band_slos = BandSLOs()
         self.backlog = Backlog(cfg.name, flow, self.replicas, backlog)
+        self.step_time: StepTimeConfig | None = None  # the config the predictors below were built from
+        self.learner: StepTimeLearner | None = None  # the step-time fit its replicas share, when learned
 
     def reconfigure(self, m: ModelConfig, config: BouncerConfig, fairness: FairnessPolicy, ordering: OrderingPolicy,
                     credit: CreditStore, agents: AgentGate, registry: dict[str, ReplicaState]) -> None:
@@ -48,10 +52,13 @@ class ModelState:
     def sync_replicas(self, policy: Policy, registry: dict[str, ReplicaState]) -> None:
         """Its replicas as its config lists them (new ones also entered in `registry`, the core's
         by name); a replica no longer listed finishes its work and gets nothing new. A replica's
-        latency corrections survive a reload that keeps its step-time model."""
+        latency corrections, and a learned step time, survive a reload that keeps the model's
+        step-time config."""
         m = self.cfg
-        step = m.step_time
-        step_model = StepTimeModel(step.a, step.b, step.c, step.max_batched_tokens, step.d) if step else None
+        rebuild = m.step_time != self.step_time
+        if rebuild:
+            self.step_time = m.step_time
+            self.learner = _learner(m.step_time)
         listed = set()
         for i, b in enumerate(m.backends):
             name = backend_name(m.name, i, b.name)
@@ -63,14 +70,27 @@ class ModelState:
             r.url, r.configured_blocks, r.removed = b.url, _backend_blocks(m, b), False
             r.offload_blocks = b.kv_offload_blocks
             r.prefix.events_staleness_s = policy.routing.kv_events_staleness_s
-            if step_model is None:
-                r.latency = None
-            elif r.latency is None or r.latency.model != step_model:
-                r.latency = LatencyPredictor(step_model)
+            if rebuild or r.predictor is None and m.step_time.mode != "off":
+                r.predictor = _predictor(m.step_time, self.learner)
             r.sync_capacity()
         for name, r in self.replicas.items():
             if name not in listed:
                 r.removed = True
+
+
+def _learner(step: StepTimeConfig) -> StepTimeLearner | None:
+    if step.mode != "learned":
+        return None
+    return StepTimeLearner(step.coefficients(GENERIC_PRIOR), step.max_batched_tokens)
+
+
+def _predictor(step: StepTimeConfig, learner: StepTimeLearner | None) -> LatencyPredictor | None:
+    if step.mode == "off":
+        return None
+    if learner is not None:
+        return LatencyPredictor(learner=learner)
+    a, b, c, d = step.coefficients((0.0, 0.0, 0.0, 0.0))
+    return LatencyPredictor(StepTimeModel(a, b, c, step.max_batched_tokens, d))
 
 
 def backend_name(model: str, index: int, explicit: str | None) -> str:

@@ -66,6 +66,12 @@ class Admission:
     # uncorrected predictions made at dispatch, to correct the replica's predictor by
     ttft_raw: float | None = None
     tpot_raw: float | None = None
+    # what a learned step time is fitted by (bouncer.core.step_time_learner): the TTFT terms at
+    # dispatch, the decode batch and context when its first token came, and whether that time
+    # was measured (a stream) or is only when the whole answer came
+    ttft_terms: tuple[float, float, float, float] | None = None
+    decode_start: tuple[int, int] | None = None
+    first_token_measured: bool = True
 
     @property
     def request_id(self) -> str:

@@ -88,9 +88,22 @@ class CoreView:
                 "bands": {b.priority: {"queued": b.count, "tokens": b.tokens,
                                        "tenants": {q.tenant: q.count for q in b.queues.values() if q.count}}
                           for b in ms.flow.bands_desc()},
+                "step_time": _step_time_snapshot(ms),
                 "replicas": {r.name: _replica_snapshot(r, view, now) for r in ms.replicas.values()},
             }
         return out
+
+
+def _step_time_snapshot(ms) -> dict:
+    """The model's step time: learned (with how much it has seen), given, or off."""
+    if ms.learner is not None:
+        return ms.learner.snapshot()
+    step = ms.step_time
+    if step is None or step.mode == "off":
+        return {"mode": "off"}
+    a, b, c, d = step.coefficients((0.0, 0.0, 0.0, 0.0))
+    return {"mode": "given", "coefficients": {"a": a, "b": b, "c": c, "d": d},
+            "max_batched_tokens": step.max_batched_tokens}
 
 
 def _replica_snapshot(r: ReplicaState, view: PoolView, now: float) -> dict:

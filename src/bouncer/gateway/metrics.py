@@ -71,6 +71,15 @@ class _CoreCollector:
         yield draining
         yield agent_window
         yield active_agents
+        step = GaugeMetricFamily("bouncer_model_step_time_coefficient",
+                                 "The engine step-time model the core predicts with (a: s per step, b: s per batched "
+                                 "token, c: s per context token, d: s per attention pair): given, or learned.",
+                                 labels=["model", "coefficient", "source"])
+        for name, ms in snap["models"].items():
+            st = ms["step_time"]
+            for coefficient, value in (st.get("coefficients") or {}).items():
+                step.add_metric([name, coefficient, st["mode"]], value)
+        yield step
         age = GaugeMetricFamily("bouncer_replica_telemetry_age_seconds", "Age of the last good scrape.",
                                 labels=["replica"])
         kv = GaugeMetricFamily("bouncer_replica_kv_usage", "Projected KV usage (scraped blended with own).",

@@ -389,7 +389,8 @@ class Gateway:
                 upstream_body["stream_options"] = {**options, "include_usage": True}
 
             def first_token(at: float) -> None:
-                self.core.started(rid, at)
+                # a stream's first token is measured; a whole answer only says its prefill is over
+                self.core.started(rid, at, measured=streaming)
 
             read_timeout = self.upstream.read_timeout
             up = await self.upstream.post_json(self._upstream_url(url, path), dumps(upstream_body))

@@ -308,11 +308,12 @@ def tenant_config(name: str, priority: int, weight: float = 1.0, **kw) -> dict:
 
 def core_config(tenants: list[dict], replicas: int, kv_blocks: int, block_size: int, max_model_len: int,
                 policy: dict, offload_blocks: int = 0, step_time: dict | None = None) -> BouncerConfig:
-    """`step_time` (a profile's `step_time_config`) enables latency prediction."""
+    """`step_time`: the models' step_time config (a profile's `step_time_config` states it as
+    given; without it, latency prediction is off: the baselines that use the core predict none)."""
     return parse_config({
         "tenants": tenants,
         "models": [{"name": SIM_MODEL, "max_model_len": max_model_len, "block_size": block_size,
-                    "step_time": step_time,
+                    "step_time": step_time or {"mode": "off"},
                     "backends": [{"url": f"http://sim-{i}", "name": f"r{i}", "kv_blocks": kv_blocks,
                                   "kv_offload_blocks": offload_blocks} for i in range(replicas)]}],
         "policy": policy,
