@@ -186,6 +186,10 @@ class Telemetry(_Strict):
     scrape_interval_s: float = Field(0.25, gt=0)
     staleness_s: float = Field(2.0, gt=0, description="older telemetry makes a replica count as on_stale says")
     on_stale: Literal["fail-closed", "fail-open"] = "fail-closed"
+    alive_from_streams: bool = Field(True, description="a replica streaming tokens to the gateway's requests is "
+                                                       "answering though its scrape is late or timed out: usable, "
+                                                       "judged by the gateway's own accounting (fail-closed then "
+                                                       "refuses only when an engine really stops answering)")
 
 
 class Breaker(_Strict):

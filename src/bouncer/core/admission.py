@@ -254,6 +254,7 @@ class AdmissionCore:
         if adm is None or adm.first_token_at is not None:
             return
         r = self.replicas[adm.replica]  # type: ignore[index]
+        r.streamed_at = now
         feedback.first_token(adm, r, now, measured)
         self.permits.started(adm, r, now)
 
@@ -274,6 +275,7 @@ class AdmissionCore:
 
     def _learn(self, ms: ModelState, adm: Admission, now: float, completion_tokens: int) -> None:
         replica = self.replicas[adm.replica]  # type: ignore[index]
+        replica.streamed_at = now
         self.stats.served_tokens[adm.tenant] += adm.info.prompt_tokens + completion_tokens
         self.stores.backlog.note_completion(adm.info.model, now)
         if adm.tenant in self._tenants:

@@ -31,6 +31,14 @@ class Telemetry:
     prefix_hits: float | None = None  # cumulative tokens hit
     preemptions: float | None = None
     counts_requests: bool = True  # running and waiting are the engine's (not a bare liveness probe)
+    # when it reached the gateway (None: at `at`). Freshness counts from here: a scrape that took
+    # long to answer still shows the engine answering then. `at` stays the start of the scrape,
+    # the safe side for what it may already include of what was sent.
+    received: float | None = None
+
+    @property
+    def heard_at(self) -> float:
+        return self.at if self.received is None else self.received
 
 
 class ReplicaState:
@@ -44,6 +52,7 @@ class ReplicaState:
         self.block_size = block_size
         self.telemetry: Telemetry | None = None
         self.healthy = True  # last scrape answered
+        self.streamed_at: float | None = None  # last first token or completed answer from it: it was serving
         self.removed = False  # dropped by a config reload: finishes in-flight work, gets no new
         self.busy = False  # hysteresis state
         self.cooldown_until: float | None = None  # rested after refusing a request
@@ -97,10 +106,8 @@ class ReplicaState:
             self.prefix.resize(cap + self.offload_blocks)
 
     def telemetry_age(self, now: float) -> float:
-        return now - self.telemetry.at if self.telemetry is not None else float("inf")
-
-    def is_stale(self, now: float, staleness_s: float) -> bool:
-        return not self.healthy or self.telemetry_age(now) > staleness_s
+        """Since its last scrape answered."""
+        return now - self.telemetry.heard_at if self.telemetry is not None else float("inf")
 
     def projected_usage(self, now: float, fresh: bool, reserve: bool = False, project: bool = True) -> float:
         """KV usage the replica is heading for: the scraped figure plus what was sent after the

@@ -15,8 +15,8 @@ from bouncer.core.fleet import ReplicaState
 
 
 class PoolView:
-    __slots__ = ("replicas", "now", "_fresh", "_usable", "_reserve", "_project", "_usage", "_pool_usage",
-                 "saturation")
+    __slots__ = ("replicas", "now", "_fresh", "_answering", "_usable", "_reserve", "_project", "_usage",
+                 "_pool_usage", "saturation")
 
     def __init__(self, replicas: dict[str, ReplicaState], policy: Policy | None, now: float) -> None:
         self.replicas = replicas
@@ -25,28 +25,39 @@ class PoolView:
         self._pool_usage: float | None = None
         self.saturation: float | None = None  # the detector's last answer on this view, until a grant
         self._fresh: dict[str, bool] = {}
-        self._usable: dict[str, bool] = {}  # it may be sent work: listed, answering, and fresh (or failing open)
+        self._answering: dict[str, bool] = {}
+        self._usable: dict[str, bool] = {}  # it may be sent work: listed, and answering (or failing open)
         if policy is None:  # a router deployed on its own (a baseline): it trusts what it has
             self._reserve, self._project = False, True
             for name, r in replicas.items():
-                self._fresh[name] = True
+                self._fresh[name] = self._answering[name] = True
                 self._usable[name] = not r.removed and r.healthy
             return
-        staleness = policy.telemetry.staleness_s
-        fail_open = policy.telemetry.on_stale == "fail-open"
+        tp = policy.telemetry
+        staleness = tp.staleness_s
+        fail_open = tp.on_stale == "fail-open"
         self._reserve = policy.kv_reservation == "reserve"
         self._project = policy.project_recent_dispatches
         for name, r in replicas.items():
             t = r.telemetry
-            fresh = self._fresh[name] = r.healthy and t is not None and now - t.at <= staleness
-            self._usable[name] = not r.removed and r.healthy and (fresh or fail_open)
+            fresh = self._fresh[name] = r.healthy and t is not None and now - t.heard_at <= staleness
+            # a replica whose scrape is late but that streams our requests' tokens is serving
+            answering = self._answering[name] = fresh or (
+                tp.alive_from_streams and r.streamed_at is not None and now - r.streamed_at <= staleness)
+            self._usable[name] = not r.removed and (answering or (r.healthy and fail_open))
 
     def is_fresh(self, r: ReplicaState) -> bool:
         """Its telemetry is recent and its last scrape answered."""
         return self._fresh[r.name]
 
+    def answering(self, r: ReplicaState) -> bool:
+        """Its scrape answered recently, or (its scrape late or failed) it streams tokens to our
+        requests: failing closed does not shut it out. Without fresh figures it is judged by
+        the gateway's own accounting."""
+        return self._answering[r.name]
+
     def usable(self, r: ReplicaState) -> bool:
-        """It may be sent work: listed, answering, and fresh (or stale, failing open)."""
+        """It may be sent work: listed, and answering (or stale and not failed, failing open)."""
         return self._usable[r.name]
 
     def usable_replicas(self) -> Iterable[ReplicaState]:

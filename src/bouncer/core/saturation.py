@@ -25,7 +25,9 @@ class SaturationDetector(Protocol):
 class UtilizationDetector:
     """llm-d's utilization detector: per replica max(queue / queue threshold, KV / KV threshold),
     averaged over the pool. A stale replica counts as fully saturated when failing closed, and
-    by our own accounting alone when failing open; an unhealthy one (failed scrape) is saturated."""
+    by our own accounting alone when failing open; an unhealthy one (failed scrape) is saturated.
+    One whose scrape is late but that streams tokens to our requests (`PoolView.answering`) is
+    judged by our own accounting, whichever the failure mode."""
 
     name = "utilization"
 
@@ -45,7 +47,7 @@ class UtilizationDetector:
             if r.removed:
                 continue
             is_fresh = r.healthy and view.is_fresh(r)
-            if not is_fresh and (not r.healthy or self.fail_closed):
+            if not is_fresh and not view.answering(r) and (not r.healthy or self.fail_closed):
                 values.append(1.0)
                 continue
             values.append(max(r.queue_depth(is_fresh) / self.queue_threshold,

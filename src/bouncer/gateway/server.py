@@ -20,6 +20,7 @@ Every answer is an OpenAI error body or the backend's relayed success; a bug ans
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import math
@@ -220,6 +221,7 @@ class Gateway:
             try:
                 telemetry = await self._scrape(replica.url, model.engine, replica.configured_blocks, at,
                                                timeout=max(SCRAPE_TIMEOUT_S, 4 * interval))
+                telemetry = dataclasses.replace(telemetry, received=self.clock())  # a slow answer is still one
             except Exception as exc:  # noqa: BLE001 (any failure is a failed scrape; the loop must live on)
                 telemetry, error = None, f"{type(exc).__name__}: {exc}"
             self._apply(self.core.observe(name, telemetry, self.clock()))
@@ -453,7 +455,7 @@ class Gateway:
 
     async def handle_ready(self, _request: web.Request) -> web.Response:
         snap = self.core.snapshot(self.clock())
-        ready = {name: any(r["healthy"] and r["fresh"] and not r["removed"] for r in m["replicas"].values())
+        ready = {name: any(r["answering"] and not r["removed"] for r in m["replicas"].values())
                  for name, m in snap["models"].items()}
         status = 200 if all(ready.values()) else 503
         return web.json_response({"ready": status == 200, "models": ready}, status=status)

@@ -342,7 +342,7 @@ LLMD_POLICY = {
     "sheddable_ceiling": 1.0,
     "band_ceilings": {},
     "saturation": {"queue_depth_threshold": 5, "kv_threshold": 0.8},
-    "telemetry": {"staleness_s": 0.2, "on_stale": "fail-closed"},
+    "telemetry": {"staleness_s": 0.2, "on_stale": "fail-closed", "alive_from_streams": False},
     "queues": {"max_requests": 10**6, "band_max_requests": 5000, "tenant_max_requests": 10**6,
                "tenant_max_tokens": 10**12, "max_tokens": 10**12},
     "max_inflight_per_replica": 10**6,
