@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import pathlib
 import sys
 
 
@@ -250,6 +251,27 @@ def cmd_bench_feasibility(args) -> None:
                 args.out)
 
 
+def cmd_bench_live(args) -> None:
+    from bouncer.bench import live
+
+    fleet = live.LiveFleet(engines=args.engines, profile=args.profile, speed=args.speed, kv_blocks=args.kv_blocks,
+                           max_num_seqs=args.max_num_seqs)
+    for load in args.load:
+        if args.driver == "guidellm":
+            result = live.run_flood(load, args.duration, fleet, seed=args.seed, step_time=args.step_time,
+                                    guidellm_bin=args.guidellm, skip_direct=args.skip_direct)
+        else:
+            result = live.run(args.scenario, load, args.duration, fleet, seed=args.seed, step_time=args.step_time,
+                              trace=args.trace, skip_direct=args.skip_direct)
+        print(live.report(result), flush=True)
+        if args.out:
+            out = pathlib.Path(args.out)
+            out.mkdir(parents=True, exist_ok=True)
+            path = out / f"{result['scenario']}-{load:g}-{args.step_time}.json"
+            path.write_text(json.dumps(result, indent=1))
+            print(f"  wrote {path}")
+
+
 def cmd_bench_core(args) -> None:
     from bouncer.bench.core_cost import main as core_cost
 
@@ -356,6 +378,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--samples", type=int, default=30, help="refused requests let through, one paired run each")
     p.add_argument("--out", help="write the result JSON")
     p.set_defaults(func=cmd_bench_feasibility)
+
+    p = bench.add_parser("live", help="Bouncer in real time in front of `bouncer engine` processes, beside the same "
+                                      "traffic straight to the engines and the simulator's prediction of both")
+    p.add_argument("--driver", choices=("trace", "guidellm"), default="trace",
+                   help="trace: the scenario's requests replayed open loop through the openai SDK; guidellm: "
+                        "guidellm flooding as a sheddable tenant, a top tenant streaming beside it")
+    p.add_argument("--scenario", default="consolidation", choices=[s for s in SCENARIOS if s != "agents"],
+                   help="with --driver trace")
+    p.add_argument("--guidellm", help="the guidellm executable (default: $BOUNCER_GUIDELLM, .venv-guidellm)")
+    p.add_argument("--load", type=float, nargs="+", default=[2.0], help="offered load(s), multiples of capacity")
+    p.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals (real time)")
+    p.add_argument("--engines", type=int, default=2)
+    p.add_argument("--profile", default="llama-3.1-8b-h100")
+    p.add_argument("--speed", type=float, default=0.25, help="the engines' --speed (0.25: 4x slower than the profile)")
+    p.add_argument("--kv-blocks", type=int, default=2048)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--step-time", choices=("learned", "given"), default="learned",
+                   help="what the gateway is told of the engines' step time (and the simulated Bouncer too)")
+    p.add_argument("--trace", help="replace the scenario's main trace")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--skip-direct", action="store_true", help="do not run the traffic straight to the engines")
+    p.add_argument("--out", help="a folder for the result JSON files")
+    p.set_defaults(func=cmd_bench_live)
 
     p = bench.add_parser("core", help="the admission core's microseconds per call on a simulated workload")
     p.add_argument("--scenario", default="surge", choices=[s for s in SCENARIOS if s != "agents"])

@@ -302,6 +302,11 @@ class EngineServer:
             raise ApiError(400, "max_tokens must be a positive integer", param="max_tokens")
         if body.get("ignore_eos"):
             return max_tokens, max_tokens
+        eos_after = body.get("eos_after")  # this engine model's own: the answer's length, as a replayed trace says
+        if eos_after is not None:
+            if not isinstance(eos_after, int) or isinstance(eos_after, bool) or eos_after < 1:
+                raise ApiError(400, "eos_after must be a positive integer", param="eos_after")
+            return min(max_tokens, eos_after), max_tokens
         rng = random.Random(rid_seed)
         sampled = int(math.exp(rng.gauss(math.log(SAMPLED_OUTPUT_MEDIAN), SAMPLED_OUTPUT_SIGMA)))
         return max(1, min(max_tokens, sampled)), max_tokens

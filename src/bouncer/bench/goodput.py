@@ -30,9 +30,9 @@ from bouncer.sim.policies import (
     core_config,
     tenant_config,
 )
-from bouncer.sim.profiles import get_profile
+from bouncer.sim.profiles import EngineProfile, get_profile
 from bouncer.sim.scenarios import Scenario, get_scenario
-from bouncer.sim.workloads import make_requests, measure_capacity
+from bouncer.sim.workloads import TenantSpec, make_requests, measure_capacity
 
 POLICIES = ("none", "tgi-cap", "vllm-queue-cap", "llmd-flow-control", "dynamo-busy", "bouncer")
 DEFAULT_PROFILE = "llama-3.1-8b-h100"
@@ -45,9 +45,14 @@ LLMD_SCRAPE_INTERVAL_S = 0.05  # llm-d's --refresh-metrics-interval default (50 
 CACHE_DIR = pathlib.Path(os.environ.get("BOUNCER_CACHE_DIR", ".cache")) / "capacity"
 
 
-def fleet_config(policy: str, replicas: int, profile_name: str, seed: int, scenario: Scenario,
-                  kv_events: bool = False) -> FleetConfig:
-    profile = dataclasses.replace(get_profile(profile_name), max_model_len=scenario.max_model_len)
+def engine_profile(profile: str | EngineProfile) -> EngineProfile:
+    """A profile by name, or one given whole (`bouncer bench live`'s, scaled to its engines)."""
+    return profile if isinstance(profile, EngineProfile) else get_profile(profile)
+
+
+def fleet_config(policy: str, replicas: int, profile: str | EngineProfile, seed: int, scenario: Scenario,
+                 kv_events: bool = False) -> FleetConfig:
+    profile = dataclasses.replace(engine_profile(profile), max_model_len=scenario.max_model_len)
     cfg = FleetConfig(replicas=replicas, profile=profile, seed=seed, kv_events=kv_events,
                       cpu_offload_gib=scenario.cpu_offload_gib)
     if policy == "vllm-queue-cap":
@@ -101,7 +106,8 @@ def make_policy(name: str, scenario: Scenario, cfg: FleetConfig, routing: str | 
         # llm-d predicts no latency
         step = _step_time_config(cfg, step_time) if name == "bouncer" else {"mode": "off"}
         return CorePolicy(name, core_config(tenant_configs(scenario), cfg.replicas, blocks, cfg.profile.block_size,
-                                           cfg.profile.max_model_len, policy, offload, step))
+                                           cfg.profile.max_model_len, policy, offload, step),
+                          advises_clients=name == "bouncer")
     raise ValueError(f"unknown policy {name!r}; known: {', '.join(POLICIES)}")
 
 
@@ -120,15 +126,17 @@ def _check_policy_set(policy: str, policy_set: dict | None) -> None:
         raise ValueError(f"policy settings apply to bouncer and llmd-flow-control, not {policy!r}")
 
 
-def fleet_capacity(scenario: Scenario, traces, replicas: int, profile: str, seed: int, trace: str | None) -> float:
+def fleet_capacity(scenario: Scenario, traces, replicas: int, profile: str | EngineProfile, seed: int,
+                   trace: str | None) -> float:
     """Capacity (req/s) of this fleet for this scenario's mix; measured once and cached."""
     # the profile's coefficients are in the key: a changed engine model measures again
-    key = hashlib.sha256(json.dumps([scenario.name, replicas, repr(get_profile(profile)), trace or "",
+    prof = engine_profile(profile)
+    key = hashlib.sha256(json.dumps([scenario.name, replicas, repr(prof), trace or "",
                                      scenario.max_model_len,
                                      scenario.cpu_offload_gib,
                                      [(t.name, t.share, t.trace, t.min_prompt, t.max_tokens) for t in scenario.tenants]]
                                     ).encode()).hexdigest()[:16]
-    path = CACHE_DIR / f"{scenario.name}-{replicas}x{profile}-{key}.json"
+    path = CACHE_DIR / f"{scenario.name}-{replicas}x{prof.name}-{key}.json"
     if path.exists():
         return json.loads(path.read_text())["capacity_rps"]
     cfg = fleet_config("none", replicas, profile, seed, scenario)
@@ -136,7 +144,7 @@ def fleet_capacity(scenario: Scenario, traces, replicas: int, profile: str, seed
     cap = measure_capacity(cfg, lambda: make_policy("none", scenario, cfg), base, traces, seed=seed)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"capacity_rps": cap, "scenario": scenario.name, "replicas": replicas,
-                                "profile": profile, "trace": trace}))
+                                "profile": prof.name, "trace": trace}))
     return cap
 
 
@@ -164,6 +172,21 @@ def within_slo(r: SimRequest) -> bool:
     return r.tpot_slo is None or tpot is None or tpot <= r.tpot_slo
 
 
+def tenant_outcomes(spec: TenantSpec, mine: list[SimRequest]) -> dict:
+    """One tenant's requests, ended: how many, how many within SLO, their latencies."""
+    done = [r for r in mine if r.outcome == "completed"]
+    return {
+        "priority": spec.priority, "weight": spec.weight, "offered": len(mine),
+        "completed": len(done),
+        "slo_attainment": sum(1 for r in mine if within_slo(r)) / len(mine) if mine else None,
+        "ttft_p50_s": _pct([r.first_token_at - r.arrival for r in done], 0.5),
+        "ttft_p99_s": _pct([r.first_token_at - r.arrival for r in done], 0.99),
+        "tpot_p50_s": _pct([t for r in done if (t := _tpot(r)) is not None], 0.5),
+        "tpot_p99_s": _pct([t for r in done if (t := _tpot(r)) is not None], 0.99),
+        "slo_misses": _misses(mine),
+    }
+
+
 def _misses(requests: list[SimRequest]) -> dict[str, int]:
     """Why requests did not count toward goodput: not completed (by outcome); or completed late
     on TTFT, on the first attempt or on a retry (latency counts from the first); or on TPOT."""
@@ -181,7 +204,7 @@ def _misses(requests: list[SimRequest]) -> dict[str, int]:
 
 
 def run(scenario_name: str, policy: str, load: float, seed: int = 0, replicas: int = 4, duration_s: float = 300.0,
-        trace: str | None = None, profile: str = DEFAULT_PROFILE, routing: str | None = None,
+        trace: str | None = None, profile: str | EngineProfile = DEFAULT_PROFILE, routing: str | None = None,
         kv_events: bool = False, only_tenants: list[str] | None = None, policy_set: dict | None = None,
         step_time: str = "given") -> dict:
     """One run, summarized. `routing` overrides the policy's router; `kv_events` has the engines
@@ -201,7 +224,7 @@ def run(scenario_name: str, policy: str, load: float, seed: int = 0, replicas: i
 
 
 def simulate(scenario_name: str, policy: str, load: float, seed: int, replicas: int, duration_s: float,
-             trace: str | None = None, profile: str = DEFAULT_PROFILE, routing: str | None = None,
+             trace: str | None = None, profile: str | EngineProfile = DEFAULT_PROFILE, routing: str | None = None,
              kv_events: bool = False, only_tenants: list[str] | None = None, policy_set: dict | None = None,
              step_time: str = "given"):
     """The run itself, as `run` describes it: (scenario, capacity in req/s, requests with their
@@ -281,19 +304,8 @@ def summarize(scenario: Scenario, policy: str, load: float, seed: int, replicas:
     total_served = sum(served_tokens.values()) or 1
     tenants = {}
     for spec in scenario.tenants:
-        mine = [r for r in requests if r.tenant == spec.name]
-        done = [r for r in mine if r.outcome == "completed"]
-        tenants[spec.name] = {
-            "priority": spec.priority, "weight": spec.weight, "offered": len(mine),
-            "completed": len(done),
-            "slo_attainment": sum(1 for r in mine if within_slo(r)) / len(mine) if mine else None,
-            "ttft_p50_s": _pct([r.first_token_at - r.arrival for r in done], 0.5),
-            "ttft_p99_s": _pct([r.first_token_at - r.arrival for r in done], 0.99),
-            "tpot_p50_s": _pct([t for r in done if (t := _tpot(r)) is not None], 0.5),
-            "tpot_p99_s": _pct([t for r in done if (t := _tpot(r)) is not None], 0.99),
-            "served_token_share": served_tokens.get(spec.name, 0) / total_served,
-            "slo_misses": _misses(mine),
-        }
+        tenants[spec.name] = {**tenant_outcomes(spec, [r for r in requests if r.tenant == spec.name]),
+                              "served_token_share": served_tokens.get(spec.name, 0) / total_served}
     span = duration_s
     ttfts = [r.first_token_at - r.arrival for r in completed]
     imbalance = [x["kv_imbalance"] for x in result.samples if x.get("kv_imbalance") and x["kv_usage_mean"] >= 0.05]

@@ -64,3 +64,29 @@ def run(guidellm: str | pathlib.Path, target: str, model: str, api_key: str, rat
     bench = json.loads(report.read_text())["benchmarks"][0]
     totals = bench["metrics"]["request_totals"]
     return GuidellmRun(totals["successful"], totals["errored"], totals["incomplete"], float(bench["duration"]), report)
+
+
+@dataclass(frozen=True)
+class GuidellmRequest:
+    """One request as guidellm saw it, in its clock (seconds since the epoch)."""
+
+    targeted_start: float  # when its rate said to send it
+    first_token: float | None
+    end: float | None
+    output_tokens: int
+    status: str  # successful | errored | incomplete
+
+
+def requests(report: pathlib.Path) -> list[GuidellmRequest]:
+    """Every request of a run's report, whatever became of it."""
+    bench = json.loads(report.read_text())["benchmarks"][0]
+    out = []
+    for status, reqs in bench["requests"].items():
+        if status == "total":
+            continue
+        for r in reqs:
+            t = r["info"]["timings"]
+            out.append(GuidellmRequest(t["targeted_start"], t.get("first_token_iteration"),
+                                       t.get("last_token_iteration") or t.get("request_end"),
+                                       r.get("output_tokens") or 0, status))
+    return out

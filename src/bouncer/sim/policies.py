@@ -35,10 +35,15 @@ def prompt_digest(req: SimRequest) -> int:
 
 class CorePolicy:
     """Bouncer's admission core, as the gateway runs it. Also the base of baselines that are
-    the same machinery with a peer's parameters (llm-d flow control)."""
+    the same machinery with a peer's parameters (llm-d flow control). `advises_clients`: its
+    refusals carry Retry-After and `x-should-retry`, as Bouncer's gateway sends them; llm-d's EPP
+    sends neither (no Retry-After anywhere in its repository: notes on peers), so its clients
+    fall back on their own backoff."""
 
-    def __init__(self, name: str, config: BouncerConfig, exemption: Exemption | None = None) -> None:
+    def __init__(self, name: str, config: BouncerConfig, exemption: Exemption | None = None,
+                 advises_clients: bool = True) -> None:
         self.name = name
+        self.advises_clients = advises_clients
         self.core = AdmissionCore(config, 0.0, exemption=exemption)  # routes as config.policy.routing says
         self._keys = {t.name: t.api_keys_sha256[0] for t in config.tenants}
         self._renew_every = config.policy.permit_lease_s / 4
@@ -60,8 +65,10 @@ class CorePolicy:
             else:
                 assert isinstance(e, Reject)
                 r = e.refusal
-                out.append(Refused(e.request_id, r.status, f"{r.layer.value}/{r.reason}", r.retry_after,
-                                   final=e.terminal is Terminal.EXPIRED, should_retry=r.should_retry))
+                advice = self.advises_clients
+                out.append(Refused(e.request_id, r.status, f"{r.layer.value}/{r.reason}",
+                                   r.retry_after if advice else None, final=e.terminal is Terminal.EXPIRED,
+                                   should_retry=r.should_retry if advice else True))
         return out
 
     def _info(self, req: SimRequest) -> RequestInfo:
