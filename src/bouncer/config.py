@@ -133,6 +133,8 @@ class StepTimeConfig(_Strict):
     max_batched_tokens: int = Field(8192, ge=1, description="the engine's --max-num-batched-tokens")
     d: float | None = Field(None, ge=0, description="seconds per attention pair (a prompt token computed, a token "
                                                     "before it): prefill attention's compute, quadratic in the prompt")
+    e: float | None = Field(None, ge=0, description="seconds of a first token outside the prefill steps (the step "
+                                                    "under way, HTTP, event loops); learned, 0 when given")
 
     @model_validator(mode="before")
     @classmethod
@@ -145,13 +147,13 @@ class StepTimeConfig(_Strict):
     def _mode(self) -> StepTimeConfig:
         if self.mode == "given" and (self.a is None or self.b is None):
             raise ValueError("step_time mode 'given' needs a and b (or leave them out to have them learned)")
-        if self.mode == "learned" and 0 in (self.b, self.c, self.d):
+        if self.mode == "learned" and 0 in (self.b, self.c, self.d, self.e):
             raise ValueError("a learned step time's prior needs every coefficient it states > 0")
         return self
 
-    def coefficients(self, default: tuple[float, float, float, float]) -> tuple[float, float, float, float]:
-        """a, b, c, d: those stated, the rest from `default` (given: 0 for c and d)."""
-        stated = (self.a, self.b, self.c, self.d)
+    def coefficients(self, default: tuple[float, ...]) -> tuple[float, float, float, float, float]:
+        """a, b, c, d, e: those stated, the rest from `default` (given: 0 for c, d and e)."""
+        stated = (self.a, self.b, self.c, self.d, self.e)
         return tuple(v if v is not None else dv for v, dv in zip(stated, default, strict=True))  # type: ignore[return-value]
 
 

@@ -26,6 +26,7 @@ import os
 import pathlib
 import random
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -56,6 +57,7 @@ from bouncer.sim.workloads import TenantSpec, make_requests
 from bouncer.tokenizer import default_tokenizer_path
 
 ADMIN_KEY = "live-admin"
+RID_HEADER = "x-bouncer-live-request"  # which of the run's requests an attempt is, for counting its refusals
 DRAIN_S = 90.0  # after the last arrival, how long requests still running may take before they are cut
 TOKEN_IDS = (100, 2000)  # prompt token ids are drawn from these, within the bundled tokenizer's 2,048
 
@@ -80,8 +82,6 @@ class LiveFleet:
 
 # -- processes ---------------------------------------------------------------------------------------
 def _free_port() -> int:
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -105,9 +105,11 @@ class Processes:
     def __init__(self, work: pathlib.Path) -> None:
         self.work = work
         self.procs: list[subprocess.Popen] = []
+        self.logs: list = []
 
     def start(self, name: str, args: list[str]) -> subprocess.Popen:
-        log = open(self.work / f"{name}.log", "wb")  # noqa: SIM115 (closed with the process)
+        log = open(self.work / f"{name}.log", "ab")  # noqa: SIM115 (closed in stop)
+        self.logs.append(log)
         proc = subprocess.Popen([sys.executable, "-m", "bouncer", *args], stdout=log, stderr=subprocess.STDOUT)
         self.procs.append(proc)
         return proc
@@ -144,6 +146,9 @@ class Processes:
                 p.kill()
                 p.wait(10)
         self.procs.clear()
+        for log in self.logs:
+            log.close()
+        self.logs.clear()
 
 
 def gateway_config(scenario, fleet: LiveFleet, engines: list[str], step_time: dict, port: int) -> dict:
@@ -200,7 +205,8 @@ async def _one(client, req: SimRequest, ids: list[int], t0: float) -> None:
     try:
         stream = await client.completions.create(
             model=SIM_MODEL, prompt=ids, max_tokens=req.max_tokens, stream=True,
-            stream_options={"include_usage": True}, extra_body={"eos_after": req.output_len})
+            stream_options={"include_usage": True}, extra_body={"eos_after": req.output_len},
+            extra_headers={RID_HEADER: req.rid})
         async for chunk in stream:
             if chunk.choices and chunk.choices[0].text:
                 if req.first_token_at is None:
@@ -225,9 +231,23 @@ def _reason(exc) -> str:
         return str(exc.status_code)
 
 
-async def _replay(requests: list[SimRequest], route, block_size: int) -> None:
-    """Every request at its arrival time; `route(i, req)` is (base url, api key) for the i-th."""
+async def _replay(requests: list[SimRequest], route, block_size: int) -> Counter:
+    """Every request at its arrival time; `route(i, req)` is (base url, api key) for the i-th.
+    Returns the refusals of every attempt, by tenant and reason (the SDK retries out of sight)."""
     import openai
+
+    tenant_of = {r.rid: r.tenant for r in requests}
+    refusals: Counter = Counter()
+
+    async def note(response) -> None:  # an httpx2.Response: the openai SDK's HTTP client
+        if response.status_code != 200:
+            await response.aread()
+            try:
+                code = response.json()["error"].get("code")
+            except (ValueError, KeyError, TypeError, AttributeError):
+                code = None
+            refusals[(tenant_of.get(response.request.headers.get(RID_HEADER, ""), "?"),
+                      f"{response.status_code}/{code or '-'}")] += 1
 
     clients: dict[tuple[str, str], openai.AsyncOpenAI] = {}
     loop = asyncio.get_running_loop()
@@ -237,8 +257,9 @@ async def _replay(requests: list[SimRequest], route, block_size: int) -> None:
         base, key = route(i, req)
         client = clients.get((base, key))
         if client is None:
-            client = clients[(base, key)] = openai.AsyncOpenAI(base_url=base + "/v1", api_key=key,
-                                                               max_retries=req.max_retries, timeout=req.timeout_s)
+            client = clients[(base, key)] = openai.AsyncOpenAI(
+                base_url=base + "/v1", api_key=key, max_retries=req.max_retries, timeout=req.timeout_s,
+                http_client=openai.DefaultAsyncHttpx2Client(event_hooks={"response": [note]}, timeout=req.timeout_s))
         tasks.append(asyncio.create_task(_one(client, req, prompt_ids(req, block_size), t0)))
     last = max((r.arrival for r in requests), default=0.0)
     _, pending = await asyncio.wait(tasks, timeout=last + 1.0 + DRAIN_S)
@@ -250,14 +271,24 @@ async def _replay(requests: list[SimRequest], route, block_size: int) -> None:
             req.outcome, req.reason = "abandoned", "run_ended"
     for client in clients.values():
         await client.close()
+    return refusals
 
 
-def replay(requests: list[SimRequest], route, block_size: int) -> list[SimRequest]:
-    """A copy of `requests`, sent live, with what the client saw."""
-    live = [dataclasses.replace(copy.copy(r), first_token_at=None, finished_at=None, outcome=None, reason=None)
+def replay(requests: list[SimRequest], route, block_size: int) -> tuple[list[SimRequest], Counter]:
+    """A copy of `requests`, sent live, with what the client saw; and every attempt's refusal
+    by (tenant, status/code)."""
+    live = [dataclasses.replace(r, first_token_at=None, finished_at=None, outcome=None, reason=None)
             for r in requests]
-    asyncio.run(_replay(live, route, block_size))
-    return live
+    refusals = asyncio.run(_replay(live, route, block_size))
+    return live, refusals
+
+
+def _with_attempts(table: dict, refusals: Counter) -> dict:
+    for (tenant, reason), n in refusals.items():
+        t = table["tenants"].get(tenant)
+        if t is not None:
+            t.setdefault("attempts_refused", {})[reason] = n
+    return table
 
 
 def through_gateway(gateway: str):
@@ -298,23 +329,35 @@ def _table(scenario, requests: list[SimRequest], duration_s: float, cut_at: floa
     return {"goodput_rps": total / duration_s, "tenants": out}
 
 
+def _header(scenario: str, load: float, duration_s: float, fleet: LiveFleet, seed: int, step_time: str,
+            capacity: float, offered: int) -> dict:
+    return {"scenario": scenario, "load": load, "duration_s": duration_s, "seed": seed,
+            "fleet": dataclasses.asdict(fleet), "step_time": step_time, "capacity_rps": capacity,
+            "offered": offered, "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]}}
+
+
+def _simulated(result: dict, scenario: Scenario, requests: list[SimRequest], fleet: LiveFleet, seed: int,
+               step_time: str, duration_s: float, cut_at: float | None = None) -> None:
+    """The simulator's run of the same requests on the same engines, Bouncer and none: first,
+    as it takes seconds and says what to expect."""
+    for policy in ("bouncer", "none"):
+        cfg = fleet_config(policy, fleet.engines, fleet.sim_profile(), seed, scenario)
+        gw = make_policy(policy, scenario, cfg, step_time=step_time)
+        simulated = copy.deepcopy(requests)
+        FleetSim(cfg, gw, gw.replica_names).run(simulated)
+        result[f"sim_{policy}"] = _table(scenario, simulated, duration_s, cut_at)
+
+
 def run(scenario_name: str, load: float, duration_s: float = 60.0, fleet: LiveFleet = LiveFleet(), seed: int = 0,
         step_time: str = "learned", trace: str | None = None, skip_direct: bool = False) -> dict:
+    """The scenario's requests replayed open loop (module doc)."""
     scenario = get_scenario(scenario_name, duration_s)
     traces = scenario.load(trace)
     prof = fleet.sim_profile()
     capacity = fleet_capacity(scenario, traces, fleet.engines, prof, seed, trace)
     requests = make_requests(scenario.tenants, traces, load * capacity, duration_s, seed)
-    result: dict = {"scenario": scenario.name, "load": load, "duration_s": duration_s, "seed": seed,
-                    "fleet": dataclasses.asdict(fleet), "step_time": step_time, "capacity_rps": capacity,
-                    "offered": len(requests), "machine": {"cpus": os.cpu_count()}}
-    # the simulator first: it takes seconds, and says what to expect
-    for policy in ("bouncer", "none"):
-        cfg = fleet_config(policy, fleet.engines, prof, seed, scenario)
-        gw = make_policy(policy, scenario, cfg, step_time=step_time)
-        simulated = copy.deepcopy(requests)
-        FleetSim(cfg, gw, gw.replica_names).run(simulated)
-        result[f"sim_{policy}"] = _table(scenario, simulated, duration_s)
+    result = _header(scenario.name, load, duration_s, fleet, seed, step_time, capacity, len(requests))
+    _simulated(result, scenario, requests, fleet, seed, step_time, duration_s)
     with tempfile.TemporaryDirectory(prefix="bouncer-live-") as work:
         procs = Processes(pathlib.Path(work))
         try:
@@ -322,8 +365,9 @@ def run(scenario_name: str, load: float, duration_s: float = 60.0, fleet: LiveFl
             gateway = procs.gateway(gateway_config(scenario, fleet, engines, step_time_config(fleet, step_time),
                                                    _free_port()))
             started = time.monotonic()
-            live = replay(requests, through_gateway(gateway), prof.block_size)
-            result["live_bouncer"] = {**_table(scenario, live, duration_s), "wall_s": time.monotonic() - started,
+            live, refusals = replay(requests, through_gateway(gateway), prof.block_size)
+            result["live_bouncer"] = {**_with_attempts(_table(scenario, live, duration_s), refusals),
+                                      "wall_s": time.monotonic() - started,
                                       "step_time": _state(gateway)["models"][SIM_MODEL]["step_time"]}
         finally:
             procs.stop()
@@ -331,8 +375,8 @@ def run(scenario_name: str, load: float, duration_s: float = 60.0, fleet: LiveFl
             procs = Processes(pathlib.Path(work))
             try:
                 engines = procs.engines(fleet)  # fresh engines: empty caches, as the gateway's run had
-                live = replay(requests, round_robin(engines), prof.block_size)
-                result["live_direct"] = _table(scenario, live, duration_s)
+                live, refusals = replay(requests, round_robin(engines), prof.block_size)
+                result["live_direct"] = _with_attempts(_table(scenario, live, duration_s), refusals)
             finally:
                 procs.stop()
     return result
@@ -400,16 +444,10 @@ def run_flood(load: float, duration_s: float = 40.0, fleet: LiveFleet = LiveFlee
     run_s = duration_s + FLOOD_TAIL_S
     requests = make_requests(scenario.tenants, scenario.loaded, total, run_s, seed)
     prof = fleet.sim_profile()
-    result: dict = {"scenario": "flood", "load": load, "duration_s": duration_s, "seed": seed,
-                    "fleet": dataclasses.asdict(fleet), "step_time": step_time, "capacity_rps": capacity,
-                    "offered": sum(1 for r in requests if r.arrival < duration_s), "tail_s": FLOOD_TAIL_S,
-                    "machine": {"cpus": os.cpu_count()}, "driver": "guidellm"}
-    for policy in ("bouncer", "none"):
-        cfg = fleet_config(policy, fleet.engines, prof, seed, scenario)
-        gw = make_policy(policy, scenario, cfg, step_time=step_time)
-        simulated = copy.deepcopy(requests)
-        FleetSim(cfg, gw, gw.replica_names).run(simulated)
-        result[f"sim_{policy}"] = _table(scenario, simulated, duration_s, cut_at=run_s)
+    result = _header("flood", load, duration_s, fleet, seed, step_time, capacity,
+                     sum(1 for r in requests if r.arrival < duration_s))
+    result.update(driver="guidellm", tail_s=FLOOD_TAIL_S)
+    _simulated(result, scenario, requests, fleet, seed, step_time, duration_s, cut_at=run_s)
     top = [r for r in requests if r.tenant == "top"]
     targets = ["bouncer"] if skip_direct else ["bouncer", "direct"]
     with tempfile.TemporaryDirectory(prefix="bouncer-live-") as work:
@@ -424,9 +462,9 @@ def run_flood(load: float, duration_s: float = 40.0, fleet: LiveFleet = LiveFlee
                     flood_at, route = [gateway], through_gateway(gateway)
                 else:
                     flood_at, route = engines, round_robin(engines)
-                records = _drive_flood(flood_at, engines, route, top, load * capacity, run_s, binary,
+                records, refusals = _drive_flood(flood_at, engines, route, top, load * capacity, run_s, binary,
                                        pathlib.Path(work) / target, scenario.tenants[1], prof.block_size)
-                table = _table(scenario, records, duration_s, cut_at=run_s)
+                table = _with_attempts(_table(scenario, records, duration_s, cut_at=run_s), refusals)
                 if target == "bouncer":
                     table["step_time"] = _state(gateway)["models"][SIM_MODEL]["step_time"]
                 result[f"live_{target}"] = table
@@ -437,7 +475,7 @@ def run_flood(load: float, duration_s: float = 40.0, fleet: LiveFleet = LiveFlee
 
 def _drive_flood(flood_at: list[str], engines: list[str], route, top: list[SimRequest], rate: float,
                  duration_s: float, binary: pathlib.Path, work: pathlib.Path, flood_spec: TenantSpec,
-                 block_size: int) -> list[SimRequest]:
+                 block_size: int) -> tuple[list[SimRequest], Counter]:
     """guidellm against `flood_at` (split evenly when direct: one guidellm per engine, as
     round-robin would), the top tenant's requests through `route`, at once."""
     import threading
@@ -456,14 +494,14 @@ def _drive_flood(flood_at: list[str], engines: list[str], route, top: list[SimRe
     for t in threads:
         t.start()
     _until_engines_see_traffic(engines)  # guidellm takes seconds to start: the top tenant starts with the flood
-    live_top = replay(top, route, block_size)
+    live_top, refusals = replay(top, route, block_size)
     for t in threads:
         t.join(duration_s + 300)
     if errors:
         raise errors[0]
     flood = [g for run in runs for g in guidellm.requests(run.report)]
     t0 = min((g.targeted_start for g in flood), default=0.0)
-    return live_top + _flood_records(flood, t0, flood_spec)
+    return live_top + _flood_records(flood, t0, flood_spec), refusals
 
 
 def _until_engines_see_traffic(engines: list[str], timeout_s: float = 180.0) -> None:

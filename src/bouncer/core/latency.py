@@ -50,6 +50,9 @@ class StepTimeModel:
     c: float  # s per context token attention reads
     max_batched_tokens: int  # the engine's per-step token budget (vLLM --max-num-batched-tokens)
     d: float = 0.0  # s per (prompt token computed, token before it) pair: prefill attention's compute
+    # s of a first token spent outside the prefill steps: the step under way when the request
+    # reaches the engine, HTTP, event loops (0 where the model is given: the engine model's own)
+    e: float = 0.0
 
     def step(self, batched_tokens: float, context_tokens: float) -> float:
         return self.a + self.b * batched_tokens + self.c * context_tokens
@@ -97,13 +100,13 @@ class LatencyPredictor:
         the attention pairs of both)."""
         m = self.model
         steps, batched = prefill_steps(m.max_batched_tokens, prefill_ahead, own_prefill, decoding)
-        return steps * m.step(batched, decode_context) + m.d * pairs
+        return steps * m.step(batched, decode_context) + m.d * pairs + m.e
 
     def ttft_terms(self, prefill_ahead: int, own_prefill: int, decoding: int, decode_context: int,
-                   pairs: int = 0) -> tuple[float, float, float, float]:
-        """raw_ttft as the coefficients' multipliers: raw_ttft = terms . (a, b, c, d)."""
+                   pairs: int = 0) -> tuple[float, float, float, float, float]:
+        """raw_ttft as the coefficients' multipliers: raw_ttft = terms . (a, b, c, d, e)."""
         steps, batched = prefill_steps(self.budget, prefill_ahead, own_prefill, decoding)
-        return (steps, steps * batched, steps * decode_context, pairs)
+        return (steps, steps * batched, steps * decode_context, pairs, 1.0)
 
     def raw_tpot(self, decoding: int, decode_context: int, now: float) -> float:
         """Uncorrected TPOT (s) of a batch of `decoding` requests reading `decode_context` tokens,

@@ -89,8 +89,8 @@ def _predictor(step: StepTimeConfig, learner: StepTimeLearner | None) -> Latency
         return None
     if learner is not None:
         return LatencyPredictor(learner=learner)
-    a, b, c, d = step.coefficients((0.0, 0.0, 0.0, 0.0))
-    return LatencyPredictor(StepTimeModel(a, b, c, step.max_batched_tokens, d))
+    a, b, c, d, e = step.coefficients((0.0,) * 5)
+    return LatencyPredictor(StepTimeModel(a, b, c, step.max_batched_tokens, d, e))
 
 
 def backend_name(model: str, index: int, explicit: str | None) -> str:

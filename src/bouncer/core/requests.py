@@ -69,7 +69,7 @@ class Admission:
     # what a learned step time is fitted by (bouncer.core.step_time_learner): the TTFT terms at
     # dispatch, the decode batch and context when its first token came, and whether that time
     # was measured (a stream) or is only when the whole answer came
-    ttft_terms: tuple[float, float, float, float] | None = None
+    ttft_terms: tuple[float, float, float, float, float] | None = None
     decode_start: tuple[int, int] | None = None
     first_token_measured: bool = True
 

@@ -1,13 +1,16 @@
-"""The engine's step time, learned: a, b, c, d fitted online from what the gateway sees.
+"""The engine's step time, learned: a, b, c, d (and e) fitted online from what the gateway sees.
 
 Operators rarely know their engines' step-time coefficients (`bouncer.core.latency`), and an
 engine run slower or faster than its profile (another GPU, `bouncer engine --speed`, a
 neighbour on the same card) has others. Without them the core cannot predict TTFT or TPOT, and
 SLO feasibility, the TPOT hold and band protection do nothing. So each model fits them from its
-own requests. Every observation is linear in theta = (a, b, c, d):
+own requests. Every observation is linear in theta = (a, b, c, d, e), e being the part of a first
+token spent outside the prefill steps (the step under way when the request arrives, HTTP, the
+event loops: without it, a per-request cost would be learned as a per-step one, and predicted
+TTFTs would grow too fast with the queue):
 
 - a first token, `observed` seconds after dispatch: the terms the predictor used at dispatch,
-  (steps, steps x batched tokens, steps x context tokens, attention pairs), `ttft_terms`;
+  (steps, steps x batched tokens, steps x context tokens, attention pairs, 1), `ttft_terms`;
 - a completed stream decoding at `s` seconds per token, with a batch of `n` requests reading
   `ctx` context tokens (the mean of the batch it started and ended in) while uncached prompt
   tokens arrived at `p` per second (each step carrying p x s of them): s = a + b (n + p s) + c ctx;
@@ -25,8 +28,8 @@ current fit counts less (Huber): a request that waited for KV blocks says nothin
 Until `WARM_TTFT` first tokens and `WARM_TPOT` decode observations are in, `model` is None: the
 core behaves as with no step time at all, rather than act on the prior's guess.
 
-Pure and cheap: an observation is a rank-one update of a 4 x 4 matrix; the solve (Gaussian
-elimination, at most four times for the sign constraints) runs every `REFIT_EVERY` observations.
+Pure and cheap: an observation is a rank-one update of a 5 x 5 matrix; the solve (Gaussian
+elimination, at most five times for the sign constraints) runs every `REFIT_EVERY` observations.
 """
 
 from __future__ import annotations
@@ -43,11 +46,12 @@ MIN_OBSERVED_S = 1e-4  # below this an observation says nothing about step times
 _DECAY = 0.5 ** (1.0 / HALF_LIFE)
 
 # A generic prior: a mid-size dense model on one current GPU (between the 8B-on-H100 and
-# 32B-on-H200 profiles of bouncer.sim.profiles). Its only job is to be the right order of
-# magnitude for each coefficient; the traffic moves it.
-GENERIC_PRIOR = (0.01, 5e-5, 1e-7, 2e-9)
+# 32B-on-H200 profiles of bouncer.sim.profiles), and 5 ms outside the engine's steps. Its only
+# job is to be the right order of magnitude for each coefficient; the traffic moves it.
+GENERIC_PRIOR = (0.01, 5e-5, 1e-7, 2e-9, 0.005)
+N = len(GENERIC_PRIOR)
 
-Terms = tuple[float, float, float, float]
+Terms = tuple[float, float, float, float, float]
 
 
 class StepTimeLearner:
@@ -55,17 +59,17 @@ class StepTimeLearner:
     on top, `bouncer.core.latency.LatencyPredictor`)."""
 
     def __init__(self, prior: Terms, max_batched_tokens: int) -> None:
-        if min(prior) <= 0:
-            raise ValueError("a learned step time's prior needs every coefficient > 0")
+        if len(prior) != N or min(prior) <= 0:
+            raise ValueError(f"a learned step time's prior needs {N} coefficients, each > 0")
         self.prior = prior
         self.max_batched_tokens = max_batched_tokens
         self.model: StepTimeModel | None = None  # None until warm
         self.ttft_seen = 0
         self.tpot_seen = 0
-        self._gram = [[0.0] * 4 for _ in range(4)]  # sum of w x x^T, x in units of the prior
-        self._rhs = [0.0] * 4  # sum of w x (target 1: relative error)
+        self._gram = [[0.0] * N for _ in range(N)]  # sum of w x x^T, x in units of the prior
+        self._rhs = [0.0] * N  # sum of w x (target 1: relative error)
         self._since_fit = 0
-        self._phi = [1.0] * 4  # coefficients as multiples of the prior's
+        self._phi = [1.0] * N  # coefficients as multiples of the prior's
 
     # -- observations --------------------------------------------------------------------------------
     def observe_ttft(self, terms: Terms, observed: float) -> None:
@@ -83,8 +87,8 @@ class StepTimeLearner:
         `tokens - 1` decode steps (their prefill-arrival term left out: the step time it needs
         is not measured)."""
         steps = max(0, tokens - 1)
-        a, b, c, d = terms
-        if self._add((a + steps, b + steps * batch, c + steps * context, d), observed):
+        a, b, c, d, e = terms
+        if self._add((a + steps, b + steps * batch, c + steps * context, d, e), observed):
             self.ttft_seen += 1
             self.tpot_seen += 1 if steps else 0
             self._maybe_refit()
@@ -99,11 +103,11 @@ class StepTimeLearner:
             if error > OUTLIER:
                 w = OUTLIER / error
         gram, rhs = self._gram, self._rhs
-        for i in range(4):
+        for i in range(N):
             wx = w * x[i]
             rhs[i] = _DECAY * rhs[i] + wx
             row = gram[i]
-            for j in range(4):
+            for j in range(N):
                 row[j] = _DECAY * row[j] + wx * x[j]
         return True
 
@@ -115,23 +119,23 @@ class StepTimeLearner:
         self._since_fit = 0
         self._phi = self._solve()
         if warm:
-            a, b, c, d = (f * p for f, p in zip(self._phi, self.prior, strict=True))
-            self.model = StepTimeModel(a, b, c, self.max_batched_tokens, d)
+            a, b, c, d, e = (f * p for f, p in zip(self._phi, self.prior, strict=True))
+            self.model = StepTimeModel(a, b, c, self.max_batched_tokens, d, e)
 
     def _solve(self) -> list[float]:
         """Ridge least squares towards the prior (phi = 1), with phi >= 0 (a above its floor):
         a coefficient the unconstrained solution puts below its floor is fixed there and the
         rest solved again."""
-        floor = [MIN_A_FRACTION, 0.0, 0.0, 0.0]
+        floor = [MIN_A_FRACTION] + [0.0] * (N - 1)
         fixed: dict[int, float] = {}
         while True:
-            free = [i for i in range(4) if i not in fixed]
+            free = [i for i in range(N) if i not in fixed]
             gram = [[self._gram[i][j] + (PRIOR_WEIGHT if i == j else 0.0) for j in free] for i in free]
             rhs = [self._rhs[i] + PRIOR_WEIGHT - sum(self._gram[i][k] * v for k, v in fixed.items()) for i in free]
             sol = dict(zip(free, _gauss(gram, rhs), strict=True))
             low = [i for i, v in sol.items() if v < floor[i]]
             if not low:
-                return [fixed.get(i, sol.get(i, 0.0)) for i in range(4)]
+                return [fixed.get(i, sol.get(i, 0.0)) for i in range(N)]
             for i in low:
                 fixed[i] = floor[i]
 
@@ -139,13 +143,13 @@ class StepTimeLearner:
         m = self.model
         return {"mode": "learned", "warm": m is not None, "first_tokens_seen": self.ttft_seen,
                 "decodes_seen": self.tpot_seen, "max_batched_tokens": self.max_batched_tokens,
-                "coefficients": None if m is None else {"a": m.a, "b": m.b, "c": m.c, "d": m.d},
-                "prior": dict(zip("abcd", self.prior, strict=True))}
+                "coefficients": None if m is None else {"a": m.a, "b": m.b, "c": m.c, "d": m.d, "e": m.e},
+                "prior": dict(zip("abcde", self.prior, strict=True))}
 
 
 def decode_terms(batch: int, context: float, prefill_rate: float, step_s: float) -> Terms:
     """s = a + b (batch + prefill_rate x s) + c context, as terms of theta."""
-    return (1.0, batch + prefill_rate * step_s, context, 0.0)
+    return (1.0, batch + prefill_rate * step_s, context, 0.0, 0.0)
 
 
 def _gauss(a: list[list[float]], b: list[float]) -> list[float]:

@@ -101,8 +101,8 @@ def _step_time_snapshot(ms) -> dict:
     step = ms.step_time
     if step is None or step.mode == "off":
         return {"mode": "off"}
-    a, b, c, d = step.coefficients((0.0, 0.0, 0.0, 0.0))
-    return {"mode": "given", "coefficients": {"a": a, "b": b, "c": c, "d": d},
+    a, b, c, d, e = step.coefficients((0.0,) * 5)
+    return {"mode": "given", "coefficients": {"a": a, "b": b, "c": c, "d": d, "e": e},
             "max_batched_tokens": step.max_batched_tokens}
 
 
