@@ -252,6 +252,10 @@ def cmd_bench_feasibility(args) -> None:
 
 
 def cmd_bench_live(args) -> None:
+    try:
+        import openai  # noqa: F401 (the clients it drives the gateway with)
+    except ImportError:
+        sys.exit("bouncer bench live needs the openai SDK: pip install 'bouncer[bench]'")
     from bouncer.bench import live
 
     fleet = live.LiveFleet(engines=args.engines, profile=args.profile, speed=args.speed, kv_blocks=args.kv_blocks,
