@@ -106,3 +106,13 @@ class EngineProcess:
         self.proc.send_signal(signal.SIGCONT)
         self.proc.kill()
         self.proc.wait(10)
+
+
+def stop_all(bg_loop: BackgroundLoop, *stops: Callable[[], object]) -> None:
+    """A live test's teardown: each stop in order (the gateway's cleanup, then what it fronts),
+    then the background loop closed, whichever of them fails."""
+    try:
+        for stop in stops:
+            stop()
+    finally:
+        bg_loop.close()

@@ -19,7 +19,7 @@ import pytest
 from bouncer.bench import guidellm
 from conftest import start_gateway
 from gateway_setup import tenant
-from servers import BackgroundLoop, EngineProcess, poll_until
+from servers import BackgroundLoop, EngineProcess, poll_until, stop_all
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 GUIDELLM = pathlib.Path(os.environ.get("BOUNCER_GUIDELLM", REPO / ".venv-guidellm/bin/guidellm"))
@@ -67,11 +67,7 @@ def test_guidellm_at_3x_overload_then_idle_leaves_nothing_in_flight(tmp_path):
         assert stats.reclaimed == 0 and sum(stats.outcomes.values()) == stats.offered
         assert _top_ttft(base) < 1.0  # served at once on the idle fleet
     finally:
-        try:
-            cleanup()
-            engine.stop()
-        finally:
-            bg_loop.close()
+        stop_all(bg_loop, cleanup, engine.stop)
 
 
 async def _chaos_client(base: str, rng: random.Random, statuses: list[int], key: str) -> None:
@@ -137,9 +133,4 @@ def test_chaos_random_disconnects_frozen_and_killed_engines_leave_no_permit_and_
                    what="ready again")
         assert _top_ttft(base) < 1.0
     finally:
-        try:
-            cleanup()
-            for e in engines:
-                e.stop()
-        finally:
-            bg_loop.close()
+        stop_all(bg_loop, cleanup, *(e.stop for e in engines))

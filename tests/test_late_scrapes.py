@@ -22,7 +22,7 @@ from bouncer.core.outcomes import Terminal
 from conftest import start_gateway
 from core_helpers import dispatched, info, make_core, rejected, tenant
 from gateway_setup import tenant as gw_tenant
-from servers import BackgroundLoop, EngineProcess, free_port
+from servers import BackgroundLoop, EngineProcess, free_port, stop_all
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 GUIDELLM = pathlib.Path(os.environ.get("BOUNCER_GUIDELLM", REPO / ".venv-guidellm/bin/guidellm"))
@@ -138,9 +138,6 @@ def test_with_scrapes_answering_late_and_a_core_burnt_no_request_is_refused_for_
         assert not any(key.endswith("/no_backend") for key in ends), ends
     finally:
         try:
-            cleanup()
-            proxy.close()
-            engine.stop()
+            stop_all(bg_loop, cleanup, proxy.close, engine.stop)
         finally:
-            bg_loop.close()
             hog.kill()

@@ -19,7 +19,7 @@ from bouncer.bench import guidellm
 from bouncer.sim.profiles import DEFAULT_PROFILE, get_profile
 from conftest import start_gateway
 from gateway_setup import Fleet, tenant
-from servers import BackgroundLoop, EngineProcess
+from servers import BackgroundLoop, EngineProcess, stop_all
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 GUIDELLM = pathlib.Path(os.environ.get("BOUNCER_GUIDELLM", REPO / ".venv-guidellm/bin/guidellm"))
@@ -117,8 +117,4 @@ def test_the_top_tenant_keeps_its_slo_through_a_4x_sheddable_flood_with_no_step_
         within = sum(1 for x in ttfts if x is not None and x <= 1.0)
         assert len(ttfts) == 30 and within >= 0.99 * len(ttfts), (within, ttfts, step)
     finally:
-        try:
-            cleanup()
-            engine.stop()
-        finally:
-            bg_loop.close()
+        stop_all(bg_loop, cleanup, engine.stop)

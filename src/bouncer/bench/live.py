@@ -26,7 +26,6 @@ import os
 import pathlib
 import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -47,6 +46,7 @@ from bouncer.bench.goodput import (
     tenant_configs,
     tenant_outcomes,
 )
+from bouncer.bench.loopback import free_port, wait_ok
 from bouncer.config import key_digest
 from bouncer.sim.fleet import FleetSim, SimRequest
 from bouncer.sim.policies import SIM_MODEL
@@ -81,22 +81,6 @@ class LiveFleet:
 
 
 # -- processes ---------------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_ok(url: str, timeout: float = 30, headers: dict | None = None) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.1)
-    raise RuntimeError(f"{url} did not come up in {timeout:g} s")
 
 
 class Processes:
@@ -117,13 +101,13 @@ class Processes:
     def engines(self, fleet: LiveFleet) -> list[str]:
         urls = []
         for i in range(fleet.engines):
-            port = _free_port()
+            port = free_port()
             self.start(f"engine-{i}", ["engine", "--port", str(port), "--model", SIM_MODEL, "--profile", fleet.profile,
                                        "--speed", str(fleet.speed), "--kv-blocks", str(fleet.kv_blocks),
                                        "--max-num-seqs", str(fleet.max_num_seqs), "--seed", str(i)])
             urls.append(f"http://127.0.0.1:{port}")
         for url in urls:
-            _wait_ok(url + "/health")
+            wait_ok(url + "/health")
         return urls
 
     def gateway(self, config: dict) -> str:
@@ -132,7 +116,7 @@ class Processes:
         port = config["listen"]["port"]
         self.start("gateway", ["serve", "--config", str(path), "--log-level", "warning"])
         url = f"http://127.0.0.1:{port}"
-        _wait_ok(url + "/ready", timeout=60)
+        wait_ok(url + "/ready", timeout=60)
         return url
 
     def stop(self) -> None:
@@ -363,7 +347,7 @@ def run(scenario_name: str, load: float, duration_s: float = 60.0, fleet: LiveFl
         try:
             engines = procs.engines(fleet)
             gateway = procs.gateway(gateway_config(scenario, fleet, engines, step_time_config(fleet, step_time),
-                                                   _free_port()))
+                                                   free_port()))
             started = time.monotonic()
             live, refusals = replay(requests, through_gateway(gateway), prof.block_size)
             result["live_bouncer"] = {**_with_attempts(_table(scenario, live, duration_s), refusals),
@@ -456,7 +440,7 @@ def run_flood(load: float, duration_s: float = 40.0, fleet: LiveFleet = LiveFlee
             try:
                 engines = procs.engines(fleet)
                 if target == "bouncer":
-                    config = gateway_config(scenario, fleet, engines, step_time_config(fleet, step_time), _free_port())
+                    config = gateway_config(scenario, fleet, engines, step_time_config(fleet, step_time), free_port())
                     config["models"][0]["tokenizer"] = str(default_tokenizer_path())  # guidellm's prompts are text
                     gateway = procs.gateway(config)
                     flood_at, route = [gateway], through_gateway(gateway)

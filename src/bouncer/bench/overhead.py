@@ -14,14 +14,12 @@ import os
 import pathlib
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
-import time
-import urllib.request
 from dataclasses import asdict, dataclass
 
+from bouncer.bench.loopback import free_port, wait_ok
 from bouncer.config import key_digest
 
 BENCH_KEY = "bench-key"
@@ -42,22 +40,6 @@ class Run:
     server_cpu_us_per_request: float  # CPU time of the server process measured (gateway or upstream)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_ok(url: str, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(url, timeout=1) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.1)
-    raise RuntimeError(f"{url} did not come up")
 
 
 def _pin(cpu: int) -> list[str]:
@@ -121,7 +103,7 @@ def run_overhead(seconds: int = 5, concurrencies: tuple[int, ...] = (1, 16, 64),
                  tokenizer: str | None = None) -> list[Run]:
     if not shutil.which("wrk"):
         raise SystemExit("bouncer bench overhead needs wrk (Debian/Ubuntu: apt-get install wrk)")
-    up_port, gw_port = _free_port(), _free_port()
+    up_port, gw_port = free_port(), free_port()
     procs = []
     with tempfile.TemporaryDirectory() as tmp:
         work = pathlib.Path(tmp)
@@ -135,8 +117,8 @@ def run_overhead(seconds: int = 5, concurrencies: tuple[int, ...] = (1, 16, 64),
                                            "--port", str(up_port)]))
             procs.append(subprocess.Popen([*_pin(1), sys.executable, "-m", "bouncer", "serve", "--config",
                                            str(work / "gateway.yaml")], stdout=subprocess.DEVNULL))
-            _wait_ok(f"http://127.0.0.1:{up_port}/metrics")
-            _wait_ok(f"http://127.0.0.1:{gw_port}/ready")
+            wait_ok(f"http://127.0.0.1:{up_port}/metrics")
+            wait_ok(f"http://127.0.0.1:{gw_port}/ready")
             runs = []
             targets = {"direct": (f"http://127.0.0.1:{up_port}/v1/chat/completions", procs[0].pid),
                        "bouncer": (f"http://127.0.0.1:{gw_port}/v1/chat/completions", procs[1].pid)}
