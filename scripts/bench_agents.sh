@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # Regenerate docs/bench/agents and its report (issue #6): agent sessions closed-loop, concurrency
-# swept from a few agents to far more than the KV pool holds (about 8 contexts). About 30 minutes
+# swept from a few agents to far more than the KV pool holds (about 8 contexts). About 45 minutes
 # on this project's 2-core machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=docs/bench/agents
 mkdir -p "$out"
-run() {  # policy sessions [duration_s] [name suffix] [seed]
+run() {  # policy sessions [duration_s] [name suffix] [seed] [trace folder]
   .venv/bin/bouncer bench run --scenario agents --policy "$1" --sessions "$2" --replicas 2 --duration "${3:-7200}" \
-    --seed "${5:-0}" --out "$out/agents-$1-$2${4:-}.json"
+    --seed "${5:-0}" ${6:+--trace "$6"} --out "$out/agents-$1-$2${4:-}.json"
 }
 for n in 8 32 128 256 512; do
   run none "$n" & run request-cap "$n"; wait
@@ -27,4 +27,12 @@ for seed in 0 1; do
   run request-cap 256 28800 "-8h-seed$seed" "$seed" & run bouncer 256 28800 "-8h-seed$seed" "$seed"; wait
 done
 run request-cap 512 28800 -8h-seed1 1 & run bouncer 512 28800 -8h-seed1 1; wait
+# Sessions with subagents (data/traces/weka-claude-code/subagents): 15 sessions of 234 steps on
+# average, their own and their subagents', so a session takes hours: 24-hour runs.
+sub=data/traces/weka-claude-code/subagents
+for n in 128 512; do
+  run request-cap "$n" 86400 -24h-subagents 0 "$sub" & run bouncer "$n" 86400 -24h-subagents 0 "$sub"; wait
+done
+run none 512 7200 -subagents 0 "$sub" & run request-cap 512 7200 -subagents 0 "$sub"; wait
+run bouncer 512 7200 -subagents 0 "$sub"
 .venv/bin/bouncer bench report "$out" --out docs/bench/agents-report

@@ -8,7 +8,8 @@ why it is enough for the published benchmarks to regenerate unchanged:
 
 - Azure 2023: both CSVs whole (1 MB). Every goodput scenario but `prefix` replays them.
 - Mooncake FAST'25: the conversation trace whole, gzipped (the `prefix` scenario).
-- WEKA Claude Code: every session of traces/, each gzipped (the `agents` scenario draws from all).
+- WEKA Claude Code: every session of traces/ and of subagents/ (sessions with subagents), each
+  gzipped (the `agents` scenario draws from all of a folder).
 - ServeGen DeepSeek-R1: only what a replay reads. A replay takes the day's busiest hour over all
   clients (`bouncer.sim.servegen.busiest_span`); the slice keeps that hour's windows of the
   clients that send in it, and of each client's token distributions only the periods those
@@ -115,6 +116,7 @@ def main() -> None:
     azure(full, out)
     mooncake(full, out)
     weka(full, out)
+    weka(full, out, "subagents")
     servegen(full, out, "deepseek-r1")
     assert WINDOW_S == 600.0  # the slice keeps whole windows of the upstream's 600 s rows
     print(f"wrote {out}")

@@ -115,7 +115,7 @@ def test_core_holds_a_new_agent_until_the_window_has_room():
     events = observe_idle(core, 6.5)  # a fresh scrape; the idle agent has timed out by now
     assert [admission_of(core, d).session for d in dispatched(events)] == ["agent-2"]
     snap = core.snapshot(6.5)["models"]["m"]["agents"]
-    assert snap == {"window": 1.0, "active": 1}
+    assert snap == {"window": 1.0, "active": 1, "subagents": 0}
 
 
 def test_requests_without_a_session_are_not_held_by_the_window():
@@ -249,3 +249,55 @@ def test_agents_waiting_for_a_slot_take_it_in_order_a_long_context_is_not_passed
     assert not dispatched(_step(core, "agent-3", 1_000, 2.0, list(range(2000, 2062))))
     events = observe_idle(core, 6.0)  # agent-1 idled out: agent-2 first (agent-3 then waits for its prefill)
     assert [admission_of(core, d).session for d in dispatched(events)] == ["agent-2"]
+
+
+def test_a_subagent_runs_in_its_parents_slot_and_keeps_the_parent_active():
+    w = window(initial=1, max=1, idle_timeout_s=10)
+    w.dispatched("a", 0.0)
+    w.finished("a", 1.0)  # a's step called its Task tool: it waits for the subagent's result
+    assert w.may_dispatch("a/0", 1.0, parent="a")  # the family's only step in flight: it goes
+    w.dispatched("a/0", 1.0, parent="a")
+    assert w.holders() == 1 and not w.may_dispatch("b", 1.0)  # no slot of its own, none for b either
+    w.expire(30.0)  # a sent nothing for 29 s, but its subagent runs: a is not idle
+    assert w.is_active("a") and w.next_expiry() is None
+    w.finished("a/0", 40.0, parent="a")
+    assert w.next_expiry() == pytest.approx(50.0)  # idle from its subagent's last step
+
+
+def test_further_branches_go_only_while_the_batch_has_slack():
+    w = window(initial=2, max=2, max_parallel=8)
+    w.dispatched("a", 0.0)
+    w.finished("a", 0.0)
+    w.dispatched("a/0", 0.0, parent="a")  # the fan-out's first branch
+    assert w.may_dispatch("a/1", 0.0, parent="a")  # a free slot, KV low: a second branch may run beside it
+    w.kv_usage = 0.9
+    assert not w.may_dispatch("a/1", 0.0, parent="a")  # the pool is full: branches run one at a time
+    w.kv_usage = 0.1
+    w.dispatched("b", 0.0)  # the window is full: another agent may be waiting for a slot
+    assert not w.may_dispatch("a/1", 0.0, parent="a")
+    w.finished("a/0", 5.0, parent="a")
+    assert w.may_dispatch("a/1", 5.0, parent="a")  # the family has nothing in flight: its next branch goes
+
+
+def test_a_subagent_whose_parent_holds_no_slot_takes_one_in_the_parents_name():
+    w = window(initial=1, max=1)
+    assert w.may_dispatch("p/0", 0.0, parent="p")
+    w.dispatched("p/0", 0.0, parent="p")
+    assert w.is_active("p") and w.holders() == 1
+    assert not w.may_dispatch("q/0", 0.0, parent="q")  # q's family would need a second slot
+
+
+def test_the_core_admits_a_subagents_step_by_its_header_as_a_branch_of_its_parent():
+    core = make_core(policy={"agents": {"initial": 1, "max": 1, "max_parallel": 4}})
+    assert dispatched(core.offer(info(session_id="agent-1"), 0.0))
+    held = core.offer(info(session_id="agent-2"), 0.1)
+    assert not dispatched(held) and core.view.queued == 1  # the window is full
+    for adm in list(core.permits):  # agent-1's step ends calling its Task tools
+        core.finished(adm.request_id, 0.15, Terminal.COMPLETED)
+    first = dispatched(core.offer(info(session_id="agent-1/task-1", parent_session_id="agent-1"), 0.2))
+    assert first and admission_of(core, first[0]).parent_session == "agent-1"  # in agent-1's slot
+    # a second subagent while another agent waits for a slot: it waits behind the first one
+    second = core.offer(info(session_id="agent-1/task-2", parent_session_id="agent-1"), 0.3)
+    assert not dispatched(second) and core.view.queued == 2
+    snap = core.snapshot(0.3)["models"]["m"]["agents"]
+    assert snap == {"window": 1.0, "active": 1, "subagents": 1}

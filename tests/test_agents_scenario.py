@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from bouncer.bench import agents
 from bouncer.sim.scenarios import WEKA_SESSIONS
 from bouncer.sim.traces import SessionDigests, load_weka
@@ -60,3 +62,70 @@ def test_agents_run_reports_sessions_hit_rate_and_recomputation(tmp_path):
 def test_request_cap_is_sized_to_the_kv_pool():
     r = agents.run("request-cap", 4, duration_s=120, replicas=1)
     assert 1 <= r["request_cap_per_replica"] <= 10  # ~400k tokens of KV over ~90k-token steps
+
+
+WEKA_SUBAGENTS = WEKA_SESSIONS.parent / "subagents"
+
+
+def test_sessions_with_subagents_load_with_each_subagents_timing():
+    sessions = {s.name: s for s in load_weka(WEKA_SUBAGENTS)}
+    assert len(sessions) == 15 and all(s.subagents for s in sessions.values())
+    s = sessions["trace_0003"]  # step 0 ends at 7.27 s; a subagent ran 126.0 s, ending at 134.2 s
+    sub = s.subagents[0]
+    assert (sub.after_step, sub.waited, len(sub.session.steps)) == (0, True, 10)
+    assert sub.offset_s == pytest.approx(134.227 - 126.015 - 7.27)
+    assert s.steps[1].after_subagents_s == pytest.approx(153.0 - 134.227)  # after its result came
+    # asynchronously launched subagents (no duration) are not waited for
+    assert any(not x.waited for x in sessions["trace_0295"].subagents)
+
+
+def test_a_subagent_entry_nests_and_a_bad_one_is_named(tmp_path):
+    trace = {"id": "t", "block_size": 64, "requests": [
+        {"t": 0.0, "type": "n", "in": 100, "out": 10, "hash_ids": [1, 2], "api_time": 1.0},
+        {"t": 6.0, "type": "subagent", "duration_ms": 4000, "requests": [
+            {"t": 0.0, "type": "n", "in": 50, "out": 5, "hash_ids": [9]},
+            {"t": 1.0, "type": "subagent", "duration_ms": 500, "requests": [
+                {"t": 0.0, "type": "n", "in": 20, "out": 2, "hash_ids": [11]}]}]},
+        {"t": 8.0, "type": "n", "in": 200, "out": 10, "hash_ids": [1, 2, 3], "think_time": 7.0}]}
+    (tmp_path / "t.json").write_text(json.dumps(trace))
+    (s,) = load_weka(tmp_path)
+    (sub,) = s.subagents
+    assert (sub.after_step, sub.offset_s, sub.waited) == (0, 1.0, True)
+    assert s.steps[1].after_subagents_s == 2.0 and s.steps[1].think_s == 7.0
+    assert len(sub.session.subagents) == 1 and s.all_steps() == 4
+    trace["requests"][1]["requests"][0].pop("in")
+    (tmp_path / "t.json").write_text(json.dumps(trace))
+    with pytest.raises(ValueError, match="not a WEKA agent session trace"):
+        load_weka(tmp_path)
+
+
+def test_a_replayed_parent_waits_for_its_subagent_and_the_session_counts_once(tmp_path):
+    trace = {"id": "t", "block_size": 64, "requests": [
+        {"t": 0.0, "type": "n", "in": 1000, "out": 10, "hash_ids": list(range(16)), "api_time": 1.0},
+        {"t": 6.0, "type": "subagent", "duration_ms": 4000, "requests": [
+            {"t": 0.0, "type": "n", "in": 500, "out": 5, "hash_ids": [90, 91]},
+            {"t": 2.0, "type": "n", "in": 600, "out": 5, "hash_ids": [90, 91, 92], "think_time": 1.0}]},
+        {"t": 8.0, "type": "n", "in": 1100, "out": 10, "hash_ids": list(range(18)), "think_time": 7.0}]}
+    (tmp_path / "t.json").write_text(json.dumps(trace))
+    replay = agents.SessionReplay(load_weka(tmp_path), 16, seed=0)
+    (first,) = replay.first(1)
+    assert first.session == "t#0" and first.parent_session is None
+
+    def complete(req, now):
+        req.outcome = "completed"
+        return replay.follow(req, now)
+
+    ((delay, child),) = complete(first, 1.5)  # the parent's step ended: the subagent starts 1 s later
+    assert delay == pytest.approx(1.0) and child.session == "t#0/0" and child.parent_session == "t#0"
+    ((delay, child2),) = complete(child, 3.0)
+    assert delay == pytest.approx(1.0)  # its own think time
+    ((delay, parent2),) = complete(child2, 5.0)  # the subagent is done: the parent resumes 2 s later
+    assert delay == pytest.approx(2.0) and parent2.session == "t#0" and parent2.arrival == pytest.approx(7.0)
+    nxt = complete(parent2, 9.0)  # the session is done: a new one starts at once
+    assert replay.done["sessions"] == 1 and replay.done["steps_of_completed"] == 4
+    assert [(d, r.session) for d, r in nxt] == [(0.0, "t#1")]
+    # a failed step fails its whole session, and what its subagents still had in flight is ignored
+    ((_, child),) = complete(nxt[0][1], 10.0)
+    child.outcome = "expired"
+    assert [r.session for _, r in replay.follow(child, 11.0)] == ["t#2"]
+    assert replay.done["failed_sessions"] == 1 and replay.done["steps_wasted"] == 1

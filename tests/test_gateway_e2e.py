@@ -168,6 +168,13 @@ def test_x_session_id_makes_a_request_a_step_of_an_agent(fleet):
     assert fleet.call(lambda: list(window.active)) == ["agent-42"]  # `user` alone is not a session
     text = urllib.request.urlopen(fleet.url + "/metrics", timeout=5).read().decode()
     assert 'bouncer_active_agents{model="demo-llm"} 1.0' in text and "bouncer_agent_window" in text
+    # a subagent names its parent: it runs in the parent's slot, not in one of its own
+    client.completions.create(model="demo-llm", prompt="explore the repository", max_tokens=3,
+                              extra_headers={"x-session-id": "agent-42/explore", "x-parent-session-id": "agent-42"})
+    assert fleet.call(lambda: (window.holders(), window.active["agent-42/explore"].parent)) == (1, "agent-42")
+    text = urllib.request.urlopen(fleet.url + "/metrics", timeout=5).read().decode()
+    assert 'bouncer_active_agents{model="demo-llm"} 1.0' in text
+    assert 'bouncer_active_subagents{model="demo-llm"} 1.0' in text
 
 
 def test_upstream_refusals_are_held_not_passed_on_including_streaming_200_with_error(bg_loop):

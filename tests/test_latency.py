@@ -8,10 +8,12 @@ import pytest
 
 from bouncer.bench import feasibility, goodput
 from bouncer.config import parse_config
+from bouncer.core import ttft_margin
 from bouncer.core.admission import AdmissionCore
 from bouncer.core.fleet import Telemetry
 from bouncer.core.latency import CORRECTION_MAX, LatencyPredictor, StepTimeModel, prefill_pairs
 from bouncer.core.outcomes import Terminal
+from bouncer.core.ttft_margin import TtftMargins
 from bouncer.sim.profiles import DEFAULT_PROFILE
 from core_helpers import admission_of, dispatched, info, observe_idle, rejected, tenant
 
@@ -313,3 +315,54 @@ def test_bench_feasibility_command_saves_what_it_prints(tmp_path):
     r = json.loads(out.read_text())
     assert r["shipped"]["refused_at_arrival"] > 0 and f"{r['shipped']['refused_at_arrival']} refused" in proc.stdout
     assert set(r["refused_then_let_through"]) == {"admitted", "admitted_no_expiry"}
+
+
+def test_a_bands_ttft_margin_is_the_quantile_of_its_observed_error():
+    m = TtftMargins()
+    for _ in range(ttft_margin.MIN_OBSERVATIONS - 1):
+        m.observe(1, 0.1, 0.1)
+    assert m.margin(1) is None  # too few first tokens to say
+    m.observe(1, 0.1, 0.1)
+    assert m.margin(1) == 1.0  # exact predictions: no margin (and never below 1)
+    for i in range(ttft_margin.WINDOW):  # one in five first tokens 50% late: the 90th percentile
+        m.observe(1, 0.1, 0.15 if i % 5 == 0 else 0.1)
+    assert m.margin(1) == pytest.approx(1.5)
+    assert m.margin(0) is None  # per band
+    for _ in range(ttft_margin.WINDOW):
+        m.observe(0, 0.1, 10.0)
+    assert m.margin(0) == ttft_margin.MAX_MARGIN
+
+
+def _band_margin(core, band: int, margin: float) -> None:
+    for _ in range(ttft_margin.MIN_OBSERVATIONS):
+        core.models["m"].ttft_margins.observe(band, 0.1, 0.1 * margin)
+
+
+def test_first_tokens_measure_their_bands_margin_against_the_prediction_decided_by():
+    core = core_with_steps([tenant("a", slo={"ttft_s": 2.0})])
+    (d,) = dispatched(core.offer(info("a", prompt=100), 0.0))
+    core.started(d.request_id, d.predicted_ttft_s * 1.5)
+    margins = core.models["m"].ttft_margins
+    assert margins.snapshot() == {0: {"margin": None, "observed": 1}}
+    assert margins._bands[0].ratios[0] == pytest.approx(1.5)
+    assert core.snapshot(1.0)["models"]["m"]["ttft_margins"] == {0: {"margin": None, "observed": 1}}
+
+
+def test_a_measured_margin_replaces_the_fixed_factor_in_the_queue_budget():
+    core = core_with_steps([tenant("a", slo={"ttft_s": 2.0})])
+    _band_margin(core, 0, 1.25)
+    core.observe("m/0", Telemetry(at=0.0, kv_usage=0.99, running=50, waiting=0), 0.0)  # full: it must wait
+    core.offer(info("a", prompt=100), 0.0)
+    # its TTFT once sent is one step of 100 tokens (0.02 s): it may wait while 2 s leave room for
+    # that x its band's margin, 1.25 (not x ttft_safety_factor, 2)
+    assert core.next_wakeup() == pytest.approx(2.0 - 1.25 * 0.02)
+
+
+def test_a_request_is_dispatched_only_where_its_prediction_with_the_margin_meets_its_deadline():
+    core = core_with_steps([tenant("a", slo={"ttft_s": 1.0}), tenant("b")])
+    _fill_prefill_queue(core, 5_000)
+    # 5,100 tokens of prefill at 1,000 per 0.11 s step: 0.56 s, within its 1 s SLO
+    assert dispatched(core.offer(info("a", prompt=100), 0.0))
+    _band_margin(core, 0, 2.0)  # this band's first tokens come up to twice as late as predicted
+    (r,) = rejected(core.offer(info("a", prompt=100), 0.0))  # not within 1 s with its margin: refused now
+    assert r.refusal.reason == "deadline_infeasible"

@@ -55,6 +55,15 @@ def test_with_no_step_time_configured_the_gateway_learns_it_and_refuses_what_can
         assert err.value.response.json()["error"]["code"] == "deadline_infeasible"
         text = urllib.request.urlopen(fleet.url + "/metrics", timeout=5).read().decode()
         assert 'bouncer_model_step_time_coefficient{coefficient="b",model="demo-llm",source="learned"}' in text
+        # once the band has 32 first tokens against their predictions, it plans with its own error
+        for _ in range(32):
+            stream = client.completions.create(model="demo-llm", prompt="admission control " * 20, max_tokens=2,
+                                               stream=True, extra_body={"ignore_eos": True})
+            assert sum(1 for c in stream if c.choices and c.choices[0].text) == 2
+        margin = _state(fleet.url)["models"]["demo-llm"]["ttft_margins"]["0"]
+        assert margin["observed"] >= 32 and 1.0 <= margin["margin"] <= 4.0, margin
+        text = urllib.request.urlopen(fleet.url + "/metrics", timeout=5).read().decode()
+        assert f'bouncer_ttft_margin{{band="0",model="demo-llm"}} {margin["margin"]}' in text
     finally:
         fleet.close()
 

@@ -266,12 +266,13 @@ def cmd_bench_live(args) -> None:
                                     guidellm_bin=args.guidellm, skip_direct=args.skip_direct)
         else:
             result = live.run(args.scenario, load, args.duration, fleet, seed=args.seed, step_time=args.step_time,
-                              trace=args.trace, skip_direct=args.skip_direct)
+                              trace=args.trace, skip_direct=args.skip_direct, warm_up_s=args.warm_up)
         print(live.report(result), flush=True)
         if args.out:
             out = pathlib.Path(args.out)
             out.mkdir(parents=True, exist_ok=True)
-            path = out / f"{result['scenario']}-{load:g}-{args.step_time}.json"
+            warm = f"-after{args.warm_up:g}s" if args.warm_up else ""
+            path = out / f"{result['scenario']}-{load:g}-{args.step_time}{warm}.json"
             path.write_text(json.dumps(result, indent=1))
             print(f"  wrote {path}")
 
@@ -403,6 +404,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trace", help="replace the scenario's main trace")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip-direct", action="store_true", help="do not run the traffic straight to the engines")
+    p.add_argument("--warm-up", type=float, default=0.0,
+                   help="with --driver trace: count only the requests that arrive after this many seconds")
     p.add_argument("--out", help="a folder for the result JSON files")
     p.set_defaults(func=cmd_bench_live)
 

@@ -248,7 +248,8 @@ class AgentWindowConfig(_Strict):
     usage and prefix-cache hit rate. Defaults are the CONCUR paper's (alpha 2, beta 0.5, U_low
     0.2, U_high 0.5, H 0.2). Sessions come from `x-session-id`; with session_from_user the
     OpenAI `user` field counts too (off by default: chat apps set it per end user, and those are
-    not agents whose steps share a growing prefix)."""
+    not agents whose steps share a growing prefix). A subagent's steps name their parent in
+    `x-parent-session-id` and run in its slot."""
 
     enabled: bool = True
     session_from_user: bool = False
@@ -264,7 +265,8 @@ class AgentWindowConfig(_Strict):
     idle_timeout_s: float = Field(30.0, gt=0, description="an agent with no step for this long is no longer active")
     memory_s: float = Field(86400.0, ge=0, description="an agent that idled out is remembered this long: "
                             "when it comes back, its steps go before those of new agents")
-    max_parallel: int = Field(8, ge=1, description="steps of one agent in flight at once (fan-out cap)")
+    max_parallel: int = Field(8, ge=1, description="steps of one agent in flight at once, its subagents' included "
+                              "(fan-out cap)")
 
     @model_validator(mode="after")
     def _ordered(self) -> AgentWindowConfig:
@@ -333,16 +335,18 @@ class Policy(_Strict):
     inflight_drift_s: float = Field(30.0, gt=0, description="a replica's engine reporting fewer requests than the "
                                                             "gateway has in flight there for this long is reported")
     ttl_within_slo: bool = Field(True, description="a queued request expires once waiting longer would make it late: "
-                                                   "its TTFT SLO minus ttft_safety_factor x the best predicted TTFT "
+                                                   "its TTFT SLO minus its band's margin x the best predicted TTFT "
                                                    "at arrival (without a step-time model, slo_queue_fraction of "
                                                    "the SLO)")
     refuse_infeasible: bool = Field(True, description="act on requests predicted to miss their TTFT SLO (queue "
                                                       "wait + predicted TTFT on the best replica; without a "
                                                       "step-time model: wait > slo_queue_fraction of the SLO) as "
                                                       "their tenant's slo.on_infeasible says; off: only flag them")
-    ttft_safety_factor: float = Field(2.0, ge=1, description="a queued request's budget leaves room for this many "
-                                                             "times its best predicted TTFT (the prediction's p90 "
-                                                             "error is ~45%): it is refused at arrival, or leaves "
+    ttft_safety_factor: float = Field(2.0, ge=1, description="until its band's margin is measured (the p90 of its "
+                                                             "observed / predicted TTFT over 32 first tokens or "
+                                                             "more, bouncer/core/ttft_margin.py), a queued request's "
+                                                             "budget leaves room for this many times its best "
+                                                             "predicted TTFT: it is refused at arrival, or leaves "
                                                              "the queue, that much earlier")
     best_effort_priority: int = Field(-1, description="band of requests served best-effort after their deadline "
                                                       "was found infeasible")
@@ -588,7 +592,7 @@ policy:
   ordering: edf                # edf (earliest TTFT deadline) | fcfs
   default_ttl_s: 30
   refuse_infeasible: true      # 429 deadline_infeasible when queue wait + predicted TTFT > the TTFT SLO
-  ttft_safety_factor: 2        #   (the predicted TTFT counted this many times over: its error)
+  ttft_safety_factor: 2        #   (the predicted TTFT x each band's measured error, p90; x this until measured)
   tpot_hold: true              # hold a request that would slow a replica past its strictest TPOT SLO
   ttft_reserve_fraction: 0.25  # while a higher band sends, lower bands keep prefill queues short enough
                                #   for its next request to start within 25% of its TTFT SLO
@@ -617,5 +621,5 @@ policy:
     h_thresh: 0.2
     idle_timeout_s: 30         # an agent with no step for this long frees its slot
     memory_s: 86400            # ...and is remembered a day: back, it goes before new agents
-    max_parallel: 8            # one agent's steps in flight at once
+    max_parallel: 8            # one agent's steps in flight at once, its subagents' (x-parent-session-id) too
 """

@@ -5,7 +5,9 @@ each step is a request whose prompt extends the previous step's (contexts of ~90
 its think time after the previous step finished. `sessions` agents run at all times; when one
 ends (or fails) a fresh replay of another session starts. Swept from a few agents to far more
 than the KV pool holds, this shows thrashing: admitted one request at a time, agents evict each
-other's prefixes and recompute them.
+other's prefixes and recompute them. Sessions with subagents (`--trace
+data/traces/weka-claude-code/subagents`) replay them as child agents (`SessionReplay`), whose
+steps name their parent (`x-parent-session-id` in the gateway).
 
 Policies:
 - `none`: no admission, round-robin routing, engines queue FCFS;
@@ -17,6 +19,7 @@ Policies:
 from __future__ import annotations
 
 import dataclasses
+import pathlib
 import random
 import time
 
@@ -24,7 +27,7 @@ from bouncer.sim.fleet import FleetConfig, FleetSim, SimRequest
 from bouncer.sim.policies import BOUNCER_POLICY, CorePolicy, NoAdmission, core_config, tenant_config
 from bouncer.sim.profiles import get_profile
 from bouncer.sim.scenarios import WEKA_SESSIONS
-from bouncer.sim.traces import AgentSession, SessionDigests, load_weka
+from bouncer.sim.traces import AgentSession, AgentStep, SessionDigests, load_weka
 
 AGENT_POLICIES = ("none", "request-cap", "bouncer")
 MAX_MODEL_LEN = 131_072
@@ -35,12 +38,158 @@ TENANT = "agents"
 WINDOW_S = 300.0  # hit rate over time is reported per window
 
 
-@dataclasses.dataclass
-class _Replay:
+@dataclasses.dataclass(eq=False)
+class _Agent:
+    """One agent being replayed: a session, or one of its subagents (`parent`)."""
+    name: str
     session: AgentSession
     digests: SessionDigests
-    step: int = 0
+    parent: _Agent | None = None
+    waited: bool = False  # its parent's next step waits for it
+    step: int = 0  # the next step to send
     prev_blocks: int = 0  # digests of the previous completed step: what this one could reuse
+    running_subagents: int = 0  # waited-for subagents not yet done: a step that waits waits for them
+    held: bool = False  # its next step is due when the last of them is done
+    family: int = 1  # (of a session) its agents not yet done, itself included
+
+    @property
+    def root(self) -> _Agent:
+        return self if self.parent is None else self.parent.root
+
+
+Sends = list[tuple[float, SimRequest]]  # (delay from now, request)
+
+
+class SessionReplay:
+    """`sessions` replays of sessions drawn from `pool` at all times, closed-loop; a subagent
+    starts its offset after the parent's step that launched it ended, runs its own steps, and the
+    parent's step that waits for it goes the trace's pause after the last of them is done. A
+    session is done when it and all its subagents are; a step that fails for good fails its
+    session (the steps done for it are wasted) and another session starts."""
+
+    def __init__(self, pool: list[AgentSession], block_size: int, seed: int) -> None:
+        self.pool = pool
+        self.block_size = block_size
+        self.rng = random.Random(seed)
+        self.agents: dict[str, _Agent] = {}
+        self.counter = iter(range(10**9))
+        self.done = {"sessions": 0, "failed_sessions": 0, "failed_midway": 0, "steps_wasted": 0, "steps": 0,
+                     "steps_of_completed": 0, "prefix_recomputed": 0}
+
+    def first(self, sessions: int) -> list[SimRequest]:
+        out = []
+        for i in range(sessions):
+            out += [req for _, req in self.start(0.0, i * 1e-3)]
+        return out
+
+    def start(self, now: float, delay: float = 0.0) -> Sends:
+        session = self.pool[self.rng.randrange(len(self.pool))]
+        name = f"{session.name}#{next(self.counter)}"
+        return self._begin(_Agent(name, session, SessionDigests(name, session.block_tokens)), now, delay)
+
+    def under_way(self) -> int:
+        """Sessions that completed steps and were not done when the run ended."""
+        return sum(1 for a in self.agents.values() if a.parent is None and a.step)
+
+    def follow(self, req: SimRequest, now: float) -> Sends:
+        """What a step's outcome leads to (FleetSim.run_sessions)."""
+        agent = self.agents.get(req.session)  # type: ignore[arg-type]
+        if agent is None:  # a step of a session that already failed
+            return []
+        if req.outcome != "completed":
+            self._fail(agent.root)
+            return self.start(now)
+        done = self.done
+        done["steps"] += 1
+        cached = req.engine_req.num_cached_tokens if req.engine_req is not None else 0
+        reusable = min(agent.prev_blocks * self.block_size, req.prompt_len - 1)
+        done["prefix_recomputed"] += max(0, reusable - cached)  # its own context, evicted and computed again
+        agent.prev_blocks = len(req.block_digests)
+        out = self._launch(agent, agent.step, now, 0.0)
+        agent.step += 1
+        return out + self._next(agent, now, 0.0)
+
+    def _begin(self, agent: _Agent, now: float, delay: float) -> Sends:
+        """`agent` starts `delay` from now: the subagents it launches first, then its first step."""
+        self.agents[agent.name] = agent
+        return self._launch(agent, -1, now, delay) + self._next(agent, now, delay)
+
+    def _launch(self, agent: _Agent, after_step: int, now: float, delay: float) -> Sends:
+        """The subagents `agent` launches when its step `after_step` ends (`delay` from now)."""
+        out = []
+        for i, sub in enumerate(agent.session.subagents):
+            if sub.after_step == after_step:
+                child = _Agent(f"{agent.name}/{i}", sub.session,
+                               SessionDigests(agent.root.name, sub.session.block_tokens),  # the session's id space
+                               parent=agent, waited=sub.waited)
+                agent.root.family += 1
+                agent.running_subagents += sub.waited
+                out += self._begin(child, now, delay + sub.offset_s)
+        return out
+
+    def _next(self, agent: _Agent, now: float, delay: float) -> Sends:
+        """`agent`'s next step (none left: it is done once its subagents are), or it waits for them."""
+        if agent.step == len(agent.session.steps):
+            return [] if agent.running_subagents else self._finish(agent, now)
+        step = agent.session.steps[agent.step]
+        if step.after_subagents_s is not None and agent.running_subagents:
+            agent.held = True
+            return []
+        wait = delay + step.think_s
+        return [(wait, self._request(agent, now + wait))]
+
+    def _finish(self, agent: _Agent, now: float) -> Sends:
+        """`agent` completed its last step and its waited-for subagents are done."""
+        del self.agents[agent.name]
+        root = agent.root
+        root.family -= 1
+        out = []
+        parent = agent.parent
+        if parent is not None and agent.waited:
+            parent.running_subagents -= 1
+            if not parent.running_subagents:
+                if parent.held:
+                    parent.held = False
+                    wait = parent.session.steps[parent.step].after_subagents_s or 0.0
+                    out.append((wait, self._request(parent, now + wait)))
+                elif parent.step == len(parent.session.steps):
+                    out += self._finish(parent, now)
+        if root.family == 0:
+            self.done["sessions"] += 1
+            self.done["steps_of_completed"] += root.session.all_steps()
+            out += self.start(now)
+        return out
+
+    def _fail(self, root: _Agent) -> None:
+        """A step of `root`'s session failed for good; its agents' steps still in flight are
+        ignored when they end."""
+        family = [a for a in self.agents.values() if a.root is root]
+        done = self.done
+        done["failed_sessions"] += 1
+        steps = sum(a.step for a in family)
+        if steps:  # it failed in the middle: the steps done for it were wasted
+            done["failed_midway"] += 1
+            done["steps_wasted"] += steps
+        for a in family:
+            del self.agents[a.name]
+
+    def _request(self, agent: _Agent, at: float) -> SimRequest:
+        step = agent.session.steps[agent.step]
+        prompt = min(step.prompt_len, MAX_PROMPT)
+        return SimRequest(rid=f"{agent.name}/{agent.step}", tenant=TENANT, priority=0, arrival=at, prompt_len=prompt,
+                          output_len=min(step.output_len, MAX_OUTPUT), max_tokens=MAX_OUTPUT,
+                          block_digests=agent.digests.of(step, MAX_PROMPT), ttft_slo=None, tpot_slo=None,
+                          timeout_s=STEP_TIMEOUT_S, max_retries=2, session=agent.name,
+                          parent_session=agent.parent.name if agent.parent is not None else None)
+
+
+def _count_subagents(session: AgentSession) -> int:
+    return sum(1 + _count_subagents(s.session) for s in session.subagents)
+
+
+def _steps(session: AgentSession) -> list[AgentStep]:
+    """Its steps and its subagents'."""
+    return [*session.steps, *(s for sub in session.subagents for s in _steps(sub.session))]
 
 
 def _policy(name: str, replicas: int, blocks: int, block_size: int, cap: int, step_time: dict):
@@ -62,57 +211,17 @@ def run(policy: str, sessions: int, duration_s: float = 3600.0, replicas: int = 
         trace: str | None = None, profile: str = "llama-3.1-8b-h100") -> dict:
     pool = load_weka(trace or WEKA_SESSIONS)
     prof = dataclasses.replace(get_profile(profile), max_model_len=MAX_MODEL_LEN)
-    mean_context = sum(min(s.prompt_len, MAX_PROMPT) + min(s.output_len, MAX_OUTPUT)
-                       for a in pool for s in a.steps) / sum(len(a.steps) for a in pool)
+    steps = [s for a in pool for s in _steps(a)]
+    mean_context = sum(min(s.prompt_len, MAX_PROMPT) + min(s.output_len, MAX_OUTPUT) for s in steps) / len(steps)
     cap = max(1, int(prof.kv_tokens / mean_context))
     cfg = FleetConfig(replicas=replicas, profile=prof, seed=seed)
     gw = _policy(policy, replicas, prof.num_blocks, prof.block_size, cap, prof.step_time_config)
     sim = FleetSim(cfg, gw, gw.replica_names)
-    rng = random.Random(seed)
-    replays: dict[str, _Replay] = {}
-    counter = iter(range(10**9))
-    done = {"sessions": 0, "failed_sessions": 0, "failed_midway": 0, "steps_wasted": 0, "steps": 0,
-            "steps_of_completed": 0, "prefix_recomputed": 0}
-
-    def request(name: str, r: _Replay, now: float) -> SimRequest:
-        step = r.session.steps[r.step]
-        prompt = min(step.prompt_len, MAX_PROMPT)
-        out = min(step.output_len, MAX_OUTPUT)
-        return SimRequest(rid=f"{name}/{r.step}", tenant=TENANT, priority=0, arrival=now, prompt_len=prompt,
-                          output_len=out, max_tokens=MAX_OUTPUT, block_digests=r.digests.of(step, MAX_PROMPT),
-                          ttft_slo=None, tpot_slo=None, timeout_s=STEP_TIMEOUT_S, max_retries=2, session=name)
-
-    def start(now: float) -> SimRequest:
-        session = pool[rng.randrange(len(pool))]
-        name = f"{session.name}#{next(counter)}"
-        r = replays[name] = _Replay(session, SessionDigests(name, session.block_tokens))
-        return request(name, r, now)
-
-    def follow(req: SimRequest, now: float):
-        r = replays[req.session]
-        if req.outcome != "completed":
-            done["failed_sessions"] += 1
-            if r.step:  # it failed in the middle: the steps done for it were wasted
-                done["failed_midway"] += 1
-                done["steps_wasted"] += r.step
-            del replays[req.session]
-            return None
-        done["steps"] += 1
-        cached = req.engine_req.num_cached_tokens if req.engine_req is not None else 0
-        reusable = min(r.prev_blocks * cfg.profile.block_size, req.prompt_len - 1)
-        done["prefix_recomputed"] += max(0, reusable - cached)  # its own context, evicted and computed again
-        r.prev_blocks = len(req.block_digests)
-        r.step += 1
-        if r.step == len(r.session.steps):
-            done["sessions"] += 1
-            done["steps_of_completed"] += r.step
-            del replays[req.session]
-            return None
-        return r.session.steps[r.step].think_s, request(req.session, r, now)
-
+    replay = SessionReplay(pool, prof.block_size, seed)
     wall0 = time.perf_counter()
-    reached = sim.run_sessions(start, follow, sessions, duration_s)
+    reached = sim.run_sessions(replay.first(sessions), replay.follow, duration_s)
     wall = time.perf_counter() - wall0
+    done = replay.done
     counters = [e.counters for e in sim.engines.values()]
     queries = sum(c.prefix_cache_queries for c in counters)
     hits = sum(c.prefix_cache_hits + c.external_prefix_cache_hits for c in counters)
@@ -127,18 +236,20 @@ def run(policy: str, sessions: int, duration_s: float = 3600.0, replicas: int = 
             last = x
     hours = duration_s / 3600.0
     return {
-        "scenario": "agents", "policy": policy, "sessions": sessions, "replicas": replicas, "seed": seed,
+        "scenario": "agents", "trace": pathlib.Path(trace or WEKA_SESSIONS).name,
+        "policy": policy, "sessions": sessions, "replicas": replicas, "seed": seed,
         "duration_s": duration_s, "sim_seconds": reached, "wall_seconds": wall,
         "request_cap_per_replica": cap if policy == "request-cap" else None,
         "sessions_completed": done["sessions"], "sessions_failed": done["failed_sessions"],
         "sessions_failed_midway": done["failed_midway"], "steps_of_failed_sessions": done["steps_wasted"],
         # under way when the run ended: their steps count in steps/h, not yet in sessions/h
-        "sessions_under_way": sum(1 for r in replays.values() if r.step),
+        "sessions_under_way": replay.under_way(),
         "sessions_completed_per_hour": done["sessions"] / hours,
         "steps_completed": done["steps"], "steps_completed_per_hour": done["steps"] / hours,
         # a finite run completes short sessions first: this against the trace's mean shows how much
         "steps_per_completed_session": done["steps_of_completed"] / done["sessions"] if done["sessions"] else None,
-        "steps_per_session_in_trace": sum(len(a.steps) for a in pool) / len(pool),
+        "steps_per_session_in_trace": sum(a.all_steps() for a in pool) / len(pool),
+        "subagents_in_trace": sum(_count_subagents(a) for a in pool),
         "engine_busy": sum(c.busy_time for c in counters) / (len(counters) * reached) if reached else 0.0,
         "prefix_hit_rate": hits / queries if queries else 0.0,
         "recomputed_tokens": done["prefix_recomputed"] + preempt_recomputed,

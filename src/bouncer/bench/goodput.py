@@ -187,6 +187,19 @@ def tenant_outcomes(spec: TenantSpec, mine: list[SimRequest]) -> dict:
     }
 
 
+def ttft_minus_slo(requests: list[SimRequest]) -> dict[int, dict]:
+    """Per band, of its completed requests with a TTFT SLO: how far before (< 0) or after their
+    deadline their first token came (from the first attempt), p10 to p99. A band whose requests
+    keep getting theirs just before the deadline is served at the edge of its budget; one with
+    p50 above 0 is served late."""
+    by_band: dict[int, list[float]] = {}
+    for r in requests:
+        if r.outcome == "completed" and r.ttft_slo is not None:
+            by_band.setdefault(r.priority, []).append(r.first_token_at - r.arrival - r.ttft_slo)
+    return {band: {"completed": len(v), **{f"p{round(q * 100)}_s": _pct(v, q) for q in (0.1, 0.5, 0.9, 0.99)}}
+            for band, v in sorted(by_band.items())}
+
+
 def _misses(requests: list[SimRequest]) -> dict[str, int]:
     """Why requests did not count toward goodput: not completed (by outcome); or completed late
     on TTFT, on the first attempt or on a retry (latency counts from the first); or on TPOT."""
@@ -332,6 +345,7 @@ def summarize(scenario: Scenario, policy: str, load: float, seed: int, replicas:
         "recomputed_tokens": result.recomputed_tokens,
         "wasted_tokens": sum(r.wasted_tokens for r in requests),
         "tenants": tenants,
+        "ttft_minus_slo": ttft_minus_slo(requests),
         "retry_after_accuracy": retry_after_accuracy(result),
         "samples": result.samples,
     }

@@ -292,11 +292,13 @@ def _state(gateway: str) -> dict:
         return json.loads(resp.read())
 
 
-def _table(scenario, requests: list[SimRequest], duration_s: float, cut_at: float | None = None) -> dict:
-    """Per tenant: what became of the requests that arrived in the first `duration_s`. With
-    `cut_at`, one not finished by then counts as cut off (guidellm stops at its duration, and
-    cuts what is still running)."""
-    requests = [r for r in requests if r.arrival < duration_s]
+def _table(scenario, requests: list[SimRequest], duration_s: float, cut_at: float | None = None,
+           warm_up_s: float = 0.0) -> dict:
+    """Per tenant: what became of the requests that arrived after `warm_up_s` and before
+    `duration_s`. With `cut_at`, one not finished by then counts as cut off (guidellm stops at its
+    duration, and cuts what is still running)."""
+    requests = [r for r in requests if warm_up_s <= r.arrival < duration_s]
+    counted_s = duration_s - warm_up_s
     if cut_at is not None:
         requests = [dataclasses.replace(r, outcome="abandoned", reason="run_ended")
                     if r.outcome == "completed" and r.finished_at > cut_at else r for r in requests]
@@ -305,12 +307,12 @@ def _table(scenario, requests: list[SimRequest], duration_s: float, cut_at: floa
         mine = [r for r in requests if r.tenant == spec.name]
         t = tenant_outcomes(spec, mine)
         good = round((t["slo_attainment"] or 0.0) * t["offered"])
-        out[spec.name] = {**t, "within_slo": good, "goodput_rps": good / duration_s,
+        out[spec.name] = {**t, "within_slo": good, "goodput_rps": good / counted_s,
                           "outcomes": dict(Counter(r.outcome for r in mine).most_common()),
                           "not_completed_by_reason": dict(Counter(f"{r.outcome}/{r.reason}" for r in mine
                                                                   if r.outcome != "completed").most_common())}
     total = sum(t["within_slo"] for t in out.values())
-    return {"goodput_rps": total / duration_s, "tenants": out}
+    return {"goodput_rps": total / counted_s, "tenants": out}
 
 
 def _header(scenario: str, load: float, duration_s: float, fleet: LiveFleet, seed: int, step_time: str,
@@ -321,7 +323,7 @@ def _header(scenario: str, load: float, duration_s: float, fleet: LiveFleet, see
 
 
 def _simulated(result: dict, scenario: Scenario, requests: list[SimRequest], fleet: LiveFleet, seed: int,
-               step_time: str, duration_s: float, cut_at: float | None = None) -> None:
+               step_time: str, duration_s: float, cut_at: float | None = None, warm_up_s: float = 0.0) -> None:
     """The simulator's run of the same requests on the same engines, Bouncer and none: first,
     as it takes seconds and says what to expect."""
     for policy in ("bouncer", "none"):
@@ -329,19 +331,25 @@ def _simulated(result: dict, scenario: Scenario, requests: list[SimRequest], fle
         gw = make_policy(policy, scenario, cfg, step_time=step_time)
         simulated = copy.deepcopy(requests)
         FleetSim(cfg, gw, gw.replica_names).run(simulated)
-        result[f"sim_{policy}"] = _table(scenario, simulated, duration_s, cut_at)
+        result[f"sim_{policy}"] = _table(scenario, simulated, duration_s, cut_at, warm_up_s)
 
 
 def run(scenario_name: str, load: float, duration_s: float = 60.0, fleet: LiveFleet = LiveFleet(), seed: int = 0,
-        step_time: str = "learned", trace: str | None = None, skip_direct: bool = False) -> dict:
-    """The scenario's requests replayed open loop (module doc)."""
+        step_time: str = "learned", trace: str | None = None, skip_direct: bool = False,
+        warm_up_s: float = 0.0) -> dict:
+    """The scenario's requests replayed open loop (module doc). Only those arriving after
+    `warm_up_s` are counted: the learned step time's promise is for a gateway that has seen
+    traffic (all requests are still sent, so the engines and the fit see the warm-up)."""
+    if not 0 <= warm_up_s < duration_s:
+        raise ValueError(f"the warm-up ({warm_up_s:g} s) must be shorter than the run ({duration_s:g} s)")
     scenario = get_scenario(scenario_name, duration_s)
     traces = scenario.load(trace)
     prof = fleet.sim_profile()
     capacity = fleet_capacity(scenario, traces, fleet.engines, prof, seed, trace)
     requests = make_requests(scenario.tenants, traces, load * capacity, duration_s, seed)
     result = _header(scenario.name, load, duration_s, fleet, seed, step_time, capacity, len(requests))
-    _simulated(result, scenario, requests, fleet, seed, step_time, duration_s)
+    result["warm_up_s"] = warm_up_s
+    _simulated(result, scenario, requests, fleet, seed, step_time, duration_s, warm_up_s=warm_up_s)
     with tempfile.TemporaryDirectory(prefix="bouncer-live-") as work:
         procs = Processes(pathlib.Path(work))
         try:
@@ -350,7 +358,8 @@ def run(scenario_name: str, load: float, duration_s: float = 60.0, fleet: LiveFl
                                                    free_port()))
             started = time.monotonic()
             live, refusals = replay(requests, through_gateway(gateway), prof.block_size)
-            result["live_bouncer"] = {**_with_attempts(_table(scenario, live, duration_s), refusals),
+            result["live_bouncer"] = {**_with_attempts(_table(scenario, live, duration_s, warm_up_s=warm_up_s),
+                                                       refusals),
                                       "wall_s": time.monotonic() - started,
                                       "step_time": _state(gateway)["models"][SIM_MODEL]["step_time"]}
         finally:
@@ -360,7 +369,8 @@ def run(scenario_name: str, load: float, duration_s: float = 60.0, fleet: LiveFl
             try:
                 engines = procs.engines(fleet)  # fresh engines: empty caches, as the gateway's run had
                 live, refusals = replay(requests, round_robin(engines), prof.block_size)
-                result["live_direct"] = _with_attempts(_table(scenario, live, duration_s), refusals)
+                result["live_direct"] = _with_attempts(_table(scenario, live, duration_s, warm_up_s=warm_up_s),
+                                                       refusals)
             finally:
                 procs.stop()
     return result
@@ -508,7 +518,8 @@ def report(result: dict) -> str:
     cols = [(k, title) for k, title in COLUMNS if k in result]
     lines = [f"{result['scenario']} at load {result['load']:g} ({result['capacity_rps']:.2f} req/s capacity, "
              f"{result['offered']} requests over {result['duration_s']:g} s; {result['fleet']['engines']} engines "
-             f"{result['fleet']['profile']} at {result['fleet']['speed']:g}x; step time {result['step_time']})",
+             f"{result['fleet']['profile']} at {result['fleet']['speed']:g}x; step time {result['step_time']}"
+             + (f"; counted after {result['warm_up_s']:g} s" if result.get("warm_up_s") else "") + ")",
              "goodput req/s (SLO attainment, TTFT p99):"]
     lines.append(f"  {'tenant':>12}  " + "  ".join(f"{title:>26}" for _, title in cols))
     tenants = list(result[cols[0][0]]["tenants"])

@@ -96,6 +96,20 @@ def tenant_table(results: list[dict], scenario: str, load: float) -> list[str]:
     return lines
 
 
+def ttft_minus_slo_table(results: list[dict], scenario: str, load: float) -> list[str]:
+    """Per band, when completed requests got their first token against their TTFT deadline."""
+    rows = {r["policy"]: r for r in results if r["scenario"] == scenario and r["load"] == load
+            and r.get("ttft_minus_slo")}
+    if not rows:
+        return []
+    lines = ["| policy | band | completed | p10 | p50 | p90 | p99 |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for pol in [p for p in POLICY_ORDER if p in rows]:
+        for band, d in sorted(rows[pol]["ttft_minus_slo"].items(), key=lambda kv: -int(kv[0])):
+            lines.append(f"| {pol} | {band} | {d['completed']} | " +
+                         " | ".join(f"{d[k]:+.2f}" for k in ("p10_s", "p50_s", "p90_s", "p99_s")) + " |")
+    return lines
+
+
 def router_label(r: dict) -> str:
     return r["routing"] + (" + KV events" if r.get("kv_events") else "")
 
@@ -292,6 +306,10 @@ def write_report(paths: list[str], out_dir: str) -> pathlib.Path:
                   f"on {rows[0]['replicas']} replicas:", ""]
         lines += goodput_table(results, sc) + ["", f"Per tenant at load {top:g}:", ""]
         lines += tenant_table(results, sc, top) + [""]
+        late = ttft_minus_slo_table(results, sc, top)
+        if late:
+            lines += [f"First token against the TTFT deadline at load {top:g}, per band (completed requests; "
+                      "seconds, < 0: before it):", ""] + late + [""]
         accuracy = retry_after_table(results, sc)
         if accuracy:
             lines += ["Bouncer's Retry-After against the time until the tenant's next request got in:", ""]
@@ -301,10 +319,14 @@ def write_report(paths: list[str], out_dir: str) -> pathlib.Path:
         lines.append("")
         if plot_timeline(results, sc, out / f"timeline-{sc}.png"):
             lines += [f"![queue and KV over time](timeline-{sc}.png)", ""]
-    if agents:
-        plot_agent_hit_rate(agents, out / "agents-hit-rate.png")
-        lines += ["## agents", "", f"Closed loop on {agents[0]['replicas']} replicas; `sessions` agents run at all "
-                  "times.", ""] + agents_table(agents) + ["", "![hit rate over time](agents-hit-rate.png)", ""]
+    for trace in sorted({r.get("trace", "traces") for r in agents}, key=lambda t: (t != "traces", t)):  # WEKA folders
+        rows = [r for r in agents if r.get("trace", "traces") == trace]
+        name = "" if trace == "traces" else f"-{trace}"
+        plot_agent_hit_rate(rows, out / f"agents-hit-rate{name}.png")
+        lines += [f"## agents{'' if trace == 'traces' else ': ' + trace}", "",
+                  f"Closed loop on {rows[0]['replicas']} replicas; `sessions` agents run at all times; sessions of "
+                  f"`{trace}/`.", ""] + agents_table(rows)
+        lines += ["", f"![hit rate over time](agents-hit-rate{name}.png)", ""]
     path = out / "report.md"
     path.write_text("\n".join(lines))
     return path

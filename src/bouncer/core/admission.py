@@ -157,7 +157,7 @@ class AdmissionCore:
         view = PoolView(ms.replicas, self.policy, now)
         best_ttft = self.placement.best_ttft(ms.replicas, adm, view) if ttft_left else None
         if ttft_left and not self._exempt(adm, keeping_queued=True):
-            deadlines.queue_budget(adm, ttft_left, best_ttft, self.policy, now)
+            deadlines.queue_budget(adm, ttft_left, best_ttft, ms.ttft_margins.margin(adm.priority), self.policy, now)
         ms.agents.classify(adm)
         return self._enter_waiting_room(ms, adm, view, ttft_left, best_ttft, now)  # layers 4 and 5
 
@@ -176,7 +176,7 @@ class AdmissionCore:
         events.extend(self._dispatcher.run(ms, now, view))
         queued = adm.request_id in ms.flow
         if queued and adm.queue_rank == STEP_OTHER and adm.session is not None and isinstance(ms.agents, WindowGate):
-            outwaits = ms.agents.outwaits_ttl(adm, ms.flow.waiting_sessions, now)
+            outwaits = ms.agents.outwaits_ttl(adm, ms.flow.waiting_agents, now)
             if outwaits is not None:
                 ahead, wait = outwaits
                 events.append(self.finaliser.refuse(adm, Refusal(
@@ -187,7 +187,8 @@ class AdmissionCore:
             # It has to wait. If the backlog ahead and the prefill work on the best replica already
             # add up to more than its TTFT SLO, say so now (before any prefill), and when to come
             # back: once enough of it has drained.
-            late = deadlines.late_by(ms.backlog, adm, ttft_left, best_ttft, self.policy, now)
+            late = deadlines.late_by(ms.backlog, adm, ttft_left, best_ttft, ms.ttft_margins.margin(adm.priority),
+                                     self.policy, now)
             if late is not None:
                 events.extend(self._late(adm, now, late))
         return events
@@ -256,6 +257,9 @@ class AdmissionCore:
         r = self.replicas[adm.replica]  # type: ignore[index]
         r.streamed_at = now
         feedback.first_token(adm, r, now, measured)
+        if measured and adm.ttft_predicted is not None:
+            self.models[adm.info.model].ttft_margins.observe(adm.priority, adm.ttft_predicted,
+                                                            now - adm.dispatched_at)  # type: ignore[operator]
         self.permits.started(adm, r, now)
 
     def finished(self, request_id: str, now: float, terminal: Terminal, completion_tokens: int = 0,

@@ -48,30 +48,40 @@ class WindowGate:
         self.session_from_user = policy.agents.session_from_user
 
     def classify(self, adm: Admission) -> None:
-        """Its session (`x-session-id`, or `user` where configured) and its rank in its tenant's
-        queue: an active agent's step first, then a returning agent's, then the rest."""
+        """Its session (`x-session-id`, or `user` where configured), its parent's if it is a
+        subagent's step (`x-parent-session-id`; with no session of its own it is its parent's
+        step), and its rank in its tenant's queue: an active agent's step first (a subagent's
+        whose parent is active too), then a returning agent's, then the rest."""
         info = adm.info
         adm.session = info.session_id or (info.user if self.session_from_user else None)
+        parent = info.parent_session_id
+        if parent is not None and adm.session is None:
+            adm.session = parent
+        elif parent is not None and parent != adm.session:
+            adm.parent_session = parent
         if adm.session is not None:
-            w = self.window
-            adm.queue_rank = (STEP_ACTIVE if w.is_active(adm.session) else
-                              STEP_RETURNING if w.is_returning(adm.session) else STEP_OTHER)
+            w, family = self.window, adm.parent_session or adm.session
+            adm.queue_rank = (STEP_ACTIVE if w.is_active(family) else
+                              STEP_RETURNING if w.is_returning(family) else STEP_OTHER)
 
     def outwaits_ttl(self, adm: Admission, waiting: Container[str], now: float) -> tuple[int, float] | None:
         """For a new agent's first step that waits for a slot: (agents waiting before it, the
-        expected wait) when that wait runs past its queue TTL, else None."""
+        expected wait) when that wait runs past its queue TTL, else None. `waiting`: the agents
+        with a step queued (a subagent's counted as its parent's)."""
         w = self.window
-        ahead = sum(1 for s in waiting if s != adm.session and not w.is_active(s))  # type: ignore[attr-defined]
+        me = adm.parent_session or adm.session
+        ahead = sum(1 for s in waiting if s != me and not w.is_active(s))  # type: ignore[attr-defined]
         wait = w.wait_for_slot(ahead, now)
         if wait is None or now + wait <= adm.deadline:
             return None
         return ahead, wait
 
     def is_newcomer(self, adm: Admission) -> bool:
-        return adm.session is not None and not self.window.is_active(adm.session)
+        """Its step would take a slot: its agent (its parent, for a subagent's) holds none."""
+        return adm.session is not None and not self.window.is_active(adm.parent_session or adm.session)
 
     def may_dispatch(self, adm: Admission, now: float, waiting: Container[str]) -> bool:
-        return self.window.may_dispatch(adm.session, now, waiting)  # type: ignore[arg-type]
+        return self.window.may_dispatch(adm.session, now, waiting, adm.parent_session)  # type: ignore[arg-type]
 
     def where(self, adm: Admission, candidates: list[ReplicaState], backlogged: list[ReplicaState],
               cached: dict[str, int], replicas: dict[str, ReplicaState]
@@ -92,10 +102,10 @@ class WindowGate:
         return fits, backlogged
 
     def dispatched(self, adm: Admission, now: float) -> None:
-        self.window.dispatched(adm.session, now, adm.blocks, adm.replica)  # type: ignore[arg-type]
+        self.window.dispatched(adm.session, now, adm.blocks, adm.replica, adm.parent_session)  # type: ignore[arg-type]
 
     def finished(self, adm: Admission, now: float) -> None:
-        self.window.finished(adm.session, now)  # type: ignore[arg-type]
+        self.window.finished(adm.session, now, adm.parent_session)  # type: ignore[arg-type]
 
     def expire(self, now: float, waiting: Container[str]) -> None:
         self.window.expire(now, waiting)

@@ -19,7 +19,15 @@ recomputes it, and throughput collapses (thrashing). So a window W bounds the *a
 - a new agent waits while the window is full; an active agent's next step is never held by the
   window, except when W has shrunk below the active count: then the agents that started last are
   paused at their next step boundary (never mid-generation) until there is room again;
-- one agent may have at most `max_parallel` steps in flight (sub-agent fan-out);
+- one agent may have at most `max_parallel` steps in flight, its subagents' included;
+- a subagent (`x-parent-session-id` naming the agent that launched it) runs as a *branch* of its
+  parent, in its parent's slot: it takes no slot of its own, and its parent is not idle while it
+  runs (a parent waits minutes for its subagents' results). A family's first step in flight
+  always may go, as an active agent's next step; every further branch only while the batch has
+  slack: a free slot in the window and pool KV usage below U_high (TAPER's rule: extra branches
+  are worth running only on capacity nobody else is waiting for). So a fan-out of twelve runs
+  its subagents one after another when other agents wait for slots, and all at once when none
+  do. Measured in the `agents` scenario on sessions with subagents (docs/benchmarks.md);
 - an agent whose next step waits in the gateway's queue is not idle: it is waiting on us, and
   expiring it there would give its slot away and send its step anywhere, prefix lost;
 - an agent lives on one replica, its *home*: the one that ran its latest step and holds its
@@ -56,6 +64,8 @@ class _Agent:
     inflight: int = 0
     blocks: int = 0  # KV blocks of its latest step: its context
     home: str | None = None  # the replica that ran its latest step, where its context is
+    parent: str | None = None  # a subagent: the agent in whose slot it runs
+    branches: int = 0  # its subagents' steps in flight (of an agent that holds a slot)
 
 
 STARTS_WINDOW_S = 600.0  # agents taking a slot are counted over this long, for the expected wait
@@ -72,10 +82,16 @@ class AgentWindow:
         self.ended: dict[str, float] = {}  # agents that idled out -> when, oldest first; kept memory_s
         self.living: Counter[str] = Counter()  # replica -> KV blocks of the active agents' contexts there
         self._starts: deque[float] = deque()  # when agents took a slot, recently
+        self._subagents = 0  # of `active`, the subagents: they hold no slot
+        self.kv_usage = 0.0  # the pool's, as last observed: the slack extra branches need
 
     # -- queries from the dispatch loop ---------------------------------------------------------
     def is_active(self, session: str) -> bool:
         return session in self.active
+
+    def holders(self) -> int:
+        """Agents holding a slot of the window."""
+        return len(self.active) - self._subagents
 
     def is_returning(self, session: str) -> bool:
         """An agent that idled out within `memory_s`: its session is under way."""
@@ -91,29 +107,36 @@ class AgentWindow:
         contexts of the agents living there leave for another."""
         return float("inf") if not capacity_blocks else capacity_blocks - self.living[replica]
 
-    def may_dispatch(self, session: str, now: float, waiting: Container[str] = ()) -> bool:
-        """Whether a step of `session` may be dispatched now; `waiting`: the sessions with a
-        step queued at the gateway."""
+    def may_dispatch(self, session: str, now: float, waiting: Container[str] = (), parent: str | None = None) -> bool:
+        """Whether a step of `session` (a subagent of `parent`, if given) may be dispatched now;
+        `waiting`: the sessions with a step queued at the gateway."""
         self.expire(now, waiting)
-        agent = self.active.get(session)
         limit = max(self.cfg.min, int(self.window))
-        if agent is None:
-            return len(self.active) < limit
-        if agent.inflight >= self.cfg.max_parallel:
+        agent = self.active.get(session if parent is None else parent)
+        if agent is None:  # a new agent (or a subagent whose parent holds no slot: it takes one for it)
+            return self.holders() < limit
+        busy = agent.inflight + agent.branches
+        if busy >= self.cfg.max_parallel:
             return False
-        if agent.inflight == 0 and len(self.active) > limit:
+        if parent is not None and busy:  # a further branch: only on capacity nobody waits for
+            return self.holders() < limit and self.kv_usage < self.cfg.u_high
+        if busy == 0 and self.holders() > limit:
             # between steps and over the window: the most recently started agents pause first
-            rank = sum(1 for a in self.active.values() if a.started_at < agent.started_at)
+            rank = sum(1 for a in self.active.values() if a.parent is None and a.started_at < agent.started_at)
             return rank < limit
         return True
 
     # -- lifecycle ------------------------------------------------------------------------------
-    def dispatched(self, session: str, now: float, blocks: int = 0, replica: str | None = None) -> None:
-        agent = self.active.get(session)
-        if agent is None:
-            self.ended.pop(session, None)
-            agent = self.active[session] = _Agent(now, now)
-            self._starts.append(now)
+    def dispatched(self, session: str, now: float, blocks: int = 0, replica: str | None = None,
+                   parent: str | None = None) -> None:
+        if parent is not None:
+            self._take_slot(parent, now).branches += 1
+            agent = self.active.get(session)
+            if agent is None:
+                agent = self.active[session] = _Agent(now, now, parent=parent)
+                self._subagents += 1
+        else:
+            agent = self._take_slot(session, now)
         agent.inflight += 1
         agent.last_seen = now
         self._unhome(agent)
@@ -123,17 +146,30 @@ class AgentWindow:
         if agent.home is not None:
             self.living[agent.home] += agent.blocks
 
+    def _take_slot(self, session: str, now: float) -> _Agent:
+        agent = self.active.get(session)
+        if agent is None:
+            self.ended.pop(session, None)
+            agent = self.active[session] = _Agent(now, now)
+            self._starts.append(now)
+        agent.last_seen = now
+        return agent
+
     def _unhome(self, agent: _Agent) -> None:
         if agent.home is not None:
             self.living[agent.home] -= agent.blocks
             if not self.living[agent.home]:
                 del self.living[agent.home]
 
-    def finished(self, session: str, now: float) -> None:
+    def finished(self, session: str, now: float, parent: str | None = None) -> None:
         agent = self.active.get(session)
         if agent is not None:
             agent.inflight = max(0, agent.inflight - 1)
             agent.last_seen = now
+        family = self.active.get(parent) if parent is not None else None
+        if family is not None:
+            family.branches = max(0, family.branches - 1)
+            family.last_seen = now
 
     def expire(self, now: float, waiting: Container[str] = ()) -> None:
         """Agents idle past the timeout are no longer active (remembered for `memory_s`); an
@@ -141,10 +177,14 @@ class AgentWindow:
         timeout = self.cfg.idle_timeout_s
         # the same expression as next_expiry, so a wake-up at that time always finds it expired
         idle = [s for s, a in self.active.items()
-                if not a.inflight and a.last_seen + timeout <= now and s not in waiting]
+                if not a.inflight and not a.branches and a.last_seen + timeout <= now and s not in waiting]
         for s in idle:
-            self._unhome(self.active.pop(s))
-            self.ended[s] = now
+            agent = self.active.pop(s)
+            self._unhome(agent)
+            if agent.parent is None:
+                self.ended[s] = now
+            else:
+                self._subagents -= 1
         ended = self.ended
         while ended:
             oldest = next(iter(ended))  # insertion order is expiry order
@@ -166,7 +206,7 @@ class AgentWindow:
     def next_expiry(self, waiting: Container[str] = ()) -> float | None:
         """When the next idle agent times out (a dispatch opportunity)."""
         times = [a.last_seen + self.cfg.idle_timeout_s for s, a in self.active.items()
-                 if not a.inflight and s not in waiting]
+                 if not a.inflight and not a.branches and s not in waiting]
         return min(times) if times else None
 
     # -- the window -----------------------------------------------------------------------------
@@ -174,6 +214,7 @@ class AgentWindow:
                 now: float, pool_blocks: int | None = None) -> None:
         """Pool KV usage, cumulative prefix-cache counters and KV blocks (summed over the model's
         replicas; None where not every replica reports them)."""
+        self.kv_usage = kv_usage
         if self._next_update is not None and now < self._next_update:
             return
         self._next_update = now + self.cfg.update_interval_s

@@ -3,8 +3,9 @@
 - SLOs are its tenant's; a client's headers may only tighten them (`tighter`). A retry keeps its
   first attempt's TTFT deadline (`policy.retries`): its user has waited since then.
 - Its queue TTL is its tenant's (or a client's shorter one), and with `ttl_within_slo` it leaves
-  the waiting room once waiting longer could only make it late: its TTFT SLO minus
-  `ttft_safety_factor` x the best predicted TTFT (`queue_budget`).
+  the waiting room once waiting longer could only make it late: its TTFT SLO minus the best
+  predicted TTFT times its band's margin (`queue_budget`; `bouncer.core.ttft_margin`: the
+  band's measured prediction error, or `ttft_safety_factor` until it is measured).
 - Feasibility: queued at arrival, a request whose wait plus predicted TTFT already runs past its
   SLO is late (`late_by`), and is refused (429 deadline_infeasible) or demoted to best-effort
   (`demote`), as its tenant says, before any prefill.
@@ -49,29 +50,32 @@ def new_admission(info: RequestInfo, tenant: Tenant, policy: Policy, max_tokens:
     return adm, ttft_left
 
 
-def queue_budget(adm: Admission, ttft_left: float, best_ttft: float | None, policy: Policy, now: float) -> None:
+def queue_budget(adm: Admission, ttft_left: float, best_ttft: float | None, margin: float | None, policy: Policy,
+                 now: float) -> None:
     """Waiting longer, it could only be served late: its queueing budget is what its SLO leaves
-    after the best predicted TTFT, with room for that prediction's error (without a step-time
-    model, a fixed share of the SLO)."""
+    after the best predicted TTFT, with room for that prediction's error (`margin`, its band's;
+    None: not measured yet, ttft_safety_factor; without a step-time model, a fixed share of the
+    SLO)."""
     if not policy.ttl_within_slo:
         return
-    budget = (ttft_left - policy.ttft_safety_factor * best_ttft if best_ttft is not None
+    budget = (ttft_left - (margin or policy.ttft_safety_factor) * best_ttft if best_ttft is not None
               else ttft_left * policy.slo_queue_fraction)
     adm.deadline = min(adm.deadline, now + max(0.0, budget))
 
 
-def late_by(backlog: Backlog, adm: Admission, ttft_left: float, best_ttft: float | None, policy: Policy,
-            now: float) -> float | None:
+def late_by(backlog: Backlog, adm: Admission, ttft_left: float, best_ttft: float | None, margin: float | None,
+            policy: Policy, now: float) -> float | None:
     """How far past its TTFT deadline (`ttft_left` from now) a queued newcomer is predicted to
     start (None: in time, or no estimate): the wait in the gateway's queue, then the best
-    predicted TTFT, from the prefill work on the replica, x ttft_safety_factor. Without a
+    predicted TTFT, from the prefill work on the replica, x its band's margin (or
+    ttft_safety_factor, as in queue_budget). Without a
     step-time model: the wait (to its first token) against slo_queue_fraction of what is left."""
     if best_ttft is None:
         wait = backlog.estimated_wait(adm.priority, now, adm.tenant)
         budget = ttft_left * policy.slo_queue_fraction
         return wait - budget if wait is not None and wait > budget else None
     wait = backlog.queue_wait(adm.priority, now, adm.tenant) or 0.0
-    late = wait + policy.ttft_safety_factor * best_ttft - ttft_left
+    late = wait + (margin or policy.ttft_safety_factor) * best_ttft - ttft_left
     return late if late > 0 else None
 
 

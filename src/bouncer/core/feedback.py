@@ -39,6 +39,7 @@ def at_dispatch(adm: Admission, r: ReplicaState, now: float) -> None:
         return
     if r.latency is not None:
         adm.ttft_raw = r.predict_ttft(adm, adm.prefill_tokens, raw=True)
+        adm.ttft_predicted = adm.ttft_raw * r.latency.ttft_factor if adm.ttft_raw is not None else None
         adm.tpot_raw = r.predict_tpot(adm, now, raw=True)
     if p.learner is not None:
         pairs = r.queued_prefill_pairs + prefill_pairs(adm.info.prompt_tokens, adm.prefill_tokens)

@@ -12,11 +12,12 @@ from bouncer.core.flow import FlowQueues
 from bouncer.core.latency import LatencyPredictor, StepTimeModel
 from bouncer.core.ordering import OrderingPolicy
 from bouncer.core.step_time_learner import GENERIC_PRIOR, StepTimeLearner
+from bouncer.core.ttft_margin import TtftMargins
 
 
 class ModelState:
     __slots__ = ("cfg", "flow", "draining", "replicas", "agents", "tpot_target", "band_slos", "backlog",
-                 "step_time", "learner")
+                 "step_time", "learner", "ttft_margins")
 
     def __init__(self, cfg: ModelConfig, flow: FlowQueues, backlog: BacklogStore) -> None:
         self.cfg = cfg
@@ -29,6 +30,7 @@ class ModelState:
         self.backlog = Backlog(cfg.name, flow, self.replicas, backlog)
         self.step_time: StepTimeConfig | None = None  # the config the predictors below were built from
         self.learner: StepTimeLearner | None = None  # the step-time fit its replicas share, when learned
+        self.ttft_margins = TtftMargins()  # how far its TTFT predictions are off, per band
 
     def reconfigure(self, m: ModelConfig, config: BouncerConfig, fairness: FairnessPolicy, ordering: OrderingPolicy,
                     credit: CreditStore, agents: AgentGate, registry: dict[str, ReplicaState]) -> None:

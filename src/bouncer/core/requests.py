@@ -24,6 +24,7 @@ class RequestInfo:
     ttft_slo_s: float | None = None  # client's own SLOs (x-bouncer-ttft-ms / -tpot-ms)
     tpot_slo_s: float | None = None
     session_id: str | None = None  # x-session-id: the agent this request is a step of
+    parent_session_id: str | None = None  # x-parent-session-id: a subagent's, the agent that launched it
     user: str | None = None  # the OpenAI `user` field
     retry_count: int | None = None  # x-stainless-retry-count: the client's earlier attempts at this request
     prompt_digest: int | None = None  # the whole prompt's hash: a retry sends the same
@@ -56,6 +57,7 @@ class Admission:
     prefill_tokens: int = 0  # uncached prompt tokens it adds to its replica's prefill queue
     seq: int = 0  # arrival order, for FCFS ties
     session: str | None = None  # the agent it is a step of, when agent-level admission applies
+    parent_session: str | None = None  # a subagent's step: the agent in whose slot it runs
     queue_rank: int = STEP_OTHER  # STEP_ACTIVE, STEP_RETURNING or STEP_OTHER: its place in its tenant's queue
     best_effort: bool = False  # its deadline was found infeasible (or passed); it runs in the best-effort band
     retry_key: RetryKey | None = None  # how its client's retries are known again (policy.retries)
@@ -65,6 +67,7 @@ class Admission:
     breaker_probe: bool = False  # the one request a half-open breaker let through: its outcome decides
     # uncorrected predictions made at dispatch, to correct the replica's predictor by
     ttft_raw: float | None = None
+    ttft_predicted: float | None = None  # corrected: what the core decided by (bouncer.core.ttft_margin)
     tpot_raw: float | None = None
     # what a learned step time is fitted by (bouncer.core.step_time_learner): the TTFT terms at
     # dispatch, the decode batch and context when its first token came, and whether that time

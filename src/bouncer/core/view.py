@@ -82,13 +82,15 @@ class CoreView:
             window = ms.agents.window if isinstance(ms.agents, WindowGate) else None
             out["models"][name] = {
                 "draining": ms.draining,
-                "agents": None if window is None else {"window": window.window, "active": len(window.active)},
+                "agents": None if window is None else {"window": window.window, "active": window.holders(),
+                                                        "subagents": len(window.active) - window.holders()},
                 "saturation": round(core.saturation.saturation(view), 4),
                 "queued": len(ms.flow),
                 "bands": {b.priority: {"queued": b.count, "tokens": b.tokens,
                                        "tenants": {q.tenant: q.count for q in b.queues.values() if q.count}}
                           for b in ms.flow.bands_desc()},
                 "step_time": _step_time_snapshot(ms),
+                "ttft_margins": ms.ttft_margins.snapshot(),  # per band: observed/predicted TTFT, QUANTILE
                 "replicas": {r.name: _replica_snapshot(r, view, now) for r in ms.replicas.values()},
             }
         return out

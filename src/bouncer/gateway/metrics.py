@@ -55,7 +55,10 @@ class _CoreCollector:
         draining = GaugeMetricFamily("bouncer_model_draining", "1 while a model is draining.", labels=["model"])
         agent_window = GaugeMetricFamily("bouncer_agent_window", "Active agents allowed (AIMD window).",
                                          labels=["model"])
-        active_agents = GaugeMetricFamily("bouncer_active_agents", "Agents (sessions) active now.", labels=["model"])
+        active_agents = GaugeMetricFamily("bouncer_active_agents", "Agents (sessions) active now, each holding a slot "
+                                          "of the window.", labels=["model"])
+        active_subagents = GaugeMetricFamily("bouncer_active_subagents", "Subagents (x-parent-session-id) active now, "
+                                             "in their parents' slots.", labels=["model"])
         for name, ms in snap["models"].items():
             for band, b in ms["bands"].items():
                 depth.add_metric([name, str(band)], b["queued"])
@@ -65,12 +68,14 @@ class _CoreCollector:
             if ms["agents"] is not None:
                 agent_window.add_metric([name], ms["agents"]["window"])
                 active_agents.add_metric([name], ms["agents"]["active"])
+                active_subagents.add_metric([name], ms["agents"]["subagents"])
         yield depth
         yield queued_tokens
         yield sat
         yield draining
         yield agent_window
         yield active_agents
+        yield active_subagents
         step = GaugeMetricFamily("bouncer_model_step_time_coefficient",
                                  "The engine step-time model the core predicts with (a: s per step, b: s per batched "
                                  "token, c: s per context token, d: s per attention pair): given, or learned.",
@@ -80,6 +85,14 @@ class _CoreCollector:
             for coefficient, value in (st.get("coefficients") or {}).items():
                 step.add_metric([name, coefficient, st["mode"]], value)
         yield step
+        margin = GaugeMetricFamily("bouncer_ttft_margin", "What a band's predicted TTFTs are multiplied by to plan "
+                                   "its waits and dispatches with: the p90 of its observed / predicted TTFT "
+                                   "(absent until 32 first tokens are in).", labels=["model", "band"])
+        for name, ms in snap["models"].items():
+            for band, m in ms["ttft_margins"].items():
+                if m["margin"] is not None:
+                    margin.add_metric([name, str(band)], m["margin"])
+        yield margin
         age = GaugeMetricFamily("bouncer_replica_telemetry_age_seconds", "Age of the last good scrape.",
                                 labels=["replica"])
         kv = GaugeMetricFamily("bouncer_replica_kv_usage", "Projected KV usage (scraped blended with own).",

@@ -111,6 +111,7 @@ def request_info(request_id: str, kind: str, body: dict[str, Any], headers,
         n=body.get("n") or 1, best_of=body.get("best_of"), num_stop=num_stop,
         ttl_s=_header_ms(headers, "x-bouncer-ttl-ms"), ttft_slo_s=_header_ms(headers, "x-bouncer-ttft-ms"),
         tpot_slo_s=_header_ms(headers, "x-bouncer-tpot-ms"), session_id=headers.get("x-session-id") or None,
+        parent_session_id=headers.get("x-parent-session-id") or None,
         user=user, retry_count=retry_count,
         # only a client that numbers its attempts can be known again when it retries
         prompt_digest=prompt_digest(ids) if retry_count is not None else None)

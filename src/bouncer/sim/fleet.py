@@ -48,6 +48,7 @@ class SimRequest:
     timeout_s: float  # per attempt
     max_retries: int
     session: str | None = None
+    parent_session: str | None = None  # a subagent's step: the session that launched it
     # progress
     attempt: int = 0
     attempt_id: str = ""
@@ -235,25 +236,23 @@ class FleetSim:
         self._loop(end)
         return completed / measure_s
 
-    def run_sessions(self, start, follow, sessions: int, until: float) -> float:
-        """Closed loop of agent sessions: `sessions` of them at all times. `start(now)` returns a
-        new session's first request; when a request gets its outcome, `follow(req, now)` returns
-        (delay, next request) of the same session, or None when the session is over (then a new
-        one starts). Stops at `until`; returns the simulated time reached."""
+    def run_sessions(self, first: list[SimRequest], follow, until: float) -> float:
+        """Closed loop of agent sessions: the `first` requests go at once (1 ms apart); when a
+        request gets its outcome, `follow(req, now)` returns the (delay, request) pairs it leads
+        to (its session's next step, a subagent's first, a new session's first when its session
+        ended). Stops at `until`; returns the simulated time reached."""
         def on_done(req: SimRequest, now: float) -> None:
             if now >= until:
                 return
-            nxt = follow(req, now)
-            delay, new = (0.0, start(now)) if nxt is None else nxt
-            self._open += 1
-            self._push(now + delay, _ARRIVE, new)
+            for delay, new in follow(req, now):
+                self._open += 1
+                self._push(now + delay, _ARRIVE, new)
 
         self._on_done = on_done
         self._open = 0
-        for i in range(sessions):
+        for i, req in enumerate(first):
             self._open += 1
-            t = i * 1e-3
-            self._push(t, _ARRIVE, start(t))
+            self._push(i * 1e-3, _ARRIVE, req)
         self._start_scrapes()
         self._sample_until = until
         self._push(0.0, _SAMPLE, None)

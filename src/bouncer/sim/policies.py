@@ -77,6 +77,7 @@ class CorePolicy:
         return RequestInfo(request_id=req.attempt_id, key_digest=self._keys[req.tenant], model=SIM_MODEL,
                            prompt_tokens=req.prompt_len, max_tokens=req.max_tokens, block_digests=req.block_digests,
                            ttft_slo_s=req.ttft_slo, tpot_slo_s=req.tpot_slo, session_id=req.session,
+                           parent_session_id=req.parent_session,
                            retry_count=req.attempt - 1, prompt_digest=prompt_digest(req))
 
     def offer(self, req: SimRequest, now: float) -> list[PolicyEvent]:

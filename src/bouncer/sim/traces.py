@@ -122,6 +122,19 @@ class AgentStep:
     output_len: int
     block_ids: list[int]  # the session's own ids of `block_tokens`-token blocks, prefix order
     think_s: float  # pause after the previous step finished (tool use, the user), before this one
+    # a step that waits for subagents (the results of the Task tools its previous step called):
+    # it starts this long after the last of them ended, rather than `think_s` after that step
+    after_subagents_s: float | None = None
+
+
+@dataclass(slots=True)
+class Subagent:
+    """A child agent (Claude Code's Task tool): its own steps, closed-loop, from `offset_s` after
+    the end of its parent's step `after_step` (-1: from the start of the parent's session)."""
+    after_step: int
+    offset_s: float
+    waited: bool  # the parent's next step waits for it; `async_launched` ones are not waited for
+    session: AgentSession
 
 
 @dataclass(slots=True)
@@ -129,13 +142,20 @@ class AgentSession:
     name: str
     block_tokens: int
     steps: list[AgentStep]
+    subagents: list[Subagent] = field(default_factory=list)
+
+    def all_steps(self) -> int:
+        """Its steps and its subagents', nested ones included."""
+        return len(self.steps) + sum(s.session.all_steps() for s in self.subagents)
 
 
 def load_weka(path: str | pathlib.Path) -> list[AgentSession]:
     """WEKA's Claude Code traces (kv-cache-tester): a folder of one JSON per session,
-    `{id, block_size, hash_id_scope: "local", requests: [{t, type, in, out, hash_ids, think_time}]}`.
-    Hash ids are local to a session, so replays must keep them apart (`session_digests`). Sessions
-    are replayed closed-loop: each step starts its think time after the previous one finished."""
+    `{id, block_size, hash_id_scope: "local", requests: [{t, type, in, out, hash_ids, think_time}]}`,
+    where an entry of `type: "subagent"` is a child session with its own `requests`
+    (`_parse_session`). Hash ids are local to a session, its subagents included (siblings share
+    their system prompt's), so replays must keep sessions apart (`SessionDigests`). Sessions are
+    replayed closed-loop: each step starts its think time after the previous one finished."""
     import json
 
     folder = pathlib.Path(path)
@@ -145,14 +165,40 @@ def load_weka(path: str | pathlib.Path) -> list[AgentSession]:
         try:
             with open_trace(f) as text:
                 d = json.load(text)
-            steps = [AgentStep(max(1, int(r["in"])), max(1, int(r["out"])), list(r["hash_ids"]),
-                               float(r.get("think_time") or 0.0)) for r in d["requests"]]
-            sessions.append(AgentSession(str(d.get("id", f.name.split(".")[0])), int(d["block_size"]), steps))
+            name = str(d.get("id", f.name.split(".")[0]))
+            sessions.append(_parse_session(name, int(d["block_size"]), d["requests"]))
         except (KeyError, TypeError, ValueError, OSError) as exc:  # OSError: a bad gzip file
             raise ValueError(f"{f}: not a WEKA agent session trace ({exc!r})") from None
     if not sessions:
         raise ValueError(f"{path}: no session JSON files")
     return sessions
+
+
+def _parse_session(name: str, block_tokens: int, entries: list[dict]) -> AgentSession:
+    """One session's requests, in trace order. A subagent entry's `t` is when it ended (its
+    `duration_ms` before that it started, right as the parent's step that called it ended) unless
+    it was launched asynchronously (no duration: `t` is its start); its own requests are timed
+    from its start. The parent's next step comes after the last subagent it waited for ended."""
+    steps: list[AgentStep] = []
+    subagents: list[Subagent] = []
+    prev_end = 0.0  # trace time the latest step ended
+    waited_ends: list[float] = []  # trace times the subagents launched since that step ended
+    for r in entries:
+        if r.get("type") == "subagent":
+            waited = r.get("duration_ms") is not None
+            start = float(r["t"]) - (float(r["duration_ms"]) / 1000.0 if waited else 0.0)
+            child = _parse_session(f"{name}/{r.get('agent_id', len(subagents))}", block_tokens, r["requests"])
+            subagents.append(Subagent(len(steps) - 1, max(0.0, start - prev_end), waited, child))
+            if waited:
+                waited_ends.append(float(r["t"]))
+            continue
+        t = float(r["t"])
+        after = max(0.0, t - max(waited_ends)) if waited_ends else None
+        steps.append(AgentStep(max(1, int(r["in"])), max(1, int(r["out"])), list(r["hash_ids"]),
+                               float(r.get("think_time") or 0.0), after))
+        waited_ends = []
+        prev_end = t + float(r.get("api_time") or 0.0)
+    return AgentSession(name, block_tokens, steps, subagents)
 
 
 class SessionDigests:
