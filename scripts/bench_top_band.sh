@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Regenerate docs/bench/top-band: consolidation's realtime tenant alone (the same arrivals, the
-# standard tenant's dropped), Bouncer against no admission, at loads 2.5, 2.75 and 3: what the top
+# standard tenant's dropped), Bouncer against no admission, at loads 1 to 3: what the top
 # band gets with the lower band perfectly isolated; then where in the run the band's demand and
 # misses fall. Under a minute here.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=docs/bench/top-band
 mkdir -p "$out"
-for load in 2.5 2.75 3; do
+for load in 1 1.5 2 2.5 2.75 3; do
   for pol in none bouncer; do
     .venv/bin/bouncer bench run --scenario consolidation --only-tenants realtime --policy "$pol" --load "$load" \
       --duration 120 --replicas 2 --seed 0 --out "$out/consolidation-realtime-$pol-$load.json" > /dev/null

@@ -2,15 +2,15 @@
 
     python scripts/slice_traces.py FULL_TRACES_DIR [OUT_DIR]   # OUT_DIR default: data/traces
 
-FULL_TRACES_DIR has the upstream layout (azure-2023/, mooncake-fast25/, servegen/deepseek-r1/,
-weka-claude-code/traces/; data/traces/README.md says where each comes from). What is kept, and
+FULL_TRACES_DIR has the upstream layout (azure-2023/, mooncake-fast25/, servegen/{deepseek-r1,m-mid}/,
+weka-claude-code/{traces,subagents}/; data/traces/README.md says where each comes from). What is kept, and
 why it is enough for the published benchmarks to regenerate unchanged:
 
 - Azure 2023: both CSVs whole (1 MB). Every goodput scenario but `prefix` replays them.
 - Mooncake FAST'25: the conversation trace whole, gzipped (the `prefix` scenario).
 - WEKA Claude Code: every session of traces/ and of subagents/ (sessions with subagents), each
   gzipped (the `agents` scenario draws from all of a folder).
-- ServeGen DeepSeek-R1: only what a replay reads. A replay takes the day's busiest hour over all
+- ServeGen DeepSeek-R1 and m-mid: only what a replay reads. A replay takes the day's busiest hour over all
   clients (`bouncer.sim.servegen.busiest_span`); the slice keeps that hour's windows of the
   clients that send in it, and of each client's token distributions only the periods those
   windows draw from (gzipped). Clients that send nothing in that hour draw no random numbers in
@@ -118,6 +118,7 @@ def main() -> None:
     weka(full, out)
     weka(full, out, "subagents")
     servegen(full, out, "deepseek-r1")
+    servegen(full, out, "m-mid")
     assert WINDOW_S == 600.0  # the slice keeps whole windows of the upstream's 600 s rows
     print(f"wrote {out}")
 

@@ -97,6 +97,11 @@ def test_a_subagent_entry_nests_and_a_bad_one_is_named(tmp_path):
     (tmp_path / "t.json").write_text(json.dumps(trace))
     with pytest.raises(ValueError, match="not a WEKA agent session trace"):
         load_weka(tmp_path)
+    only_a_subagent = {"t": 1.0, "type": "subagent", "duration_ms": 1000,
+                       "requests": [{"t": 0.0, "type": "n", "in": 5, "out": 1, "hash_ids": [1]}]}
+    (tmp_path / "t.json").write_text(json.dumps({"id": "t", "block_size": 64, "requests": [only_a_subagent]}))
+    with pytest.raises(ValueError, match="no requests of its own"):  # a replay of it would never end
+        load_weka(tmp_path)
 
 
 def test_a_replayed_parent_waits_for_its_subagent_and_the_session_counts_once(tmp_path):

@@ -31,6 +31,21 @@ def test_prompts_share_the_blocks_the_trace_shares_and_nothing_else():
     assert all(lo <= t < hi for t in a + b + c)
 
 
+def test_a_warm_up_is_sent_but_not_counted():
+    scenario = live.get_scenario("surge", 100.0)
+    done = []
+    for i in range(100):  # one request a second, each served at once
+        r = SimRequest(rid=f"r{i}", tenant="standard", priority=0, arrival=float(i), prompt_len=10, output_len=2,
+                       max_tokens=2, block_digests=[], ttft_slo=2.0, tpot_slo=0.1, timeout_s=60, max_retries=0)
+        r.outcome, r.first_token_at, r.finished_at = "completed", i + 0.1, i + 0.15
+        done.append(r)
+    all_of_it, after = live._table(scenario, done, 100.0), live._table(scenario, done, 100.0, warm_up_s=60.0)
+    assert all_of_it["tenants"]["standard"]["offered"] == 100 and all_of_it["goodput_rps"] == pytest.approx(1.0)
+    assert after["tenants"]["standard"]["offered"] == 40 and after["goodput_rps"] == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="warm-up"):
+        live.run("surge", 2.0, duration_s=10.0, warm_up_s=10.0)
+
+
 def test_the_simulated_engines_run_as_slow_as_the_live_ones():
     fleet = live.LiveFleet(speed=0.25, kv_blocks=1024, max_num_seqs=32)
     prof = fleet.sim_profile()

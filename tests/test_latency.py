@@ -358,11 +358,16 @@ def test_a_measured_margin_replaces_the_fixed_factor_in_the_queue_budget():
     assert core.next_wakeup() == pytest.approx(2.0 - 1.25 * 0.02)
 
 
-def test_a_request_is_dispatched_only_where_its_prediction_with_the_margin_meets_its_deadline():
-    core = core_with_steps([tenant("a", slo={"ttft_s": 1.0}), tenant("b")])
-    _fill_prefill_queue(core, 5_000)
-    # 5,100 tokens of prefill at 1,000 per 0.11 s step: 0.56 s, within its 1 s SLO
-    assert dispatched(core.offer(info("a", prompt=100), 0.0))
-    _band_margin(core, 0, 2.0)  # this band's first tokens come up to twice as late as predicted
-    (r,) = rejected(core.offer(info("a", prompt=100), 0.0))  # not within 1 s with its margin: refused now
+def test_a_measured_margin_refuses_at_arrival_what_it_would_make_late():
+    def queued_behind_prefill(margin: float) -> list:
+        core = core_with_steps([tenant("a", slo={"ttft_s": 1.0}), tenant("b")])
+        _fill_prefill_queue(core, 5_000)
+        _band_margin(core, 0, margin)
+        core.observe("m/0", Telemetry(at=0.0, kv_usage=0.99, running=50, waiting=0), 0.0)  # full: it must wait
+        return core.offer(info("a", prompt=100), 0.0)
+
+    # 5,100 tokens of prefill at 1,000 per 0.11 s step once sent: 0.66 s of its 1 s SLO. With its
+    # band's first tokens up to 1.25x their predictions it may wait; up to 2x, it is refused now
+    assert queued_behind_prefill(1.25) == []
+    (r,) = rejected(queued_behind_prefill(2.0))
     assert r.refusal.reason == "deadline_infeasible"

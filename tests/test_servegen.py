@@ -94,6 +94,18 @@ def test_the_deepseek_r1_pool_loads():
     assert max(sizes) / sum(sizes) > 0.2  # load is skewed across clients
 
 
+def test_the_m_mid_pool_loads_thousands_of_short_requests_a_second():
+    clients = load_servegen(scenarios.SERVEGEN_M_MID)
+    start = busiest_span(clients)
+    assert start == 1_058_400
+    traces = client_traces(clients, seed=0, start_s=start, span_s=60.0)  # its first minute
+    sizes = {cid: len(t) for cid, t in traces.items()}
+    assert len(sizes) >= 15 and sum(sizes.values()) / 60.0 > 2_000  # 20 send in the hour
+    bulk = max(sizes, key=sizes.get)
+    assert sizes[bulk] / sum(sizes.values()) > 0.9  # one client sends nearly all of them...
+    assert sum(r.prompt_len for r in traces[bulk]) / sizes[bulk] < 300  # ...short ones
+
+
 def test_a_goodput_run_on_a_servegen_folder_accounts_for_every_client(pool, tmp_path, monkeypatch):
     monkeypatch.setattr(goodput, "CACHE_DIR", tmp_path / "capacity")
     r = goodput.run("surge", "bouncer", 2.0, duration_s=20, replicas=1, trace=str(pool))

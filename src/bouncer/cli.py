@@ -258,6 +258,10 @@ def cmd_bench_live(args) -> None:
         sys.exit("bouncer bench live needs the openai SDK: pip install 'bouncer[bench]'")
     from bouncer.bench import live
 
+    if not 0 <= args.warm_up < args.duration:
+        sys.exit(f"--warm-up ({args.warm_up:g} s) must be at least 0 and shorter than --duration ({args.duration:g} s)")
+    if args.warm_up and args.driver == "guidellm":
+        sys.exit("--warm-up counts a replayed trace's requests; the guidellm driver counts its whole run")
     fleet = live.LiveFleet(engines=args.engines, profile=args.profile, speed=args.speed, kv_blocks=args.kv_blocks,
                            max_num_seqs=args.max_num_seqs)
     for load in args.load:
@@ -280,7 +284,7 @@ def cmd_bench_live(args) -> None:
 def cmd_bench_core(args) -> None:
     from bouncer.bench.core_cost import main as core_cost
 
-    core_cost(args.scenario, args.load, args.duration, args.replicas, args.out)
+    core_cost(args.scenario, args.load, args.duration, args.replicas, args.out, trace=args.trace)
 
 
 def cmd_bench_report(args) -> None:
@@ -414,6 +418,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--load", type=float, default=2.0)
     p.add_argument("--duration", type=float, default=120.0, help="simulated seconds of arrivals")
     p.add_argument("--replicas", type=int, default=2)
+    p.add_argument("--trace", help="replace the scenario's main trace (a ServeGen folder: its clients as tenants)")
     p.add_argument("--out", help="write the numbers as JSON")
     p.set_defaults(func=cmd_bench_core)
 

@@ -10,6 +10,8 @@ calls:
 
 `scripts/bench_core_cost.sh REV` records once and replays on REV and on this tree, alternating,
 and reports the fastest replay of each (the least disturbed by a noisy machine), per entry point.
+A replay also sorts each `offer` and `tick` by how many requests were queued when it was made
+(`by_queue`): a cost that grows with the backlog shows there.
 """
 
 from __future__ import annotations
@@ -23,8 +25,12 @@ from collections import defaultdict
 ENTRY_POINTS = ("offer", "tick", "started", "finished", "observe", "cancel", "requeue", "renew", "kv_digests")
 
 
+QUEUE_BUCKETS = (10, 100, 1000, 10_000)  # upper bounds (exclusive) of the queue depths calls are sorted by
+BY_QUEUE = ("offer", "tick")
+
+
 def record(path: str, scenario: str = "surge", load: float = 2.0, duration_s: float = 120.0, replicas: int = 2,
-           seed: int = 0) -> int:
+           seed: int = 0, trace: str | None = None) -> int:
     """Run the scenario and write its core calls to `path`; returns how many."""
     from bouncer.bench import goodput
     from bouncer.sim import policies
@@ -47,12 +53,12 @@ def record(path: str, scenario: str = "surge", load: float = 2.0, duration_s: fl
 
     policies.CorePolicy.__init__ = recording_init
     try:
-        goodput.simulate(scenario, "bouncer", load, seed, replicas, duration_s)
+        goodput.simulate(scenario, "bouncer", load, seed, replicas, duration_s, trace)
     finally:
         policies.CorePolicy.__init__ = original
     with open(path, "wb") as f:
         pickle.dump({"config": configs[-1], "calls": calls, "scenario": scenario, "load": load,
-                     "duration_s": duration_s, "replicas": replicas, "seed": seed}, f)
+                     "duration_s": duration_s, "replicas": replicas, "seed": seed, "trace": trace}, f)
     return len(calls)
 
 
@@ -66,23 +72,41 @@ def replay(path: str) -> dict:
     core = AdmissionCore(parse_config(recorded["config"]), 0.0)
     spent: dict[str, float] = defaultdict(float)
     counts: dict[str, int] = defaultdict(int)
+    by_queue: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0.0])  # (entry, bucket) -> [n, s]
     clock = time.perf_counter
     for entry, args, kwargs in recorded["calls"]:
         call = getattr(core, entry)
+        depth = core.view.queued if entry in BY_QUEUE else 0  # outside the timed span
         t0 = clock()
         call(*args, **kwargs)
-        spent[entry] += clock() - t0
+        took = clock() - t0
+        spent[entry] += took
         counts[entry] += 1
+        if entry in BY_QUEUE:
+            cell = by_queue[(entry, _bucket(depth))]
+            cell[0] += 1
+            cell[1] += took
     return {"calls": {e: {"n": counts[e], "seconds": spent[e], "mean_us": spent[e] / counts[e] * 1e6}
-                      for e in counts}, "total_seconds": sum(spent.values())}
+                      for e in counts}, "total_seconds": sum(spent.values()),
+            "by_queue": {e: {b: {"n": n, "mean_us": s / n * 1e6} for (e2, b), (n, s) in by_queue.items() if e2 == e}
+                         for e in BY_QUEUE}}
+
+
+def _bucket(depth: int) -> str:
+    low = 0
+    for high in QUEUE_BUCKETS:
+        if depth < high:
+            return f"{low}-{high - 1}"
+        low = high
+    return f"{low}+"
 
 
 def main(scenario: str, load: float, duration_s: float, replicas: int, out_path: str | None,
-         repeats: int = 5) -> None:
+         repeats: int = 5, trace: str | None = None) -> None:
     import tempfile
 
     with tempfile.NamedTemporaryFile(suffix=".pickle") as f:
-        n = record(f.name, scenario, load, duration_s, replicas)
+        n = record(f.name, scenario, load, duration_s, replicas, trace=trace)
         runs = [replay(f.name) for _ in range(repeats)]
     best = min(runs, key=lambda r: r["total_seconds"])
     print(f"core cost on {scenario} at load {load:g}, {replicas} replicas: {n} calls replayed "
@@ -91,7 +115,11 @@ def main(scenario: str, load: float, duration_s: float, replicas: int, out_path:
         spread = [r["calls"][entry]["mean_us"] for r in runs]
         print(f"  {entry:>10}: {c['n']:>7} calls, {c['mean_us']:7.1f} us each "
               f"(replays: {min(spread):.1f}-{max(spread):.1f}, median {statistics.median(spread):.1f})")
+    for entry in BY_QUEUE:
+        cells = sorted(best["by_queue"][entry].items(), key=lambda kv: int(kv[0].split("-")[0].rstrip("+")))
+        print(f"  {entry:>10} by requests queued: " +
+              ", ".join(f"{b}: {c['mean_us']:.1f} us ({c['n']})" for b, c in cells))
     if out_path:
         with open(out_path, "w") as out:
             json.dump({"scenario": scenario, "load": load, "duration_s": duration_s, "replicas": replicas,
-                       "calls": n, "best": best, "runs": runs}, out, indent=1)
+                       "trace": trace, "calls": n, "best": best, "runs": runs}, out, indent=1)

@@ -76,7 +76,7 @@ class Dispatcher:
                     adm, placed = step
                 else:
                     placed = self.placement.place(ms.cfg, ms.replicas, adm, view, protected, agents,
-                                                  self.acts_on_late(adm), ms.ttft_margins.margin(adm.priority))
+                                                  self.acts_on_late(adm))
                 if isinstance(placed, Late):
                     events.extend(self.on_late(adm, now, placed.by_s))
                     continue
@@ -108,7 +108,7 @@ class Dispatcher:
                 continue
             if adm.session is None or agents.may_dispatch(adm, view.now, waiting):
                 placed = self.placement.place(ms.cfg, ms.replicas, adm, view, protected, agents,
-                                              self.acts_on_late(adm), ms.ttft_margins.margin(adm.priority))
+                                              self.acts_on_late(adm))
                 if placed is not None:
                     return adm, placed
             in_line = in_line or newcomer

@@ -1,23 +1,24 @@
 """How much room a band's TTFT predictions need: their observed error, per band.
 
 The core plans a queued request's wait around its predicted TTFT. It may wait while its SLO
-leaves room for the best predicted TTFT times a margin (`deadlines.queue_budget`); it is refused
-at arrival when the wait ahead plus that already misses (`deadlines.late_by`); and it is
-dispatched only to a replica where its predicted TTFT there, with what is queued there, times the
-margin still meets its deadline (`placement`), else refused (or demoted) before any prefill.
+leaves room for the best predicted TTFT times a margin (`deadlines.queue_budget`), and it is
+refused at arrival when the wait ahead plus that already misses (`deadlines.late_by`). (At
+dispatch it goes only where its predicted TTFT there, with what is queued there, meets its
+deadline, with no margin: `placement`.)
 
-A fixed margin is wrong both ways, and differently for each band:
-- too small where predictions run short: on ServeGen's `m-mid` pool the bulk band's requests
-  were dispatched at the edge of their deadline, on a prediction right on average, and half got
-  their first token just past it (0.1% within SLO, TTFT p99 at the SLO);
-- too large where they are accurate: live, with the step time learned, a factor of 2 over a fit
-  that already carried the HTTP and event-loop time let the realtime band's requests expire in
-  the queue, and refused others as infeasible, that would have been served in time.
+A fixed margin is wrong both ways, and differently for each band: too small where a band's
+predictions err more than it allows (its requests wait to the edge of their budget and start
+just past their deadline), too large where they err less. Live, with the step time learned
+(consolidation, 0.25x engines), a factor of 2 let the realtime band's requests expire in the
+queue, or refused them as infeasible, that would have been served in time: 84-91% of them within
+SLO against 92-96% with the measured margins (docs/benchmarks.md, "TTFT margins"). Even with
+the engine's true step time the error is wide (in the simulator the p90 of observed / predicted
+is 1.5-2.0: the work that arrives after a request and goes ahead of it is not predictable).
 
 So each band's margin is measured: the `QUANTILE` of observed / predicted TTFT over the band's
 last `WINDOW` first tokens (the corrected prediction at dispatch, the one the core decided by),
 kept within [1, `MAX_MARGIN`]. Until `MIN_OBSERVATIONS` are in, `margin` is None and the core
-uses the configured `ttft_safety_factor` for waiting and no margin at dispatch.
+uses the configured `ttft_safety_factor`.
 
 Pure and cheap: an observation is an append to a bounded ring; the quantile is recomputed (a sort
 of at most `WINDOW` numbers) every `REFRESH_EVERY` observations.

@@ -37,6 +37,7 @@ AZURE_CODE = trace_file(TRACES / "azure-2023/AzureLLMInferenceTrace_code.csv")
 MOONCAKE_CONV = trace_file(TRACES / "mooncake-fast25/conversation_trace.jsonl")
 WEKA_SESSIONS = TRACES / "weka-claude-code/traces"
 SERVEGEN_DEEPSEEK_R1 = TRACES / "servegen/deepseek-r1"
+SERVEGEN_M_MID = TRACES / "servegen/m-mid"  # a language-model service: thousands of short requests a second
 
 
 @dataclass

@@ -166,9 +166,12 @@ def load_weka(path: str | pathlib.Path) -> list[AgentSession]:
             with open_trace(f) as text:
                 d = json.load(text)
             name = str(d.get("id", f.name.split(".")[0]))
-            sessions.append(_parse_session(name, int(d["block_size"]), d["requests"]))
+            session = _parse_session(name, int(d["block_size"]), d["requests"])
         except (KeyError, TypeError, ValueError, OSError) as exc:  # OSError: a bad gzip file
             raise ValueError(f"{f}: not a WEKA agent session trace ({exc!r})") from None
+        if not session.steps:
+            raise ValueError(f"{f}: a WEKA session with no requests of its own")
+        sessions.append(session)
     if not sessions:
         raise ValueError(f"{path}: no session JSON files")
     return sessions
