@@ -35,4 +35,21 @@ for n in 128 512; do
 done
 run none 512 7200 -subagents 0 "$sub" & run request-cap 512 7200 -subagents 0 "$sub"; wait
 run bouncer 512 7200 -subagents 0 "$sub"
+# What naming the parent is worth: the same sessions with subagents' steps sent without
+# x-parent-session-id, so the window sees each subagent as an agent of its own (8 hours).
+mkdir -p docs/bench/agents-subagent-ablation
+for n in 128 512; do
+  for named in 1 0; do
+    .venv/bin/python - "$n" "$named" "$sub" <<'PY' &
+import json, sys
+from bouncer.bench import agents
+n, named, trace = int(sys.argv[1]), sys.argv[2] == "1", sys.argv[3]
+r = agents.run("bouncer", n, duration_s=8 * 3600, trace=trace, name_parents=named)
+r["name_parents"] = named
+out = f"docs/bench/agents-subagent-ablation/abl-{n}-8-{'named' if named else 'plain'}.json"
+json.dump(r, open(out, "w"))
+PY
+  done
+  wait
+done
 .venv/bin/bouncer bench report "$out" --out docs/bench/agents-report

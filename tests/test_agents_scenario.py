@@ -134,3 +134,9 @@ def test_a_replayed_parent_waits_for_its_subagent_and_the_session_counts_once(tm
     child.outcome = "expired"
     assert [r.session for _, r in replay.follow(child, 11.0)] == ["t#2"]
     assert replay.done["failed_sessions"] == 1 and replay.done["steps_wasted"] == 1
+    # the ablation: subagents' steps that do not name their parent
+    plain = agents.SessionReplay(load_weka(tmp_path), 16, seed=0, name_parents=False)
+    (first,) = plain.first(1)
+    first.outcome = "completed"
+    ((_, child),) = plain.follow(first, 1.5)
+    assert child.session == "t#0/0" and child.parent_session is None

@@ -67,8 +67,9 @@ class SessionReplay:
     session is done when it and all its subagents are; a step that fails for good fails its
     session (the steps done for it are wasted) and another session starts."""
 
-    def __init__(self, pool: list[AgentSession], block_size: int, seed: int) -> None:
+    def __init__(self, pool: list[AgentSession], block_size: int, seed: int, name_parents: bool = True) -> None:
         self.pool = pool
+        self.name_parents = name_parents  # False: subagents' steps say nothing of their parent (as plain agents)
         self.block_size = block_size
         self.rng = random.Random(seed)
         self.agents: dict[str, _Agent] = {}
@@ -180,7 +181,8 @@ class SessionReplay:
                           output_len=min(step.output_len, MAX_OUTPUT), max_tokens=MAX_OUTPUT,
                           block_digests=agent.digests.of(step, MAX_PROMPT), ttft_slo=None, tpot_slo=None,
                           timeout_s=STEP_TIMEOUT_S, max_retries=2, session=agent.name,
-                          parent_session=agent.parent.name if agent.parent is not None else None)
+                          parent_session=agent.parent.name if agent.parent is not None and self.name_parents
+                          else None)
 
 
 def _count_subagents(session: AgentSession) -> int:
@@ -208,7 +210,9 @@ def _policy(name: str, replicas: int, blocks: int, block_size: int, cap: int, st
 
 
 def run(policy: str, sessions: int, duration_s: float = 3600.0, replicas: int = 2, seed: int = 0,
-        trace: str | None = None, profile: str = "llama-3.1-8b-h100") -> dict:
+        trace: str | None = None, profile: str = "llama-3.1-8b-h100", name_parents: bool = True) -> dict:
+    """One closed-loop run. `name_parents=False` sends subagents' steps without
+    `x-parent-session-id`, so the window sees each subagent as an agent of its own."""
     pool = load_weka(trace or WEKA_SESSIONS)
     prof = dataclasses.replace(get_profile(profile), max_model_len=MAX_MODEL_LEN)
     steps = [s for a in pool for s in _steps(a)]
@@ -217,7 +221,7 @@ def run(policy: str, sessions: int, duration_s: float = 3600.0, replicas: int = 
     cfg = FleetConfig(replicas=replicas, profile=prof, seed=seed)
     gw = _policy(policy, replicas, prof.num_blocks, prof.block_size, cap, prof.step_time_config)
     sim = FleetSim(cfg, gw, gw.replica_names)
-    replay = SessionReplay(pool, prof.block_size, seed)
+    replay = SessionReplay(pool, prof.block_size, seed, name_parents)
     wall0 = time.perf_counter()
     reached = sim.run_sessions(replay.first(sessions), replay.follow, duration_s)
     wall = time.perf_counter() - wall0
