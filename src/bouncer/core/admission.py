@@ -256,10 +256,7 @@ class AdmissionCore:
             return
         r = self.replicas[adm.replica]  # type: ignore[index]
         r.streamed_at = now
-        feedback.first_token(adm, r, now, measured)
-        if measured and adm.ttft_predicted is not None:
-            self.models[adm.info.model].ttft_margins.observe(adm.priority, adm.ttft_predicted,
-                                                            now - adm.dispatched_at)  # type: ignore[operator]
+        feedback.first_token(adm, r, self.models[adm.info.model].ttft_margins, now, measured)
         self.permits.started(adm, r, now)
 
     def finished(self, request_id: str, now: float, terminal: Terminal, completion_tokens: int = 0,

@@ -2,7 +2,8 @@
 
 - Latency: each replica's predictor (`bouncer.core.latency`) is corrected by what its requests
   showed: observed / predicted TTFT at the first token, TPOT at the end. The uncorrected
-  predictions are kept on the request at dispatch (`at_dispatch`), to correct by.
+  predictions are kept on the request at dispatch (`at_dispatch`), to correct by; the corrected
+  one too, for its band's TTFT margin (`bouncer.core.ttft_margin`).
 - Output lengths: KV is reserved for the output expected of a tenant on a model
   (`bouncer.core.output_length`), learned from its completions.
 - Each replica's in-flight limit (AIMD, `adapt_inflight_limit`): the TPOT guard cuts it when
@@ -17,6 +18,7 @@ from bouncer.core.fleet import ReplicaState, decode_context
 from bouncer.core.latency import prefill_pairs
 from bouncer.core.output_length import OutputLengthModel
 from bouncer.core.requests import Admission
+from bouncer.core.ttft_margin import TtftMargins
 
 
 def expected_output(models: dict[str, OutputLengthModel], policy: Policy, model: str, max_tokens: int) -> int:
@@ -47,13 +49,15 @@ def at_dispatch(adm: Admission, r: ReplicaState, now: float) -> None:
     p.dispatched(adm.prefill_tokens, now)
 
 
-def first_token(adm: Admission, r: ReplicaState, now: float, measured: bool) -> None:
+def first_token(adm: Admission, r: ReplicaState, margins: TtftMargins, now: float, measured: bool) -> None:
     """Its first token came at `now` (`measured`), or its whole answer did (a non-streamed
-    request: its prefill is over, but when it ended is not known)."""
+    request: its prefill is over, but when it ended is not known). `margins`: its model's."""
     r.idle_refusals = 0  # it ran something: not a replica that refuses everything
     adm.first_token_measured = measured
     if not measured:
         return
+    if adm.ttft_predicted is not None:
+        margins.observe(adm.priority, adm.ttft_predicted, now - adm.dispatched_at)  # type: ignore[operator]
     if r.latency is not None and adm.ttft_raw is not None:
         r.latency.observe_ttft(adm.ttft_raw, now - adm.dispatched_at)  # type: ignore[operator]
     learner = r.predictor.learner if r.predictor is not None else None
