@@ -14,7 +14,12 @@ GUIDELLM_VENV ?= .venv-guidellm
 GUIDELLM_STAMP := $(GUIDELLM_VENV)/.installed
 GUIDELLM_PACKAGES ?= torch==2.13.0 guidellm==0.8.1
 
-.PHONY: run test test-fast lint bench-engine bench-overhead clean
+.PHONY: run test test-fast lint bench-engine bench-overhead clean system-tools
+
+# Debian's Chromium (the flight recorder page's browser test) and Prometheus (the Grafana
+# dashboard's and alert rules' queries against the demo): apt installs them when missing and
+# this runs as root; otherwise it says what is missing, and the tests that need them fail.
+SYSTEM_TOOLS := chromium promtool prometheus
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -39,7 +44,19 @@ $(GUIDELLM_STAMP):
 run: $(STAMP)
 	$(VENV)/bin/bouncer serve
 
-test: $(STAMP) $(VLLM_STAMP) $(GUIDELLM_STAMP)
+system-tools:
+	@missing=""; for t in $(SYSTEM_TOOLS); do command -v $$t >/dev/null || missing="$$missing $$t"; done; \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "installing Debian's chromium and prometheus (missing:$$missing)"; \
+	    apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium && \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus; \
+	  else \
+	    echo "missing:$$missing: install Debian's chromium and prometheus (the tests that use them fail without)"; \
+	  fi; \
+	fi
+
+test: $(STAMP) $(VLLM_STAMP) $(GUIDELLM_STAMP) system-tools
 	$(VENV)/bin/ruff check src tests scripts
 	BOUNCER_VLLM_PYTHON=$(VLLM_VENV)/bin/python BOUNCER_GUIDELLM=$(GUIDELLM_VENV)/bin/guidellm $(PY) -m pytest
 

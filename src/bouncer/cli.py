@@ -146,6 +146,25 @@ def cmd_serve(args) -> None:
         raise SystemExit(f"bouncer: cannot listen on {host}:{port}: {exc}") from None
 
 
+def cmd_recorder(args) -> None:
+    from aiohttp import web
+
+    from bouncer.recorder.page import recording_app
+    from bouncer.recorder.timeline import Timeline, TimelineFormatError
+
+    try:
+        timeline = Timeline.read(args.file)
+    except (OSError, TimelineFormatError) as exc:
+        raise SystemExit(f"bouncer recorder: {exc}") from None
+    span = f"{timeline.newest() - timeline.oldest():.1f} s" if len(timeline) else "no samples"
+    print(f"bouncer recorder: {len(timeline)} samples ({span}, {timeline.source}) on "
+          f"http://{args.host}:{args.port}/ui", flush=True)
+    try:
+        web.run_app(recording_app(timeline), host=args.host, port=args.port, print=None, access_log=None)
+    except OSError as exc:
+        raise SystemExit(f"bouncer recorder: cannot listen on {args.host}:{args.port}: {exc}") from None
+
+
 def cmd_config_example(args) -> None:
     from bouncer.config import EXAMPLE_CONFIG
 
@@ -177,13 +196,26 @@ def cmd_bench_overhead(args) -> None:
 
 def cmd_bench_run(args) -> None:
     from bouncer.bench.goodput import run, save
+    from bouncer.recorder.timeline import Timeline
 
     if args.scenario == "agents":
         return _bench_agents(args)
-    result = run(args.scenario, args.policy, args.load, seed=args.seed, replicas=args.replicas,
-                 duration_s=args.duration, trace=args.trace, profile=args.profile, routing=args.routing,
-                 kv_events=args.kv_events, only_tenants=args.only_tenants.split(",") if args.only_tenants else None,
-                 policy_set=_policy_settings(args.set), step_time=args.step_time)
+    timeline = None
+    if args.record:
+        timeline = Timeline(args.record_step, float("inf"), clock="virtual",
+                            source=f"bench run {args.scenario} {args.policy} load {args.load:g}")
+    try:
+        result = run(args.scenario, args.policy, args.load, seed=args.seed, replicas=args.replicas,
+                     duration_s=args.duration, trace=args.trace, profile=args.profile, routing=args.routing,
+                     kv_events=args.kv_events,
+                     only_tenants=args.only_tenants.split(",") if args.only_tenants else None,
+                     policy_set=_policy_settings(args.set), step_time=args.step_time, record=timeline)
+    except ValueError as exc:
+        raise SystemExit(f"bouncer bench run: {exc}") from None
+    if timeline is not None:
+        timeline.write(args.record)
+        result["recording"] = args.record
+        print(f"recorded {len(timeline)} samples to {args.record}: `bouncer recorder {args.record}` shows them")
     if args.out:  # first: the summary below may go to a pipe that closes early
         save(result, args.out)
     o = result["outcomes"]
@@ -310,6 +342,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(p)
     p.set_defaults(func=cmd_engine)
 
+    p = sub.add_parser("recorder", help="serve the flight recorder page for a recorded file (bench run --record, "
+                       "or /admin/timeline?format=jsonl saved from a gateway)")
+    p.add_argument("file")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8090)
+    p.set_defaults(func=cmd_recorder)
+
     p = sub.add_parser("serve", help="run the gateway (no --config: the embedded demo)")
     p.add_argument("--config", help="YAML config; without it the embedded demo starts")
     p.add_argument("--host", help="listen address (default: the config's, or 127.0.0.1)")
@@ -368,6 +407,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="what Bouncer knows of the engines' step time: given (the profile's coefficients in its "
                         "config), learned (fitted online from its requests) or off (no latency prediction)")
     p.add_argument("--out", help="write the result JSON")
+    p.add_argument("--record", metavar="FILE", help="write the flight recorder's samples of the run (JSON Lines, "
+                   ".gz to compress) for `bouncer recorder FILE`")
+    p.add_argument("--record-step", type=float, default=0.25, metavar="S", help="seconds between samples")
     p.set_defaults(func=cmd_bench_run)
 
     p = bench.add_parser("hashing", help="chained block hashes against tokenizing, on one long prompt")

@@ -14,6 +14,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 EngineKind = Literal["vllm", "sglang", "tgi", "llamacpp", "openai"]
+MAX_RECORDER_SAMPLES = 100_000  # the flight recorder's ring: an hour at 36 ms, a day at 0.9 s
 
 
 class _Strict(BaseModel):
@@ -435,11 +436,32 @@ class Access(_Strict):
                                                                              "these keys or an admin key")
     models_need_key: bool = Field(False, description="/v1/models needs a tenant's key and lists the models that "
                                                      "tenant may use")
+    viewer_keys_sha256: list[str] = Field(default_factory=list, description="keys that may read the flight "
+                                                                            "recorder (/admin/timeline, the page at "
+                                                                            "/ui) and nothing else of /admin")
 
-    @field_validator("metrics_keys_sha256")
+    @field_validator("metrics_keys_sha256", "viewer_keys_sha256")
     @classmethod
     def _hex_digests(cls, keys: list[str]) -> list[str]:
         return _digests(keys)
+
+
+class Recorder(_Strict):
+    """The flight recorder: a sample of the gateway's decisions and the fleet's state every
+    `step_s`, the last `horizon_s` of them kept in memory (/admin/timeline, /ui)."""
+
+    enabled: bool = True
+    step_s: float = Field(0.25, ge=0.05, le=60.0)
+    horizon_s: float = Field(900.0, gt=0.0, le=86400.0)
+
+    @model_validator(mode="after")
+    def _bounded(self) -> Recorder:
+        if self.horizon_s / self.step_s > MAX_RECORDER_SAMPLES:
+            raise ValueError(f"horizon_s / step_s = {self.horizon_s / self.step_s:.0f} samples: at most "
+                             f"{MAX_RECORDER_SAMPLES} (a longer step, or a shorter horizon)")
+        if self.horizon_s < self.step_s:
+            raise ValueError("horizon_s must hold at least one step_s")
+        return self
 
 
 class Logging(_Strict):
@@ -462,6 +484,7 @@ class BouncerConfig(_Strict):
     models: list[ModelConfig] = Field(min_length=1)
     policy: Policy = Policy()
     limits: Limits = Limits()
+    recorder: Recorder = Recorder()
 
     @field_validator("admin_keys_sha256")
     @classmethod
@@ -541,6 +564,12 @@ admin_keys_sha256: []
 access:
   metrics_keys_sha256: []    # non-empty: /metrics (which names every tenant) needs one of these or an admin key
   models_need_key: false     # true: /v1/models needs a tenant's key and lists its models
+  viewer_keys_sha256: []     # may read the flight recorder (/ui, /admin/timeline), nothing else of /admin
+
+# The flight recorder: a sample every step_s (decisions by reason, queues and waits per band and
+# tenant, each replica's KV and queues), the last horizon_s kept in memory, about 1-3 kB a sample
+# by the number of tenants and replicas (/admin/timeline says how much it holds). Seen at /ui.
+recorder: {enabled: true, step_s: 0.25, horizon_s: 900}
 
 logging: {level: info, format: logfmt, access_log: true}   # format: logfmt | json | text
 

@@ -18,6 +18,8 @@ import pathlib
 from bouncer.config import Routing
 from bouncer.core.blocks import leading_run
 from bouncer.core.registry import make_router
+from bouncer.recorder.sampler import Sampler
+from bouncer.recorder.timeline import Timeline
 from bouncer.sim.fleet import FleetConfig, FleetSim, SimRequest
 from bouncer.sim.policies import (
     BOUNCER_POLICY,
@@ -219,14 +221,15 @@ def _misses(requests: list[SimRequest]) -> dict[str, int]:
 def run(scenario_name: str, policy: str, load: float, seed: int = 0, replicas: int = 4, duration_s: float = 300.0,
         trace: str | None = None, profile: str | EngineProfile = DEFAULT_PROFILE, routing: str | None = None,
         kv_events: bool = False, only_tenants: list[str] | None = None, policy_set: dict | None = None,
-        step_time: str = "given") -> dict:
+        step_time: str = "given", record: Timeline | None = None) -> dict:
     """One run, summarized. `routing` overrides the policy's router; `kv_events` has the engines
     publish their prefix-cache changes, which Bouncer's core uses to make its prefix index precise;
     `only_tenants` drops the other tenants' requests (capacity and arrivals stay those of the
     whole mix); `policy_set` changes policy settings (nested, as in the config's `policy`);
     `step_time` is what Bouncer knows of the engine's step time (`make_policy`)."""
     scenario, capacity, requests, result = simulate(scenario_name, policy, load, seed, replicas, duration_s, trace,
-                                                    profile, routing, kv_events, only_tenants, policy_set, step_time)
+                                                    profile, routing, kv_events, only_tenants, policy_set, step_time,
+                                                    record)
     out = summarize(scenario, policy, load, seed, replicas, duration_s, capacity, requests, result, routing)
     out["kv_events"] = kv_events
     out["only_tenants"] = only_tenants
@@ -239,9 +242,10 @@ def run(scenario_name: str, policy: str, load: float, seed: int = 0, replicas: i
 def simulate(scenario_name: str, policy: str, load: float, seed: int, replicas: int, duration_s: float,
              trace: str | None = None, profile: str | EngineProfile = DEFAULT_PROFILE, routing: str | None = None,
              kv_events: bool = False, only_tenants: list[str] | None = None, policy_set: dict | None = None,
-             step_time: str = "given"):
+             step_time: str = "given", record: Timeline | None = None):
     """The run itself, as `run` describes it: (scenario, capacity in req/s, requests with their
-    outcomes, the fleet's result)."""
+    outcomes, the fleet's result). With `record`, Bouncer's core is sampled into it every
+    `record.step_s` of simulated time, as the gateway's flight recorder samples it."""
     _check_policy_set(policy, policy_set)
     scenario = get_scenario(scenario_name, duration_s)
     traces = scenario.load(trace)
@@ -256,7 +260,14 @@ def simulate(scenario_name: str, policy: str, load: float, seed: int, replicas: 
         requests = [r for r in requests if r.tenant in only_tenants]
     cfg = fleet_config(policy, replicas, profile, seed, scenario, kv_events)
     gw = make_policy(policy, scenario, cfg, routing, policy_set, step_time)
-    return scenario, capacity, requests, FleetSim(cfg, gw, gw.replica_names).run(requests)
+    fleet = FleetSim(cfg, gw, gw.replica_names)
+    if record is not None:
+        if not isinstance(gw, CorePolicy):
+            raise ValueError(f"--record samples an admission core: {policy!r} has none "
+                             "(bouncer and llmd-flow-control do)")
+        sampler = Sampler()
+        fleet.record(record.step_s, lambda now: record.append(sampler.sample(gw.core.view, now, now)))
+    return scenario, capacity, requests, fleet.run(requests)
 
 
 def prefix_hit_bound(requests: list[SimRequest], block_size: int) -> float:

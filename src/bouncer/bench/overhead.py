@@ -1,9 +1,11 @@
 """`bouncer bench overhead`: what the gateway costs, measured against going direct.
 
-One run starts a fast upstream (bouncer.bench.fast_upstream) and a real gateway in front of it,
-each in its own process (pinned to separate cores where `taskset` exists), then drives both
-with wrk at concurrency 1, 16 and 64, streaming and not, and prints requests/s and p50/p99
-latency direct and through Bouncer, with the ratios. Ratios are what to compare across
+One run starts a fast upstream (bouncer.bench.fast_upstream) and two real gateways in front of
+it, one with the flight recorder on (the default) and one with it off, each in its own process
+(the upstream pinned to one core and the gateways to another, where `taskset` exists), then
+drives each with wrk at concurrency 1, 16 and 64, streaming and not, and prints requests/s and
+p50/p99 latency direct and through Bouncer, with the ratios, and the recorder's share of the
+gateway's CPU per request (on against off). Ratios are what to compare across
 machines: both sides are measured in the same run on the same (shared, noisy) machine.
 """
 
@@ -17,19 +19,21 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import urllib.request
 from dataclasses import asdict, dataclass
 
 from bouncer.bench.loopback import free_port, wait_ok
 from bouncer.config import key_digest
 
 BENCH_KEY = "bench-key"
+BENCH_ADMIN_KEY = "bench-admin"  # reads the recording gateway's own count of its sampling cost
 BODY = {"model": "fast", "messages": [{"role": "user", "content": "Say hello to the benchmark, briefly."}],
         "max_tokens": 16}
 
 
 @dataclass
 class Run:
-    target: str  # direct | bouncer
+    target: str  # direct | bouncer | bouncer-recorder-off
     stream: bool
     concurrency: int
     rps: float
@@ -88,9 +92,11 @@ def _wrk(url: str, stream: bool, concurrency: int, seconds: int,
     return rps, _latency_ms(out, "50"), _latency_ms(out, "99"), errors, total
 
 
-def _gateway_config(upstream: str, port: int) -> str:
+def _gateway_config(upstream: str, port: int, recorder: bool = True) -> str:
     return json.dumps({
         "listen": {"host": "127.0.0.1", "port": port},
+        "admin_keys_sha256": [key_digest(BENCH_ADMIN_KEY)],
+        "recorder": {"enabled": recorder},
         "tenants": [{"name": "bench", "api_keys_sha256": [key_digest(BENCH_KEY)], "max_tokens_cap": 4096}],
         "models": [{"name": "fast", "engine": "vllm", "tokenizer": None, "max_model_len": 32768,
                     "backends": [{"url": upstream}]}],
@@ -99,38 +105,50 @@ def _gateway_config(upstream: str, port: int) -> str:
     })
 
 
-def run_overhead(seconds: int = 5, concurrencies: tuple[int, ...] = (1, 16, 64),
-                 tokenizer: str | None = None) -> list[Run]:
+def run_overhead(seconds: int = 5, concurrencies: tuple[int, ...] = (1, 16, 64), tokenizer: str | None = None,
+                 rounds: int = 3) -> tuple[list[Run], dict]:
+    """The runs, and what one flight-recorder sample cost the recording gateway (its own
+    count, CPU time of the sampling thread). The two gateways are measured in `rounds`
+    alternating rounds: the report takes each one's median."""
     if not shutil.which("wrk"):
         raise SystemExit("bouncer bench overhead needs wrk (Debian/Ubuntu: apt-get install wrk)")
-    up_port, gw_port = free_port(), free_port()
+    up_port, gw_port, off_port = free_port(), free_port(), free_port()
     procs = []
     with tempfile.TemporaryDirectory() as tmp:
         work = pathlib.Path(tmp)
-        cfg = json.loads(_gateway_config(f"http://127.0.0.1:{up_port}", gw_port))
-        if tokenizer:
-            cfg["models"][0]["tokenizer"] = tokenizer
-        (work / "gateway.yaml").write_text(json.dumps(cfg))
+        for name, port, recorder in (("gateway", gw_port, True), ("gateway-off", off_port, False)):
+            cfg = json.loads(_gateway_config(f"http://127.0.0.1:{up_port}", port, recorder))
+            if tokenizer:
+                cfg["models"][0]["tokenizer"] = tokenizer
+            (work / f"{name}.yaml").write_text(json.dumps(cfg))
         try:
             # taskset execs the server, so these pids are the servers' own (CPU time is read from them)
             procs.append(subprocess.Popen([*_pin(0), sys.executable, "-m", "bouncer.bench.fast_upstream",
                                            "--port", str(up_port)]))
-            procs.append(subprocess.Popen([*_pin(1), sys.executable, "-m", "bouncer", "serve", "--config",
-                                           str(work / "gateway.yaml")], stdout=subprocess.DEVNULL))
+            for name in ("gateway", "gateway-off"):
+                procs.append(subprocess.Popen([*_pin(1), sys.executable, "-m", "bouncer", "serve", "--config",
+                                               str(work / f"{name}.yaml"), "--log-level", "warning"],
+                                              stdout=subprocess.DEVNULL))
             wait_ok(f"http://127.0.0.1:{up_port}/metrics")
             wait_ok(f"http://127.0.0.1:{gw_port}/ready")
+            wait_ok(f"http://127.0.0.1:{off_port}/ready")
             runs = []
-            targets = {"direct": (f"http://127.0.0.1:{up_port}/v1/chat/completions", procs[0].pid),
-                       "bouncer": (f"http://127.0.0.1:{gw_port}/v1/chat/completions", procs[1].pid)}
+            direct = (f"http://127.0.0.1:{up_port}/v1/chat/completions", procs[0].pid)
+            gateways = {"bouncer": (f"http://127.0.0.1:{gw_port}/v1/chat/completions", procs[1].pid),
+                        "bouncer-recorder-off": (f"http://127.0.0.1:{off_port}/v1/chat/completions", procs[2].pid)}
             for stream in (False, True):
                 for c in concurrencies:
-                    for target, (url, pid) in targets.items():
+                    # on, off / off, on / ...: neither gateway always runs first (which was worth
+                    # up to 18% here when both ran with the recorder off)
+                    pairs = list(gateways.items())
+                    order = [("direct", direct)] + [pair for i in range(rounds) for pair in pairs[::1 - 2 * (i % 2)]]
+                    for target, (url, pid) in order:
                         _wrk(url, stream, c, 1, work)  # warm-up
                         cpu0 = _cpu_seconds(pid)
                         rps, p50, p99, errors, total = _wrk(url, stream, c, seconds, work)
                         cpu_us = (_cpu_seconds(pid) - cpu0) / max(1, total) * 1e6
                         runs.append(Run(target, stream, c, rps, p50, p99, errors, total, cpu_us))
-            return runs
+            return runs, _recorder_stats(gw_port)
         finally:
             for p in procs:
                 p.terminate()
@@ -138,8 +156,24 @@ def run_overhead(seconds: int = 5, concurrencies: tuple[int, ...] = (1, 16, 64),
                 p.wait(10)
 
 
-def report(runs: list[Run]) -> str:
-    by = {(r.target, r.stream, r.concurrency): r for r in runs}
+def _recorder_stats(port: int) -> dict:
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/admin/timeline?last=0.001",
+                                 headers={"Authorization": f"Bearer {BENCH_ADMIN_KEY}"})
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        header = json.loads(resp.read())["header"]
+    return {k: header[k] for k in ("step_s", "samples_taken", "sample_cpu_us_mean", "bytes_held", "samples_held")}
+
+
+def _median(runs: list[Run]) -> Run:
+    """The run of median CPU per request."""
+    return sorted(runs, key=lambda r: r.server_cpu_us_per_request)[len(runs) // 2]
+
+
+def report(runs: list[Run], recorder: dict | None = None) -> str:
+    groups: dict[tuple, list[Run]] = {}
+    for r in runs:
+        groups.setdefault((r.target, r.stream, r.concurrency), []).append(r)
+    by = {key: _median(rs) for key, rs in groups.items()}
     lines = ["| mode | conc. | direct req/s | Bouncer req/s | ratio | direct p50 / p99 ms | "
              "Bouncer p50 / p99 ms | added p50 ms | Bouncer CPU us/req | errors |",
              "|---|---|---|---|---|---|---|---|---|---|"]
@@ -150,12 +184,33 @@ def report(runs: list[Run]) -> str:
         lines.append(f"| {'stream' if stream else 'plain'} | {c} | {r.rps:,.0f} | {b.rps:,.0f} | "
                      f"{b.rps / r.rps:.2f} | {r.p50_ms:.2f} / {r.p99_ms:.2f} | {b.p50_ms:.2f} / {b.p99_ms:.2f} | "
                      f"{b.p50_ms - r.p50_ms:.2f} | {b.server_cpu_us_per_request:.0f} | {r.errors + b.errors} |")
+    rounds = len(groups.get(("bouncer", False, next(iter(by))[2]), []))
+    lines += ["", f"The flight recorder on against off (medians of {rounds} alternating rounds each):", "",
+              "| mode | conc. | CPU us/req on | CPU us/req off | on / off | sampling's share of CPU | "
+              "req/s on | req/s off | errors |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    per_sample = (recorder or {}).get("sample_cpu_us_mean")
+    for (target, stream, c), on in by.items():
+        off = by.get(("bouncer-recorder-off", stream, c))
+        if target != "bouncer" or off is None:
+            continue
+        # the sampler's own CPU per second, over the gateway's CPU per second at this rate
+        share = "–" if per_sample is None else \
+            f"{per_sample / recorder['step_s'] / (on.server_cpu_us_per_request * on.rps):.3%}"
+        lines.append(f"| {'stream' if stream else 'plain'} | {c} | {on.server_cpu_us_per_request:.0f} | "
+                     f"{off.server_cpu_us_per_request:.0f} | "
+                     f"{on.server_cpu_us_per_request / off.server_cpu_us_per_request - 1:+.1%} | {share} | "
+                     f"{on.rps:,.0f} | {off.rps:,.0f} | {on.errors + off.errors} |")
+    if per_sample is not None:
+        lines += ["", f"One sample cost the recording gateway {per_sample:.0f} us of CPU on average "
+                  f"({recorder['samples_taken']} samples, one every {recorder['step_s']} s; the ring held "
+                  f"{recorder['samples_held']} samples in {recorder['bytes_held'] / 1024:.0f} KiB)."]
     return "\n".join(lines)
 
 
 def main(seconds: int, out: str | None, tokenizer: str | None) -> None:
-    runs = run_overhead(seconds, tokenizer=tokenizer)
-    print(report(runs))
+    runs, recorder = run_overhead(seconds, tokenizer=tokenizer)
+    print(report(runs, recorder))
     if out:
-        pathlib.Path(out).write_text(json.dumps([asdict(r) for r in runs], indent=2))
+        pathlib.Path(out).write_text(json.dumps({"runs": [asdict(r) for r in runs], "recorder": recorder}, indent=2))
         print(f"saved {out}")

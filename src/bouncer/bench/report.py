@@ -12,6 +12,7 @@ and a plot of the prefix-cache hit rate over time, one panel per concurrency.
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 from collections import defaultdict
 
@@ -272,6 +273,24 @@ def retry_after_table(results: list[dict], scenario: str) -> list[str]:
     return lines
 
 
+def recordings_list(rows: list[dict], out: pathlib.Path) -> list[str]:
+    """The runs recorded with `--record`, each with the command that opens it in the flight
+    recorder's page (the path as the run wrote it, and as a link from the report)."""
+    recorded = sorted((r for r in rows if r.get("recording")), key=lambda r: (r["policy"], r["load"]))
+    if not recorded:
+        return []
+    lines = ["Flight recorder files of these runs (open one with `bouncer recorder FILE`, then /ui):", ""]
+    for r in recorded:
+        path = pathlib.Path(r["recording"])
+        try:
+            link = os.path.relpath(path.resolve(), out.resolve())
+        except ValueError:  # another drive
+            link = str(path)
+        lines.append(f"- {r['policy']} at load {r['load']:g}: [{path.name}]({link}), "
+                     f"`bouncer recorder {r['recording']}`")
+    return lines + [""]
+
+
 def write_report(paths: list[str], out_dir: str) -> pathlib.Path:
     results = load_results(paths)
     if not results:
@@ -319,6 +338,7 @@ def write_report(paths: list[str], out_dir: str) -> pathlib.Path:
         lines.append("")
         if plot_timeline(results, sc, out / f"timeline-{sc}.png"):
             lines += [f"![queue and KV over time](timeline-{sc}.png)", ""]
+        lines += recordings_list(rows, out)
     for trace in sorted({r.get("trace", "traces") for r in agents}, key=lambda t: (t != "traces", t)):  # WEKA folders
         rows = [r for r in agents if r.get("trace", "traces") == trace]
         name = "" if trace == "traces" else f"-{trace}"

@@ -120,8 +120,8 @@ class AdmissionCore:
 
     # -- a new request, layer by layer -------------------------------------------------------------
     def offer(self, info: RequestInfo, now: float) -> list[Event]:
-        self.stats.offered += 1
         t = (self._key_to_tenant.get(info.key_digest) if info.key_digest else None) or self._default_tenant
+        self.stats.arrive(UNKNOWN_TENANT if t is None else t.name)
         if t is None:
             return [self._refuse_new(info, UNKNOWN_TENANT, None, Refusal(
                 Layer.VALIDATION, Reason.UNAUTHENTICATED, "invalid or missing API key"))]
@@ -403,7 +403,7 @@ class AdmissionCore:
     def record_refusal(self, request_id: str, refusal: Refusal, tenant: str = UNKNOWN_TENANT) -> Reject:
         """Count a refusal the shell made before the core could see the request (a body too
         large or not JSON), so every offered request is accounted in one place."""
-        self.stats.offered += 1
+        self.stats.arrive(tenant)
         return self.finaliser.refuse_unadmitted(request_id, tenant, None, refusal)
 
     def snapshot(self, now: float) -> dict:

@@ -36,6 +36,7 @@ NEVER_DISPATCHED = (Terminal.REFUSED, Terminal.EXPIRED, Terminal.EVICTED, Termin
 @dataclass(slots=True)
 class CoreStats:
     offered: int = 0
+    arrived: Counter = field(default_factory=Counter)  # tenant -> requests offered (UNKNOWN_TENANT: no key)
     outcomes: Counter = field(default_factory=Counter)  # Terminal -> count
     # (outcome, layer, reason, tenant, band) -> count; outcome "admitted" counts dispatches
     decisions: Counter = field(default_factory=Counter)
@@ -43,6 +44,10 @@ class CoreStats:
     slo_total: Counter = field(default_factory=Counter)  # tenant -> completed with an SLO
     served_tokens: Counter = field(default_factory=Counter)  # tenant -> prompt + output tokens
     reclaimed: int = 0  # permits taken back after their lease ran out
+
+    def arrive(self, tenant: str) -> None:
+        self.offered += 1
+        self.arrived[tenant] += 1
 
     def note(self, outcome: str, layer: str, reason: str, tenant: str, band: int | None) -> None:
         """A decision that is not an end (admitted, demoted, requeued)."""

@@ -14,6 +14,7 @@ from bouncer.core.agent_gate import WindowGate
 from bouncer.core.finaliser import CoreStats
 from bouncer.core.fleet import ReplicaState
 from bouncer.core.pool import PoolView
+from bouncer.core.saturation import ceiling
 
 if TYPE_CHECKING:
     from bouncer.core.admission import AdmissionCore
@@ -57,6 +58,10 @@ class CoreView:
     def queued(self) -> int:
         return sum(len(ms.flow) for ms in self._core.models.values())
 
+    def tenant_bands(self) -> dict[str, int]:
+        """Each configured tenant's priority band."""
+        return {t.name: t.priority for t in self._core.config.tenants}
+
     def replica_names(self, live_only: bool = False) -> list[str]:
         return [name for name, r in self._core.replicas.items() if not (live_only and r.removed)]
 
@@ -87,12 +92,25 @@ class CoreView:
                 "saturation": round(core.saturation.saturation(view), 4),
                 "queued": len(ms.flow),
                 "bands": {b.priority: {"queued": b.count, "tokens": b.tokens,
+                                       "ceiling": ceiling(core.policy, b.priority),
                                        "tenants": {q.tenant: q.count for q in b.queues.values() if q.count}}
                           for b in ms.flow.bands_desc()},
                 "step_time": _step_time_snapshot(ms),
                 "ttft_margins": ms.ttft_margins.snapshot(),  # per band: observed/predicted TTFT, QUANTILE
                 "replicas": {r.name: _replica_snapshot(r, view, now) for r in ms.replicas.values()},
             }
+        return out
+
+    def queue_ages(self, now: float) -> dict[str, dict[int, dict[str, float]]]:
+        """How long the oldest queued request of each tenant in each band has waited, per model
+        (a scan of every queued request: for the recorder's samples, not for every call)."""
+        out: dict[str, dict[int, dict[str, float]]] = {}
+        for name, ms in self._core.models.items():
+            bands = out[name] = {}
+            for b in ms.flow.bands_desc():
+                ages = {q.tenant: now - min(a.arrival for a in q) for q in b.queues.values() if q.count}
+                if ages:
+                    bands[b.priority] = ages
         return out
 
 
@@ -120,6 +138,10 @@ def _replica_snapshot(r: ReplicaState, view: PoolView, now: float) -> dict:
             "inflight_drift": r.drift_reported, "capacity_blocks": r.capacity_blocks,
             "projected_kv_usage": round(r.projected_usage(now, fresh), 4),
             "telemetry_age_s": None if r.telemetry is None else round(r.telemetry_age(now), 3),
+            # the engine's own figures at its last scrape
+            "scraped": None if r.telemetry is None else {"kv_usage": r.telemetry.kv_usage,
+                                                          "running": r.telemetry.running,
+                                                          "waiting": r.telemetry.waiting},
             "prefix_index": index,
             "latency": None if r.latency is None else {"ttft_factor": round(r.latency.ttft_factor, 3),
                                                         "tpot_factor": round(r.latency.tpot_factor, 3)}}

@@ -38,6 +38,17 @@ class _CoreCollector:
             decisions.add_metric([outcome, layer, reason, tenant, "-" if band is None else str(band)], n)
         yield decisions
         yield CounterMetricFamily("bouncer_offered_requests", "Requests offered to admission.", value=stats.offered)
+        arrivals = CounterMetricFamily("bouncer_arrivals", "Requests offered to admission, by tenant and its band "
+                                       "(tenant \"-\": no valid key).", labels=["tenant", "band"])
+        bands = view.tenant_bands()
+        for tenant, n in sorted(stats.arrived.items()):
+            arrivals.add_metric([tenant, str(bands[tenant]) if tenant in bands else "-"], n)
+        yield arrivals
+        served = CounterMetricFamily("bouncer_served_tokens", "Prompt and output tokens of completed requests, by "
+                                     "tenant (fair shares are its rate over the sum).", labels=["tenant"])
+        for tenant, n in sorted(stats.served_tokens.items()):
+            served.add_metric([tenant], n)
+        yield served
         yield GaugeMetricFamily("bouncer_inflight_requests", "Admitted requests holding a permit.",
                                 value=snap["inflight"])
         yield CounterMetricFamily("bouncer_permits_reclaimed", "Permits taken back after their lease ran out "
@@ -52,6 +63,8 @@ class _CoreCollector:
         depth = GaugeMetricFamily("bouncer_queue_depth", "Queued requests.", labels=["model", "band"])
         queued_tokens = GaugeMetricFamily("bouncer_queue_tokens", "Queued prompt tokens.", labels=["model", "band"])
         sat = GaugeMetricFamily("bouncer_saturation", "Fleet saturation (>= 1 saturated).", labels=["model"])
+        band_ceiling = GaugeMetricFamily("bouncer_band_ceiling", "The saturation under which a band dispatches.",
+                                         labels=["model", "band"])
         draining = GaugeMetricFamily("bouncer_model_draining", "1 while a model is draining.", labels=["model"])
         agent_window = GaugeMetricFamily("bouncer_agent_window", "Active agents allowed (AIMD window).",
                                          labels=["model"])
@@ -63,6 +76,7 @@ class _CoreCollector:
             for band, b in ms["bands"].items():
                 depth.add_metric([name, str(band)], b["queued"])
                 queued_tokens.add_metric([name, str(band)], b["tokens"])
+                band_ceiling.add_metric([name, str(band)], b["ceiling"])
             sat.add_metric([name], ms["saturation"])
             draining.add_metric([name], 1.0 if ms["draining"] else 0.0)
             if ms["agents"] is not None:
@@ -72,6 +86,7 @@ class _CoreCollector:
         yield depth
         yield queued_tokens
         yield sat
+        yield band_ceiling
         yield draining
         yield agent_window
         yield active_agents

@@ -21,6 +21,7 @@ class Prepared:
     tokenizers: dict[str, PromptTokenizer | None]  # None: the stated estimate (no tokenizer configured)
     admin_keys: frozenset[str]
     metrics_keys: frozenset[str]  # keys that may read /metrics (admin keys may too); empty: anyone
+    viewer_keys: frozenset[str]  # keys that may read the flight recorder (admin keys may too)
 
 
 def prepare(config: BouncerConfig, source: str = "config") -> Prepared:
@@ -38,4 +39,4 @@ def prepare(config: BouncerConfig, source: str = "config") -> Prepared:
         raise ConfigError("\n".join([f"{source}: invalid configuration", *errors]))
     admin = frozenset(config.admin_keys_sha256)
     return Prepared(config, {m.name: m for m in config.models}, tokenizers, admin,
-                    frozenset(config.access.metrics_keys_sha256))
+                    frozenset(config.access.metrics_keys_sha256), frozenset(config.access.viewer_keys_sha256))

@@ -43,11 +43,13 @@ from bouncer.gateway import kv_events
 from bouncer.gateway.connections import GuardedSite, Limits
 from bouncer.gateway.metrics import GatewayMetrics
 from bouncer.gateway.prepared import Prepared, prepare
+from bouncer.gateway.recording import GatewayRecorder
 from bouncer.gateway.relay import Outcome, Requeue, UpstreamFailure, failure_for_status, relay_json, relay_stream
 from bouncer.gateway.request_parsing import key_digest_from_headers, request_info
 from bouncer.gateway.scrapers import PARSERS
 from bouncer.gateway.upstream import UpstreamError, UpstreamPool, UpstreamTimeout
 from bouncer.openai_wire import ApiError, dumps, models_list, parse_json_object
+from bouncer.recorder.page import add_page_routes, timeline_response
 
 log = logging.getLogger("bouncer.gateway")
 access_log = logging.getLogger("bouncer.access")
@@ -93,6 +95,7 @@ class Gateway:
         self._install(prepared)
         self.connections = Limits(config.listen.header_timeout_s, config.listen.max_connections)
         self.metrics = GatewayMetrics(lambda: self.core, clock, lambda: self.kv_event_stats, lambda: self.connections)
+        self.recorder = GatewayRecorder(config.recorder, lambda: self.core.view, clock, self._recorded_gauges)
         self._ids = itertools.count()
         self._waiters: dict[str, asyncio.Future] = {}
         self._live: set[str] = set()  # admitted requests being served: their permits' leases are renewed
@@ -123,6 +126,8 @@ class Gateway:
         app.router.add_post("/admin/drain", self.handle_admin_drain)
         app.router.add_post("/admin/undrain", self.handle_admin_undrain)
         app.router.add_post("/admin/reload", self.handle_admin_reload)
+        app.router.add_get("/admin/timeline", self.handle_admin_timeline)
+        add_page_routes(app)
         app.on_startup.append(self._start)
         app.on_cleanup.append(self._stop)
         return app
@@ -134,6 +139,7 @@ class Gateway:
         loop = asyncio.get_running_loop()
         self._tasks.append(loop.create_task(self._ticker()))
         self._tasks.append(loop.create_task(self._renew_leases()))
+        self._tasks.append(loop.create_task(self.recorder.run()))
         self._sync_scrapers()
 
     async def _stop(self, _app: web.Application) -> None:
@@ -482,6 +488,25 @@ class Gateway:
                                 "admin_disabled")
         return self._key_denied(request, self.prepared.admin_keys)
 
+    def _viewer_denied(self, request: web.Request) -> web.Response | None:
+        allowed = self.prepared.admin_keys | self.prepared.viewer_keys
+        if not allowed:
+            return _plain_error(403, "the flight recorder is not readable (no admin_keys_sha256 or "
+                                "access.viewer_keys_sha256)", "permission_error", "admin_disabled")
+        return self._key_denied(request, allowed)
+
+    def _recorded_gauges(self) -> dict:
+        """What only the shell knows, for the flight recorder's samples."""
+        return {"serving": len(self._live), "connections_open": self.connections.open}
+
+    async def handle_admin_timeline(self, request: web.Request) -> web.StreamResponse:
+        if (denied := self._viewer_denied(request)) is not None:
+            return denied
+        if not self.config.recorder.enabled:
+            return _plain_error(404, "the flight recorder is off (recorder.enabled: false)", "not_found_error",
+                                "recorder_disabled")
+        return await timeline_response(request, self.recorder.timeline, {"live": True, **self.recorder.stats()})
+
     async def _model_from(self, request: web.Request) -> str | web.Response:
         model = request.query.get("model")
         if model is None and request.can_read_body:
@@ -547,6 +572,7 @@ class Gateway:
             return _plain_error(400, str(exc), "invalid_request_error", "invalid_config")
         self._apply(self.core.reload(config, self.clock()))
         self._install(prepared)
+        self.recorder.reconfigure(config.recorder)
         self._sync_scrapers()
         log.info("config reloaded", extra={"event": "reload", "ok": True, "models": len(config.models),
                                            "tenants": len(config.tenants)})

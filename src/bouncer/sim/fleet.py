@@ -146,7 +146,7 @@ class FleetResult:
 
 
 # event kinds, ordered so simultaneous events resolve deterministically
-_ARRIVE, _STEP, _TELEMETRY, _SCRAPE, _TICK, _TIMEOUT, _SAMPLE, _KV = range(8)
+_ARRIVE, _STEP, _TELEMETRY, _SCRAPE, _TICK, _TIMEOUT, _SAMPLE, _KV, _RECORD = range(9)
 
 
 class FleetSim:
@@ -178,6 +178,13 @@ class FleetSim:
         self._on_done = None  # closed-loop hook: called when a request gets its outcome
         self._sample_until = 0.0
         self._sample_every = 1.0
+        self._on_record = None  # the flight recorder's hook (`record`)
+        self._record_every = 0.0
+
+    def record(self, every_s: float, on_record) -> None:
+        """Call `on_record(now)` every `every_s` of simulated time from the start until the last
+        request has its outcome (the flight recorder's samples, `bouncer bench run --record`)."""
+        self._on_record, self._record_every = on_record, every_s
 
     def _kv_sink(self, name: str):
         stored, removed = self._kv_pending[name]
@@ -264,6 +271,8 @@ class FleetSim:
         for i, name in enumerate(self.engines):
             self.policy.observe(name, self._telemetry(name, 0.0), 0.0)
             self._push((i + 1) * self.cfg.scrape_interval_s / len(self.engines), _SCRAPE, name)
+        if self._on_record is not None:
+            self._push(0.0, _RECORD, None)
 
     def _loop(self, until: float) -> float:
         now = 0.0
@@ -293,7 +302,12 @@ class FleetSim:
             elif kind == _KV:
                 name, stored, removed = data
                 self.policy.kv_events(name, stored, removed, now)
+            elif kind == _RECORD:
+                self._on_record(now)
+                self._push(now + self._record_every, _RECORD, None)
             self._schedule_tick(now)
+        if self._on_record is not None:
+            self._on_record(now)  # the last sample: what happened after the one before
         return now
 
     def _schedule_tick(self, now: float) -> None:

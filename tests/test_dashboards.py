@@ -1,0 +1,168 @@
+"""The Grafana dashboard and the Prometheus alert rules: valid files, the dashboard the
+generator's output, and every query answered by a real Prometheus scraping the demo (so every
+metric they name is one the demo exports)."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+import time
+import urllib.parse
+import urllib.request
+
+import openai
+import pytest
+import yaml
+
+from servers import free_port, poll_until, wait_http_ok
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+DASHBOARD = ROOT / "deploy" / "grafana" / "bouncer.json"
+RULES = ROOT / "deploy" / "prometheus" / "bouncer-alerts.yaml"
+BOUNCER = str(pathlib.Path(sys.executable).with_name("bouncer"))
+METRIC = re.compile(r"\b(bouncer_[a-z0-9_]+|vllm:[a-z0-9_:]+)")
+
+
+def _tool(name: str) -> str:
+    path = shutil.which(name) or f"/usr/bin/{name}"
+    if not pathlib.Path(path).exists():
+        pytest.fail(f"no {name}: `apt-get install prometheus` (make test does it as root)")
+    return path
+
+
+def dashboard_queries() -> list[str]:
+    d = json.loads(DASHBOARD.read_text())
+    return [t["expr"] for p in d["panels"] if p["type"] != "row" for t in p["targets"]]
+
+
+def rule_queries() -> list[str]:
+    return [r["expr"] for g in yaml.safe_load(RULES.read_text())["groups"] for r in g["rules"]]
+
+
+def test_the_dashboard_is_what_its_generator_writes():
+    spec = importlib.util.spec_from_file_location("grafana_dashboard", ROOT / "scripts" / "grafana_dashboard.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert DASHBOARD.read_text() == module.render(), "run scripts/grafana_dashboard.py and commit its output"
+
+
+def test_the_dashboard_is_a_well_formed_grafana_model():
+    d = json.loads(DASHBOARD.read_text())
+    ids = [p["id"] for p in d["panels"]]
+    assert len(ids) == len(set(ids)) and d["uid"] and d["schemaVersion"] >= 36
+    names = {v["name"] for v in d["templating"]["list"]}
+    assert names == {"datasource", "model", "tenant"}
+    for p in d["panels"]:
+        assert {"x", "y", "w", "h"} <= p["gridPos"].keys() and p["gridPos"]["x"] + p["gridPos"]["w"] <= 24
+        if p["type"] != "row":
+            assert p["targets"] and all(t["expr"] and t["refId"] for t in p["targets"])
+            assert p["datasource"]["uid"] == "${datasource}"
+    panels = " ".join(p["title"] for p in d["panels"])
+    for topic in ("Decisions", "Queue depth", "Queue wait", "Arrivals by band", "Arrivals by tenant", "SLO",
+                  "saturation", "KV usage", "Telemetry age", "Permits"):
+        assert topic in panels
+
+
+def test_the_alert_rules_pass_promtool():
+    out = subprocess.run([_tool("promtool"), "check", "rules", str(RULES)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "SUCCESS: 6 rules found" in out.stdout
+
+
+def _query(prom: str, expr: str) -> dict:
+    url = f"{prom}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+    try:
+        with urllib.request.urlopen(url, timeout=10) as resp:
+            return json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return json.loads(exc.read())
+
+
+async def _traffic(base: str) -> None:
+    """40 streamed requests per tenant, 8 at a time (every histogram gets samples, every band its
+    TTFT margin, which needs 32 measured first tokens), and refused ones."""
+    async def tenant(key: str, n: int) -> None:
+        c = openai.AsyncOpenAI(base_url=base + "/v1", api_key=key, max_retries=0, timeout=60)
+
+        async def one(i: int) -> None:
+            try:
+                stream = await c.chat.completions.create(model="demo-llm", max_tokens=16, stream=True, messages=[
+                    {"role": "user", "content": f"{key} question {i}: " + "why " * 50}])
+                async for _chunk in stream:
+                    pass
+            except openai.APIStatusError:
+                pass
+        for start in range(0, n, 8):
+            await asyncio.gather(*(one(i) for i in range(start, min(n, start + 8))))
+    await asyncio.gather(tenant("demo-interactive", 40), tenant("demo-research", 40), tenant("demo-free", 40),
+                         tenant("not-a-key", 2))
+
+
+@pytest.mark.slow
+def test_a_real_prometheus_scraping_the_demo_answers_every_query(tmp_path):
+    port, engines, prom_port = free_port(), (free_port(), free_port()), free_port()
+    demo = subprocess.Popen([BOUNCER, "serve", "--port", str(port), "--engine-ports", f"{engines[0]},{engines[1]}",
+                             "--log-level", "warning"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    prom = None
+    try:
+        base = f"http://127.0.0.1:{port}"
+        wait_http_ok(base + "/ready", timeout=30)
+        (tmp_path / "prometheus.yml").write_text(yaml.safe_dump({
+            "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+            "rule_files": [str(RULES)],
+            "scrape_configs": [
+                {"job_name": "bouncer", "static_configs": [{"targets": [f"127.0.0.1:{port}"]}]},
+                {"job_name": "vllm", "static_configs": [{"targets": [f"127.0.0.1:{p}" for p in engines]}]},
+            ]}))
+        prom = subprocess.Popen([_tool("prometheus"), f"--config.file={tmp_path / 'prometheus.yml'}",
+                                 f"--storage.tsdb.path={tmp_path / 'data'}",
+                                 f"--web.listen-address=127.0.0.1:{prom_port}"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        prom_url = f"http://127.0.0.1:{prom_port}"
+        wait_http_ok(prom_url + "/-/ready", timeout=30)
+
+        def targets_up() -> bool:
+            up = _query(prom_url, "up")["data"]["result"]
+            return len(up) == 3 and all(r["value"][1] == "1" for r in up)
+        poll_until(targets_up, timeout=30, what="Prometheus scraping the gateway and both engines")
+        asyncio.run(_traffic(base))
+        time.sleep(25)  # enough scrapes after the traffic for every rate window
+
+        with urllib.request.urlopen(prom_url + "/api/v1/label/__name__/values", timeout=10) as resp:
+            exported = set(json.loads(resp.read())["data"])
+        queries = dashboard_queries() + rule_queries()
+        named = {m for q in queries for m in METRIC.findall(q)}
+        assert named - exported == set(), "metrics the dashboard or rules name that the demo does not export"
+
+        problems = []
+        for expr in dashboard_queries():
+            concrete = expr.replace("$__rate_interval", "20s").replace("$tenant", ".*").replace("$model", ".*")
+            answer = _query(prom_url, concrete)
+            if answer["status"] != "success":
+                problems.append(f"{expr}: {answer.get('error')}")
+            elif not answer["data"]["result"]:
+                problems.append(f"{expr}: no series")
+        for expr in rule_queries():  # the rules evaluate; the demo is healthy, so most find nothing to alert on
+            answer = _query(prom_url, expr)
+            if answer["status"] != "success":
+                problems.append(f"{expr}: {answer.get('error')}")
+        assert problems == []
+        with urllib.request.urlopen(prom_url + "/api/v1/rules", timeout=10) as resp:
+            groups = json.loads(resp.read())["data"]["groups"]
+        assert {r["health"] for g in groups for r in g["rules"]} == {"ok"}
+    finally:
+        for proc in (prom, demo):
+            if proc is not None:
+                proc.terminate()
+                try:
+                    proc.wait(10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+
+
