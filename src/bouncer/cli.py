@@ -194,6 +194,18 @@ def cmd_bench_overhead(args) -> None:
     overhead(args.seconds, args.out, None if args.no_tokenizer else str(default_tokenizer_path()))
 
 
+def cmd_bench_flood(args) -> None:
+    from bouncer.bench.flood import main as flood
+
+    flood(args.clients, args.seconds, args.out, args.gateway_pythonpath)
+
+
+def cmd_bench_long_prompts(args) -> None:
+    from bouncer.bench.long_prompts import main as long_prompts
+
+    long_prompts(args.sessions, args.steps, args.out)
+
+
 def cmd_bench_run(args) -> None:
     from bouncer.bench.goodput import run, save
     from bouncer.recorder.timeline import Timeline
@@ -468,6 +480,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("files", nargs="+", help="result JSON files or folders of them")
     p.add_argument("--out", required=True, help="output folder")
     p.set_defaults(func=cmd_bench_report)
+
+    p = bench.add_parser("flood", help="the rogue drill: 300 sheddable clients looping on long prompts against "
+                         "the demo's fleet, one interactive client; its TTFT and the gateway's CPU per refusal")
+    p.add_argument("--clients", type=int, default=300)
+    p.add_argument("--seconds", type=float, default=30.0)
+    p.add_argument("--gateway-pythonpath", metavar="DIR", help="run the gateway from another checkout's src/ "
+                   "(to compare commits)")
+    p.add_argument("--out", help="write the result as JSON")
+    p.set_defaults(func=cmd_bench_flood)
+
+    p = bench.add_parser("long-prompts", help="gateway CPU and added latency for agent steps of 10k-130k tokens, "
+                         "each extending the previous one, with the chat-segment token cache on and off")
+    p.add_argument("--sessions", type=int, default=3)
+    p.add_argument("--steps", type=int, default=13, help="steps a session (about 10k tokens each)")
+    p.add_argument("--out", help="write the steps as JSON")
+    p.set_defaults(func=cmd_bench_long_prompts)
 
     p = bench.add_parser("overhead", help="gateway overhead against a fast upstream, direct vs through Bouncer")
     p.add_argument("--seconds", type=int, default=5, help="per measurement")

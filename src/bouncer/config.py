@@ -163,6 +163,8 @@ class ModelConfig(_Strict):
     engine: EngineKind = "vllm"
     backends: list[Backend] = Field(min_length=1)
     tokenizer: str | None = Field(None, description="tokenizer.json path; default: a stated estimate")
+    tokenizer_cache_tokens: int = Field(4_000_000, ge=0, description="token ids of chat messages kept (4 bytes "
+                                        "each), so a conversation sent again costs only its new messages; 0: off")
     max_model_len: int = Field(8192, ge=16)
     block_size: int = Field(16, ge=1)
     kv: KVGeometryConfig | None = None
@@ -597,6 +599,7 @@ models:
     engine: vllm             # vllm | sglang | tgi | llamacpp | openai (which metrics to scrape)
     upstream_model: meta-llama/Llama-3.1-8B-Instruct
     tokenizer: /models/llama-3.1-8b/tokenizer.json
+    tokenizer_cache_tokens: 4000000   # messages' token ids kept (16 MB): a session's next step tokenizes its new ones
     max_model_len: 8192
     block_size: 16
     kv: {layers: 32, kv_heads: 8, head_dim: 128, dtype_bytes: 2}   # GQA: KV heads, not attention heads

@@ -111,4 +111,5 @@ Try it:
 print(c.chat.completions.create(model='demo-llm', messages=[{{'role': 'user', 'content': 'hi'}}]))"
   curl http://{host}:{port}/metrics          # decisions, queues, goodput per tenant
   curl -H 'Authorization: Bearer demo-admin' http://{host}:{port}/admin/state
+  open http://{host}:{port}/ui#key=demo-admin    # the flight recorder: decisions, queues, engines
 Ctrl-C stops everything."""

@@ -15,6 +15,7 @@ import math
 import random
 import time
 import zlib
+from array import array
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -317,7 +318,9 @@ class EngineServer:
             if not isinstance(messages, list) or not messages:
                 raise ApiError(400, "messages must be a non-empty list", param="messages")
             try:
-                return self.tokenizer.encode_chat(messages)
+                ids = self.tokenizer.encode_chat(messages)
+                # a list: its blocks' token ids go out in KV events (msgpack has no arrays)
+                return ids.tolist() if isinstance(ids, array) else ids
             except (TypeError, AttributeError) as exc:
                 raise ApiError(400, f"invalid messages: {exc}", param="messages") from None
         prompt = body.get("prompt")

@@ -58,7 +58,7 @@ def app() -> web.Application:
     async def models(_request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": "fast", "object": "model"}]})
 
-    a = web.Application()
+    a = web.Application(client_max_size=64 * 1024 * 1024)  # agent prompts of 100k+ tokens
     a.router.add_post("/v1/chat/completions", generate)
     a.router.add_post("/v1/completions", generate)
     a.router.add_get("/metrics", metrics)

@@ -48,7 +48,7 @@ from bouncer.core.registry import make_fairness, make_ordering, make_router, mak
 from bouncer.core.requests import STEP_OTHER, Admission, RequestInfo
 from bouncer.core.stores import Stores
 from bouncer.core.view import CoreView
-from bouncer.core.waiting_room import door
+from bouncer.core.waiting_room import door, door_shut
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,24 +119,76 @@ class AdmissionCore:
         return self.tick(now)
 
     # -- a new request, layer by layer -------------------------------------------------------------
-    def offer(self, info: RequestInfo, now: float) -> list[Event]:
+    def precheck(self, info: RequestInfo, now: float) -> Reject | Tenant:
+        """A new request's cheap layers, before its prompt is tokenized (`prompt_tokens` and its
+        blocks are not read): who it is, its model, its tenant's breaker and rate limits (looked
+        at, not taken: `offer` takes them), the waiting room's doors; its arrival counted. A
+        flood that these refuse costs the gateway no tokenizing. Returns the refusal, or the
+        tenant for `offer`, which runs this itself when not given one."""
         t = (self._key_to_tenant.get(info.key_digest) if info.key_digest else None) or self._default_tenant
         self.stats.arrive(UNKNOWN_TENANT if t is None else t.name)
+        if t is None:
+            return self._refuse_new(info, UNKNOWN_TENANT, None, Refusal(
+                Layer.VALIDATION, Reason.UNAUTHENTICATED, "invalid or missing API key"))
+        ms = self.models.get(info.model)
+        refusal = intake.validate_model(info.model, t, ms.cfg if ms else None)
+        if refusal is not None:
+            return self._refuse_new(info, t.name, t.priority, refusal)
+        view = PoolView(ms.replicas, self.policy, now)
+        refusal = (self._gate.closed(t, self._breakers[t.name], now)
+                   or door_shut(ms, t.name, t.priority, view, self.saturation, self.policy, now)
+                   or self._surely_late(ms, t, info, view, now))
+        if refusal is not None:
+            self._first_arrival(t, info, now)  # as offer remembers what the gate or the door refuses
+            return self._refuse_new(info, t.name, t.priority, refusal)
+        return t
+
+    def _surely_late(self, ms: ModelState, t: Tenant, info: RequestInfo, view: PoolView, now: float
+                     ) -> Refusal | None:
+        """Refused as `_late` would refuse it once tokenized: the queue ahead alone outlasts its
+        TTFT SLO. Not for an agent's step (it goes ahead of its tenant's queue), nor where late
+        requests are served best-effort or only flagged."""
+        slo = deadlines.tighter(info.ttft_slo_s, t.slo.ttft_s)
+        if not slo or info.session_id is not None or t.slo.on_infeasible != "refuse" or \
+                not self.policy.refuse_infeasible or self._exemption is not None or ms.draining:
+            return None
+        predicts = any(r.predictor is not None for r in view.usable_replicas())
+        late = deadlines.surely_late(ms.backlog, t.priority, t.name, slo, predicts, self.policy, now)
+        if late is None:
+            return None
+        return Refusal(Layer.SLO, Reason.DEADLINE_INFEASIBLE, f"predicted to start ~{late:.2f} s past this "
+                       f"request's TTFT SLO ({slo:g} s)", max(RETRY_AFTER_MIN_S, late, ms.backlog.turnover_wait(
+                           t.priority, now, t.name) or 0.0))
+
+    def _first_arrival(self, t: Tenant, info: RequestInfo, now: float) -> tuple[tuple | None, float | None]:
+        """(its key in the retry ledger, when its first attempt came), for a retry the client
+        numbers (else None, None)."""
+        retries = self.finaliser.retries
+        if retries is None or info.prompt_digest is None:
+            return None, None
+        key = (t.name, info.model, info.prompt_digest, info.max_tokens)
+        return key, retries.arrived(key, bool(info.retry_count), now)
+
+    def offer(self, info: RequestInfo, now: float, checked: Tenant | None = None) -> list[Event]:
+        """A new request, layer by layer; `checked`: its tenant as `precheck` found it, where the
+        shell ran that first (else it runs here)."""
+        if checked is None:
+            found = self.precheck(info, now)
+            if isinstance(found, Reject):
+                return [found]
+            checked = found
+        t = self._tenants.get(checked.name)  # (a reload may have come since the precheck)
         if t is None:
             return [self._refuse_new(info, UNKNOWN_TENANT, None, Refusal(
                 Layer.VALIDATION, Reason.UNAUTHENTICATED, "invalid or missing API key"))]
         ms = self.models.get(info.model)
         refusal = intake.validate(info, t, ms.cfg if ms else None, self.config.limits)  # layer 1
-        if refusal is not None:
+        if refusal is not None or ms is None:
             return [self._refuse_new(info, t.name, t.priority, refusal)]
         max_tokens = intake.context_budget(info, t, ms.cfg)  # layer 2
         if isinstance(max_tokens, Refusal):
             return [self._refuse_new(info, t.name, t.priority, max_tokens)]
-        retry_key = first_arrival = None
-        retries = self.finaliser.retries
-        if retries is not None and info.prompt_digest is not None:
-            retry_key = (t.name, info.model, info.prompt_digest, info.max_tokens)
-            first_arrival = retries.arrived(retry_key, bool(info.retry_count), now)
+        retry_key, first_arrival = self._first_arrival(t, info, now)
         refusal, probe = self._gate.enter(t, self._breakers[t.name], info.prompt_tokens + max_tokens, now)  # rate
         if refusal is not None:
             return [self._refuse_new(info, t.name, t.priority, refusal)]

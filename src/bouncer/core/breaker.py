@@ -47,6 +47,19 @@ class CircuitBreaker:
             return None, True
         return None, False
 
+    def wait(self, now: float) -> float | None:
+        """What `allow` would refuse with, without taking anything: seconds until a request may
+        pass, or None."""
+        if self.state is BreakerState.OPEN:
+            remaining = self._opened_at + self.open_s - now
+            if remaining > 0:
+                return remaining
+            return None  # it would turn half-open and let this one probe
+        if self.state is BreakerState.HALF_OPEN and self._probe_since is not None and \
+                now - self._probe_since < self.open_s:
+            return self._probe_since + self.open_s - now
+        return None
+
     def release_probe(self) -> None:
         """The probe ended without telling success from failure: the next request probes."""
         if self.state is BreakerState.HALF_OPEN:

@@ -79,6 +79,18 @@ def late_by(backlog: Backlog, adm: Admission, ttft_left: float, best_ttft: float
     return late if late > 0 else None
 
 
+def surely_late(backlog: Backlog, priority: int, tenant: str, ttft_left: float, predicts: bool, policy: Policy,
+                now: float) -> float | None:
+    """What `late_by` would at least say of a newcomer whose prompt is not known yet (its own
+    TTFT counted as nothing): late already by the wait in the queue alone. For the precheck."""
+    if not predicts:
+        wait = backlog.estimated_wait(priority, now, tenant)
+        budget = ttft_left * policy.slo_queue_fraction
+        return wait - budget if wait is not None and wait > budget else None
+    late = (backlog.queue_wait(priority, now, tenant) or 0.0) - ttft_left
+    return late if late > 0 else None
+
+
 def past_first_deadline(adm: Admission, tenant: Tenant, policy: Policy, acting: bool,
                         since_first: float) -> Refusal | None:
     """A retry whose first attempt's deadline has passed: as its tenant says of infeasible

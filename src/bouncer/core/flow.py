@@ -119,8 +119,11 @@ class FlowQueues:
         return [self.bands[p] for p in self._bands_desc]
 
     def tenant_queue(self, adm: Admission) -> TenantQueue | None:
-        band = self.bands.get(adm.priority)
-        return band.queues.get(adm.tenant) if band else None
+        return self.queue_of(adm.tenant, adm.priority)
+
+    def queue_of(self, tenant: str, priority: int) -> TenantQueue | None:
+        band = self.bands.get(priority)
+        return band.queues.get(tenant) if band else None
 
     def reorder(self, ordering: OrderingPolicy) -> None:
         """A reload changed the ordering policy: queued requests are ordered by it at once."""

@@ -19,13 +19,20 @@ from bouncer.core.rate_limit import RateLimitStore
 from bouncer.core.requests import RequestInfo
 
 
-def validate(info: RequestInfo, tenant: Tenant, model: ModelConfig | None, limits: Limits) -> Refusal | None:
+def validate_model(name: str, tenant: Tenant, model: ModelConfig | None) -> Refusal | None:
     if model is None:
-        return Refusal(Layer.VALIDATION, Reason.MODEL_NOT_FOUND, f"The model `{info.model}` does not exist.",
+        return Refusal(Layer.VALIDATION, Reason.MODEL_NOT_FOUND, f"The model `{name}` does not exist.",
                        param="model")
-    if tenant.models and info.model not in tenant.models:
+    if tenant.models and name not in tenant.models:
         return Refusal(Layer.VALIDATION, Reason.MODEL_NOT_ALLOWED,
-                       f"tenant {tenant.name!r} may not use model `{info.model}`", param="model")
+                       f"tenant {tenant.name!r} may not use model `{name}`", param="model")
+    return None
+
+
+def validate(info: RequestInfo, tenant: Tenant, model: ModelConfig | None, limits: Limits) -> Refusal | None:
+    refusal = validate_model(info.model, tenant, model)
+    if refusal is not None:
+        return refusal
     bad = Reason.INVALID_PARAMETER
     if info.prompt_tokens < 1:
         return Refusal(Layer.VALIDATION, bad, "the prompt is empty", param="prompt")
@@ -71,13 +78,30 @@ class TenantGate:
         charges `tokens` (and one request) to the tenant's rate limits."""
         wait, probe = breaker.allow(now)
         if wait is not None:
-            return Refusal(Layer.RATE, Reason.CIRCUIT_OPEN,
-                           f"tenant {tenant.name!r} is paused after repeated upstream failures", wait), False
+            return _circuit_open(tenant, wait), False
         limited = self.rate_limits.take(tenant.name, tokens, now)
         if limited is not None:
-            reason, wait = limited
             if probe:
                 breaker.release_probe()
-            return Refusal(Layer.RATE, reason, f"tenant {tenant.name!r} is over its {reason.split('_')[-1]} rate "
-                           f"limit", wait), False
+            return _rate_limited(tenant, *limited), False
         return None, probe
+
+    def closed(self, tenant: Tenant, breaker: CircuitBreaker, now: float) -> Refusal | None:
+        """What `enter` would refuse any request of `tenant` with, whatever its size, taking
+        nothing (a request whose prompt is not tokenized yet): its breaker open, or a rate limit
+        with nothing left."""
+        wait = breaker.wait(now)
+        if wait is not None:
+            return _circuit_open(tenant, wait)
+        limited = self.rate_limits.blocked(tenant.name, now)
+        return None if limited is None else _rate_limited(tenant, *limited)
+
+
+def _circuit_open(tenant: Tenant, wait: float) -> Refusal:
+    return Refusal(Layer.RATE, Reason.CIRCUIT_OPEN, f"tenant {tenant.name!r} is paused after repeated upstream "
+                   f"failures", wait)
+
+
+def _rate_limited(tenant: Tenant, reason: Reason, wait: float) -> Refusal:
+    return Refusal(Layer.RATE, reason, f"tenant {tenant.name!r} is over its {reason.split('_')[-1]} rate limit",
+                   wait)

@@ -76,6 +76,15 @@ class TenantRateLimiter:
             self.tokens.take(tokens, now)
         return None
 
+    def blocked(self, now: float) -> tuple[Reason, float] | None:
+        """What `take` would refuse any request with, without charging: its request bucket
+        empty, or its token bucket without a single token; else None."""
+        if self.requests is not None and (wait := self.requests.wait_time(1, now)) > 0:
+            return Reason.RATE_LIMITED_REQUESTS, wait
+        if self.tokens is not None and (wait := self.tokens.wait_time(1, now)) > 0:
+            return Reason.RATE_LIMITED_TOKENS, wait
+        return None
+
     def refund(self, tokens: int, now: float) -> None:
         if self.requests is not None:
             self.requests.give_back(1, now)
@@ -86,11 +95,13 @@ class TenantRateLimiter:
 class RateLimitStore(Protocol):
     """Tenants' rate-limit buckets. Contract: `take` is atomic (it charges only when it lets the
     request pass); `refund` of a charge taken earlier makes the tenant's budget as if that
-    request had not come (up to the bucket's burst); `configure` with a tenant's limits starts
-    its buckets full, and is a no-op for limits it already has."""
+    request had not come (up to the bucket's burst); `blocked` says, charging nothing, whether
+    `take` would now refuse any request of the tenant, however small; `configure` with a
+    tenant's limits starts its buckets full, and is a no-op for limits it already has."""
 
     def configure(self, tenant: str, limits: RateLimit, now: float) -> None: ...
     def take(self, tenant: str, tokens: int, now: float) -> tuple[Reason, float] | None: ...
+    def blocked(self, tenant: str, now: float) -> tuple[Reason, float] | None: ...
     def refund(self, tenant: str, tokens: int, now: float) -> None: ...
 
 
@@ -107,6 +118,9 @@ class LocalRateLimits:
 
     def take(self, tenant: str, tokens: int, now: float) -> tuple[Reason, float] | None:
         return self._limiters[tenant][1].take(tokens, now)
+
+    def blocked(self, tenant: str, now: float) -> tuple[Reason, float] | None:
+        return self._limiters[tenant][1].blocked(now)
 
     def refund(self, tenant: str, tokens: int, now: float) -> None:
         self._limiters[tenant][1].refund(tokens, now)

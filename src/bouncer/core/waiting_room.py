@@ -17,13 +17,15 @@ from bouncer.core.requests import Admission
 from bouncer.core.saturation import SaturationDetector, ceiling
 
 
-def door(ms: ModelState, adm: Admission, view: PoolView, saturation: SaturationDetector,
-         policy: Policy, now: float) -> Refusal | list[Admission]:
-    """Why `adm` may not join the waiting room, or the queued requests it evicts (often none)."""
-    flow, band, model = ms.flow, adm.priority, adm.info.model
+def door_shut(ms: ModelState, tenant: str, band: int, view: PoolView, saturation: SaturationDetector,
+              policy: Policy, now: float) -> Refusal | None:
+    """Why no request of `tenant` in `band` may join the waiting room now, whatever its size:
+    the checks that need no prompt, so that a request they refuse is refused before its prompt
+    is tokenized (`AdmissionCore.precheck`)."""
+    flow, model = ms.flow, ms.cfg.name
 
     def refused(layer: Layer, reason: Reason, message: str) -> Refusal:
-        return Refusal(layer, reason, message, ms.backlog.retry_after(band, now, adm.tenant))
+        return Refusal(layer, reason, message, ms.backlog.retry_after(band, now, tenant))
 
     if ms.draining:
         if len(flow) >= policy.drain_queue_cap:
@@ -33,15 +35,32 @@ def door(ms: ModelState, adm: Admission, view: PoolView, saturation: SaturationD
             return refused(Layer.QUEUE, Reason.NO_BACKEND, f"no usable backend for model `{model}`")
         if band < 0 and saturation.saturation(view) >= ceiling(policy, band):
             return refused(Layer.FLOW, Reason.SATURATED, "the fleet is saturated; sheddable traffic is refused")
+    q = flow.queue_of(tenant, band)
+    if q is not None and q.count >= policy.queues.tenant_max_requests:
+        return refused(Layer.QUEUE, Reason.TENANT_QUEUE_FULL, f"tenant {tenant!r} has too many queued requests")
+    band_state = flow.bands.get(band)
+    if band_state is not None and band_state.count >= policy.queues.band_max_requests:
+        # (evicting from the bands below would not make room in this one)
+        return refused(Layer.QUEUE, Reason.QUEUE_FULL, "the waiting room is full")
+    return None
+
+
+def door(ms: ModelState, adm: Admission, view: PoolView, saturation: SaturationDetector,
+         policy: Policy, now: float) -> Refusal | list[Admission]:
+    """Why `adm` may not join the waiting room, or the queued requests it evicts (often none)."""
+    flow, band = ms.flow, adm.priority
+    shut = door_shut(ms, adm.tenant, band, view, saturation, policy, now)
+    if shut is not None:
+        return shut
+
+    def refused(layer: Layer, reason: Reason, message: str) -> Refusal:
+        return Refusal(layer, reason, message, ms.backlog.retry_after(band, now, adm.tenant))
+
     q = flow.tenant_queue(adm)
     qc = policy.queues
     prompt = adm.info.prompt_tokens
-    if q is not None and (q.count >= qc.tenant_max_requests or q.tokens + prompt > qc.tenant_max_tokens):
+    if q is not None and q.tokens + prompt > qc.tenant_max_tokens:
         return refused(Layer.QUEUE, Reason.TENANT_QUEUE_FULL, f"tenant {adm.tenant!r} has too many queued requests")
-    band_state = flow.bands.get(band)
-    if band_state is not None and band_state.count >= qc.band_max_requests:
-        # (evicting from the bands below would not make room in this one)
-        return refused(Layer.QUEUE, Reason.QUEUE_FULL, "the waiting room is full")
     victims: list[Admission] = []
     count, tokens = len(flow), flow.tokens
     while count >= qc.max_requests or tokens + prompt > qc.max_tokens:

@@ -32,7 +32,8 @@ def prepare(config: BouncerConfig, source: str = "config") -> Prepared:
             tokenizers[m.name] = None
             continue
         try:
-            tokenizers[m.name] = PromptTokenizer(m.tokenizer)
+            tokenizers[m.name] = PromptTokenizer(m.tokenizer, segment_cache=m.tokenizer_cache_tokens > 0,
+                                                 segment_cache_tokens=m.tokenizer_cache_tokens)
         except ValueError as exc:
             errors.append(f"  models.{i}.tokenizer: {exc}")
     if errors:

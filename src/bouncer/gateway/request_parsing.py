@@ -8,15 +8,20 @@ prefixes still hash to equal blocks.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
+from array import array
 from typing import Any
 
-from bouncer.core.blocks import chain_block_hashes, prompt_digest
+import orjson
+import xxhash
+
+from bouncer.core.blocks import chain_block_hashes
 from bouncer.core.requests import RequestInfo
 from bouncer.gateway.request_params import check_params
 from bouncer.openai_wire import ApiError
-from bouncer.tokenizer import PromptTokenizer, render_chat
+from bouncer.tokenizer import PromptTokenizer, message_text, render_chat
 
 BYTES_PER_TOKEN_ESTIMATE = 4
 TOKEN_ID_LIMIT = 2**32  # token ids are hashed as unsigned 32-bit integers (bouncer.core.blocks)
@@ -37,31 +42,44 @@ def _estimate_ids(text: str) -> list[int]:
             for i in range(0, len(raw), BYTES_PER_TOKEN_ESTIMATE)]
 
 
-def prompt_token_ids(kind: str, body: dict[str, Any], tokenizer: PromptTokenizer | None) -> list[int]:
+def _prompt(kind: str, body: dict[str, Any], vocab_size: int | None) -> list | str:
+    """The prompt, checked: a chat's messages, a completion's text or token ids. Every way a
+    prompt can be malformed is found here, before anything is tokenized."""
     if kind == "chat":
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
             raise ApiError(400, "messages must be a non-empty list of message objects", param="messages",
                            code="invalid_parameter")
-        try:
-            if tokenizer is not None:
-                return tokenizer.encode_chat(messages)
-            return _estimate_ids(render_chat(messages))
-        except TypeError as exc:
-            raise ApiError(400, f"invalid messages: {exc}", param="messages", code="invalid_parameter") from None
+        for m in messages:
+            try:
+                message_text(m.get("content"))
+            except TypeError as exc:
+                raise ApiError(400, f"invalid messages: {exc}", param="messages",
+                               code="invalid_parameter") from None
+        return messages
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
     if isinstance(prompt, str):
-        return tokenizer.encode(prompt) if tokenizer is not None else _estimate_ids(prompt)
+        return prompt
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        limit = tokenizer.vocab_size if tokenizer is not None else TOKEN_ID_LIMIT
+        limit = vocab_size if vocab_size is not None else TOKEN_ID_LIMIT
         if not all(0 <= t < limit for t in prompt):
             raise ApiError(400, f"prompt token ids must be from 0 to {limit - 1}", param="prompt",
                            code="invalid_parameter")
         return prompt
     raise ApiError(400, "prompt must be a string or a list of token ids (one prompt per request)",
                    param="prompt", code="invalid_parameter")
+
+
+def prompt_token_ids(kind: str, body: dict[str, Any], tokenizer: PromptTokenizer | None) -> list[int] | array:
+    """The prompt's token ids (the model's tokenizer, or the stated estimate)."""
+    prompt = _prompt(kind, body, tokenizer.vocab_size if tokenizer is not None else None)
+    if kind == "chat":
+        return tokenizer.encode_chat(prompt) if tokenizer is not None else _estimate_ids(render_chat(prompt))
+    if isinstance(prompt, str):
+        return tokenizer.encode(prompt) if tokenizer is not None else _estimate_ids(prompt)
+    return prompt
 
 
 def _header_ms(headers, name: str) -> float | None:
@@ -89,13 +107,15 @@ def _retry_count(headers) -> int | None:
     return count if count is not None and count >= 0 else None
 
 
-def request_info(request_id: str, kind: str, body: dict[str, Any], headers,
-                 tokenizer: PromptTokenizer | None, block_size: int) -> RequestInfo:
+def request_head(request_id: str, kind: str, body: dict[str, Any], headers,
+                 tokenizer: PromptTokenizer | None) -> RequestInfo:
+    """All of a request but its prompt's tokens: checked whole (raises ApiError for any bad
+    field), not tokenized, for the core's precheck. `with_prompt` completes it."""
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise ApiError(400, "model is required", param="model", code="invalid_parameter")
     check_params(kind, body)
-    ids = prompt_token_ids(kind, body, tokenizer)
+    prompt = _prompt(kind, body, tokenizer.vocab_size if tokenizer is not None else None)
     # the parameters' types are checked: integers, strings, or None
     max_tokens = body.get("max_completion_tokens")
     if max_tokens is None:
@@ -106,13 +126,25 @@ def request_info(request_id: str, kind: str, body: dict[str, Any], headers,
     retry_count = _retry_count(headers)
     return RequestInfo(
         request_id=request_id, key_digest=key_digest_from_headers(headers), model=model,
-        prompt_tokens=len(ids), max_tokens=max_tokens,
-        block_digests=chain_block_hashes(ids, block_size),
+        prompt_tokens=0, max_tokens=max_tokens,
         n=body.get("n") or 1, best_of=body.get("best_of"), num_stop=num_stop,
         ttl_s=_header_ms(headers, "x-bouncer-ttl-ms"), ttft_slo_s=_header_ms(headers, "x-bouncer-ttft-ms"),
         tpot_slo_s=_header_ms(headers, "x-bouncer-tpot-ms"), session_id=headers.get("x-session-id") or None,
         parent_session_id=headers.get("x-parent-session-id") or None,
         user=user, retry_count=retry_count,
-        # only a client that numbers its attempts can be known again when it retries
-        prompt_digest=prompt_digest(ids) if retry_count is not None else None)
+        # only a client that numbers its attempts can be known again when it retries; the prompt
+        # as sent (a retry sends it again), hashed before it is tokenized, so a retry of one the
+        # precheck refused is known too
+        prompt_digest=xxhash.xxh3_64_intdigest(orjson.dumps(prompt)) if retry_count is not None else None)
 
+
+def with_prompt(head: RequestInfo, kind: str, body: dict[str, Any], tokenizer: PromptTokenizer | None,
+                block_size: int) -> RequestInfo:
+    """`head` with its prompt's token count and block digests (the body was checked by
+    `request_head`: this tokenizes and hashes, and cannot fail)."""
+    if kind == "chat" and tokenizer is not None:  # a conversation's next step: only what is new costs
+        ids, digests = tokenizer.encode_chat_blocks(body["messages"], block_size)
+    else:
+        ids = prompt_token_ids(kind, body, tokenizer)
+        digests = chain_block_hashes(ids, block_size)
+    return dataclasses.replace(head, prompt_tokens=len(ids), block_digests=digests)

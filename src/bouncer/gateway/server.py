@@ -45,7 +45,7 @@ from bouncer.gateway.metrics import GatewayMetrics
 from bouncer.gateway.prepared import Prepared, prepare
 from bouncer.gateway.recording import GatewayRecorder
 from bouncer.gateway.relay import Outcome, Requeue, UpstreamFailure, failure_for_status, relay_json, relay_stream
-from bouncer.gateway.request_parsing import key_digest_from_headers, request_info
+from bouncer.gateway.request_parsing import key_digest_from_headers, request_head, with_prompt
 from bouncer.gateway.scrapers import PARSERS
 from bouncer.gateway.upstream import UpstreamError, UpstreamPool, UpstreamTimeout
 from bouncer.openai_wire import ApiError, dumps, models_list, parse_json_object
@@ -60,6 +60,7 @@ UPSTREAM_CONNECT_TIMEOUT_S = 5.0
 UPSTREAM_READ_TIMEOUT_S = 300.0  # silence on an upstream stream this long is a timeout
 TOKENIZE_IN_THREAD_BYTES = 32 * 1024  # bodies larger than this are tokenized off the event loop
 SCRAPE_TIMEOUT_S = 5.0  # a scrape that has not answered in this long failed
+LOOP_LAG_PROBE_S = 0.1
 
 
 def error_response(refusal: Refusal) -> web.Response:
@@ -96,6 +97,7 @@ class Gateway:
         self.connections = Limits(config.listen.header_timeout_s, config.listen.max_connections)
         self.metrics = GatewayMetrics(lambda: self.core, clock, lambda: self.kv_event_stats, lambda: self.connections)
         self.recorder = GatewayRecorder(config.recorder, lambda: self.core.view, clock, self._recorded_gauges)
+        self.loop_lag_s = 0.0  # the last probe's (`_probe_loop_lag`)
         self._ids = itertools.count()
         self._waiters: dict[str, asyncio.Future] = {}
         self._live: set[str] = set()  # admitted requests being served: their permits' leases are renewed
@@ -140,6 +142,7 @@ class Gateway:
         self._tasks.append(loop.create_task(self._ticker()))
         self._tasks.append(loop.create_task(self._renew_leases()))
         self._tasks.append(loop.create_task(self.recorder.run()))
+        self._tasks.append(loop.create_task(self._probe_loop_lag()))
         self._sync_scrapers()
 
     async def _stop(self, _app: web.Application) -> None:
@@ -207,6 +210,15 @@ class Gateway:
             delay = TICK_MAX_S if wake is None else min(TICK_MAX_S, max(TICK_MIN_S, wake - self.clock()))
             await asyncio.sleep(delay)
             self._apply(self.core.tick(self.clock()))
+
+    async def _probe_loop_lag(self) -> None:
+        """How late a 0.1 s timer fires: the event loop's backlog, which every request waits in
+        (a flood that starves admitted streams shows here first)."""
+        while True:
+            due = self.clock() + LOOP_LAG_PROBE_S
+            await asyncio.sleep(LOOP_LAG_PROBE_S)
+            self.loop_lag_s = max(0.0, self.clock() - due)
+            self.metrics.loop_lag.observe(self.loop_lag_s)
 
     async def _renew_leases(self) -> None:
         """The admitted requests this gateway is serving keep their permits."""
@@ -296,6 +308,13 @@ class Gateway:
         line.update(outcome=Terminal.REFUSED.value, layer=refusal.layer.value, reason=str(refusal.reason))
         return error_response(refusal)
 
+    @staticmethod
+    def _refused(decision: Reject, line: dict) -> web.Response:
+        r = decision.refusal
+        line.update(tenant=decision.tenant, band=decision.band, outcome=decision.terminal.value, layer=r.layer.value,
+                    reason=str(r.reason))
+        return error_response(r)
+
     async def _generate(self, request: web.Request, kind: str, path: str) -> web.StreamResponse:
         rid = f"bq-{next(self._ids)}"
         line: dict[str, Any] = {"rid": rid, "path": path, "tenant": "-", "outcome": Terminal.CANCELLED.value}
@@ -332,23 +351,28 @@ class Gateway:
             body = parse_json_object(raw)
             model = prepared.models.get(body.get("model")) if isinstance(body.get("model"), str) else None
             tokenizer = prepared.tokenizers.get(model.name) if model else None
-            block_size = model.block_size if model else 16
-            if len(raw) > TOKENIZE_IN_THREAD_BYTES:
-                # ~1 us per token: a long prompt would stall every other request on the loop
-                info = await asyncio.to_thread(request_info, rid, kind, body, request.headers, tokenizer, block_size)
-            else:
-                info = request_info(rid, kind, body, request.headers, tokenizer, block_size)
+            head = request_head(rid, kind, body, request.headers, tokenizer)
         except ApiError as err:
             reason = Reason.INVALID_REQUEST if err.code == "invalid_json" else Reason.INVALID_PARAMETER
             return self._refuse_early(rid, Refusal(Layer.VALIDATION, reason, err.message, param=err.param), line)
-        line.update(model=info.model, stream=bool(body.get("stream")), prompt_tokens=info.prompt_tokens)
-        decision = await self._decision(rid, lambda: self.core.offer(info, self.clock()))
+        line.update(model=head.model, stream=bool(body.get("stream")))
+        # the layers that need no prompt first: what they refuse (a flood over its rate limit, a
+        # full tenant queue, sheddable traffic while saturated) is never tokenized
+        checked = self.core.precheck(head, self.clock())
+        if isinstance(checked, Reject):
+            return self._refused(checked, line)
+        block_size = model.block_size if model else 16
+        if len(raw) > TOKENIZE_IN_THREAD_BYTES:
+            # ~1 us per token: a long prompt would stall every other request on the loop
+            info = await asyncio.to_thread(with_prompt, head, kind, body, tokenizer, block_size)
+        else:
+            info = with_prompt(head, kind, body, tokenizer, block_size)
+        line.update(prompt_tokens=info.prompt_tokens)
+        decision = await self._decision(rid, lambda: self.core.offer(info, self.clock(), checked))
         while True:
-            line.update(tenant=decision.tenant, band=decision.band)
             if isinstance(decision, Reject):
-                r = decision.refusal
-                line.update(outcome=decision.terminal.value, layer=r.layer.value, reason=str(r.reason))
-                return error_response(r)
+                return self._refused(decision, line)
+            line.update(tenant=decision.tenant, band=decision.band)
             wait = decision.dispatched_at - decision.arrival
             self.metrics.observe_queue_wait(decision.tenant, decision.band, wait)
             line.update(queue_wait_s=round(wait, 4), replica=decision.replica)
@@ -497,7 +521,8 @@ class Gateway:
 
     def _recorded_gauges(self) -> dict:
         """What only the shell knows, for the flight recorder's samples."""
-        return {"serving": len(self._live), "connections_open": self.connections.open}
+        return {"serving": len(self._live), "connections_open": self.connections.open,
+                "loop_lag_s": round(self.loop_lag_s, 4)}
 
     async def handle_admin_timeline(self, request: web.Request) -> web.StreamResponse:
         if (denied := self._viewer_denied(request)) is not None:

@@ -1,0 +1,40 @@
+"""In the gateway, what a cheap layer refuses is refused before its prompt is tokenized."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+
+from gateway_setup import Fleet, tenant
+
+
+def _post(url: str, key: str, content: str) -> int:
+    body = json.dumps({"model": "demo-llm", "max_tokens": 4, "messages": [{"role": "user", "content": content}]})
+    req = urllib.request.Request(url + "/v1/chat/completions", data=body.encode(), method="POST",
+                                 headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            resp.read()
+            return resp.status
+    except urllib.error.HTTPError as exc:
+        exc.read()
+        return exc.code
+
+
+def test_a_flood_over_its_rate_limit_is_refused_untokenized(bg_loop):
+    f = Fleet(bg_loop, [tenant("rogue", -1, rate_limit={"requests_per_s": 1, "request_burst": 2})])
+    try:
+        segments = f.call(lambda: f.gateway.prepared.tokenizers["demo-llm"].segments)
+        before = f.call(lambda: segments.misses + segments.hits)
+        statuses = [_post(f.url, "rogue", f"request {i}: " + "long prompt words " * 400) for i in range(12)]
+        assert statuses.count(200) >= 2 and statuses.count(429) >= 8, statuses
+        looked_up = f.call(lambda: segments.misses + segments.hits) - before
+        # each tokenized request looks up its message and the generation prompt: only those let through
+        assert looked_up == 2 * statuses.count(200)
+        refused = f.call(lambda: f.gateway.core.stats.decisions[("refused", "rate", "rate_limited_requests",
+                                                                   "rogue", -1)])
+        assert refused == statuses.count(429)
+        assert f.call(lambda: f.gateway.core.stats.arrived["rogue"]) == 12  # each counted once
+    finally:
+        f.close()
