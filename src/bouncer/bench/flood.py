@@ -15,7 +15,6 @@ import json
 import multiprocessing
 import os
 import pathlib
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -25,24 +24,10 @@ from collections import Counter
 
 import aiohttp
 
-from bouncer.bench.loopback import free_port, wait_ok
+from bouncer.bench.loopback import cpu_seconds, free_port, pinned, stop, wait_ok
 from bouncer.demo import DEMO_KV_BLOCKS, DEMO_MAX_NUM_SEQS, DEMO_MODEL, DEMO_PROFILE, demo_config
 
 FLOOD_WORDS = 1100  # about 3,000 tokens with the bundled tokenizer
-
-
-def _pin(cpu: int) -> list[str]:
-    return ["taskset", "-c", str(cpu)] if shutil.which("taskset") and (os.cpu_count() or 1) > 1 else []
-
-
-def _cpu_s(pid: int) -> float:
-    total = 0
-    for task in pathlib.Path(f"/proc/{pid}/task").iterdir():
-        try:
-            total += int((task / "schedstat").read_text().split()[0])
-        except (FileNotFoundError, ProcessLookupError):
-            pass
-    return total / 1e9
 
 
 def _gateway_view(base: str) -> tuple[dict[str, int], dict[str, float | None]]:
@@ -186,25 +171,22 @@ def run(clients: int = 300, seconds: float = 30.0, gateway_pythonpath: str | Non
             env["PYTHONPATH"] = gateway_pythonpath
         try:
             for p in engines:
-                procs.append(subprocess.Popen([*_pin(0), sys.executable, "-m", "bouncer", "engine", "--port", str(p),
+                procs.append(subprocess.Popen([*pinned(0), sys.executable, "-m", "bouncer", "engine", "--port", str(p),
                                                "--model", DEMO_MODEL, "--profile", DEMO_PROFILE,
                                                "--kv-blocks", str(DEMO_KV_BLOCKS),
                                                "--max-num-seqs", str(DEMO_MAX_NUM_SEQS), "--max-model-len", "8192"],
                                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-            gateway = subprocess.Popen([*_pin(1), sys.executable, "-m", "bouncer", "serve", "--config", str(path)],
+            gateway = subprocess.Popen([*pinned(1), sys.executable, "-m", "bouncer", "serve", "--config", str(path)],
                                        stdout=subprocess.DEVNULL, env=env)
             procs.append(gateway)
             base = f"http://127.0.0.1:{gw_port}"
             wait_ok(base + "/ready")
-            cpu0, t0 = _cpu_s(gateway.pid), time.monotonic()
+            cpu0, t0 = cpu_seconds(gateway.pid), time.monotonic()
             result = _drive(base, clients, seconds)
-            cpu, wall = _cpu_s(gateway.pid) - cpu0, time.monotonic() - t0
+            cpu, wall = cpu_seconds(gateway.pid) - cpu0, time.monotonic() - t0
             result["gateway_ends"], result["interactive_in_gateway"] = _gateway_view(base)
         finally:
-            for p in procs:
-                p.terminate()
-            for p in procs:
-                p.wait(10)
+            stop(procs)
     answered = sum(v for k, v in result["flood_by_status"].items() if k != "error") + \
         result["interactive"]["completed"] + sum(result["interactive"]["failed"].values())
     refused = sum(v for k, v in result["flood_by_status"].items() if k not in ("200", "error"))

@@ -15,10 +15,8 @@ access log) is checked against a full tokenization done here.
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import random
-import shutil
 import statistics
 import subprocess
 import sys
@@ -27,7 +25,7 @@ import time
 import urllib.request
 from dataclasses import asdict, dataclass
 
-from bouncer.bench.loopback import free_port, wait_ok
+from bouncer.bench.loopback import cpu_seconds, free_port, pinned, stop, wait_ok
 from bouncer.config import key_digest
 from bouncer.tokenizer import PromptTokenizer, default_tokenizer_path, render_chat
 
@@ -80,17 +78,6 @@ def sessions(n: int, steps: int, small_steps: int = 5, seed: int = 0) -> list[li
     return out
 
 
-def _cpu_ns(pid: int) -> int:
-    """Time on CPU of all of a process's threads, in ns (schedstat's first field)."""
-    total = 0
-    for task in pathlib.Path(f"/proc/{pid}/task").iterdir():
-        try:
-            total += int((task / "schedstat").read_text().split()[0])
-        except (FileNotFoundError, ProcessLookupError):
-            pass  # a thread that ended
-    return total
-
-
 def _post(url: str, body: bytes) -> float:
     req = urllib.request.Request(url, data=body, method="POST", headers={
         "Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
@@ -100,10 +87,6 @@ def _post(url: str, body: bytes) -> float:
         if resp.status != 200:
             raise RuntimeError(f"{url} answered {resp.status}")
     return time.perf_counter() - t0
-
-
-def _pin(cpu: int) -> list[str]:
-    return ["taskset", "-c", str(cpu)] if shutil.which("taskset") and (os.cpu_count() or 1) > 1 else []
 
 
 def _config(upstream: str, port: int, cache_tokens: int, log: pathlib.Path) -> dict:
@@ -140,13 +123,13 @@ def run(n_sessions: int = 3, steps: int = 13, small_steps: int = 5, seed: int = 
         work = pathlib.Path(tmp)
         logs = {"on": work / "on.log", "off": work / "off.log"}
         try:
-            procs.append(subprocess.Popen([*_pin(0), sys.executable, "-m", "bouncer.bench.fast_upstream",
+            procs.append(subprocess.Popen([*pinned(0), sys.executable, "-m", "bouncer.bench.fast_upstream",
                                            "--port", str(up_port)]))
             for name, port, cache in (("on", on_port, 4_000_000), ("off", off_port, 0)):
                 (work / f"{name}.yaml").write_text(json.dumps(_config(f"http://127.0.0.1:{up_port}", port, cache,
                                                                       logs[name])))
                 with open(logs[name], "w") as log:
-                    procs.append(subprocess.Popen([*_pin(1), sys.executable, "-m", "bouncer", "serve", "--config",
+                    procs.append(subprocess.Popen([*pinned(1), sys.executable, "-m", "bouncer", "serve", "--config",
                                                    str(work / f"{name}.yaml")], stdout=log, stderr=log))
             wait_ok(f"http://127.0.0.1:{up_port}/metrics")
             wait_ok(f"http://127.0.0.1:{on_port}/ready")
@@ -166,10 +149,10 @@ def run(n_sessions: int = 3, steps: int = 13, small_steps: int = 5, seed: int = 
                     direct = _post(urls["direct"], body)
                     cpu, wall = {}, {}
                     for name in ("on", "off"):
-                        before = _cpu_ns(pids[name])
+                        before = cpu_seconds(pids[name])
                         wall[name] = _post(urls[name], body)
                         time.sleep(0.05)  # the access log line and the permit's release land after the answer
-                        cpu[name] = (_cpu_ns(pids[name]) - before) / 1e6
+                        cpu[name] = (cpu_seconds(pids[name]) - before) * 1e3
                     tokens = len(full.encode(render_chat(messages)))
                     out.append(Step(s, i, tokens, i == 0, tokens - previous, cpu["on"], cpu["off"],
                                     (wall["on"] - direct) * 1e3, (wall["off"] - direct) * 1e3, True))
@@ -180,10 +163,7 @@ def run(n_sessions: int = 3, steps: int = 13, small_steps: int = 5, seed: int = 
                 step.counts_match = all(len(c) > k and c[k] == step.prompt_tokens for c in logged.values())
             return out
         finally:
-            for p in procs:
-                p.terminate()
-            for p in procs:
-                p.wait(10)
+            stop(procs)
 
 
 def _kind(s: Step) -> str:

@@ -1,8 +1,13 @@
-"""Servers the benchmarks start on loopback: a free port for one, and waiting until it answers."""
+"""Servers the benchmarks start on loopback: a free port for one, waiting until it answers, pinning
+it to a core, its CPU time, and stopping it."""
 
 from __future__ import annotations
 
+import os
+import pathlib
+import shutil
 import socket
+import subprocess
 import time
 import urllib.request
 
@@ -24,3 +29,29 @@ def wait_ok(url: str, timeout: float = 30) -> None:
         except OSError:
             time.sleep(0.1)
     raise RuntimeError(f"{url} did not come up in {timeout:g} s")
+
+
+def pinned(cpu: int) -> list[str]:
+    """The command prefix that runs a process on core `cpu` (taskset execs it, so the pid is the
+    process's own), or nothing where there is no taskset or only one core."""
+    return ["taskset", "-c", str(cpu)] if shutil.which("taskset") and (os.cpu_count() or 1) > 1 else []
+
+
+def cpu_seconds(pid: int) -> float:
+    """Time on CPU of all of a process's threads (the first field of each thread's schedstat, in
+    nanoseconds: finer than /proc/PID/stat's clock ticks)."""
+    total = 0
+    for task in pathlib.Path(f"/proc/{pid}/task").iterdir():
+        try:
+            total += int((task / "schedstat").read_text().split()[0])
+        except (FileNotFoundError, ProcessLookupError):
+            pass  # a thread that ended
+    return total / 1e9
+
+
+def stop(procs: list[subprocess.Popen]) -> None:
+    """Terminate the servers a benchmark started, and wait for them."""
+    for p in procs:
+        p.terminate()
+    for p in procs:
+        p.wait(10)

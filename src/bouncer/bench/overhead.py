@@ -12,7 +12,6 @@ machines: both sides are measured in the same run on the same (shared, noisy) ma
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import re
 import shutil
@@ -22,7 +21,7 @@ import tempfile
 import urllib.request
 from dataclasses import asdict, dataclass
 
-from bouncer.bench.loopback import free_port, wait_ok
+from bouncer.bench.loopback import cpu_seconds, free_port, pinned, stop, wait_ok
 from bouncer.config import key_digest
 
 BENCH_KEY = "bench-key"
@@ -46,10 +45,6 @@ class Run:
 
 
 
-def _pin(cpu: int) -> list[str]:
-    return ["taskset", "-c", str(cpu)] if shutil.which("taskset") and (os.cpu_count() or 1) > 1 else []
-
-
 _LUA = """wrk.method = "POST"
 wrk.body = {body}
 wrk.headers["Content-Type"] = "application/json"
@@ -65,18 +60,12 @@ def _latency_ms(text: str, pct: str) -> float:
     return value / 1000 if unit == "us" else value * 1000 if unit == "s" else value
 
 
-def _cpu_seconds(pid: int) -> float:
-    """utime + stime of a process, from /proc (Linux)."""
-    fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def _wrk(url: str, stream: bool, concurrency: int, seconds: int,
          workdir: pathlib.Path) -> tuple[float, float, float, int, int]:
     body = dict(BODY, stream=stream)
     script = workdir / f"post-{int(stream)}.lua"
     script.write_text(_LUA.format(body=json.dumps(json.dumps(body)), key=BENCH_KEY))
-    cmd = [*_pin(0), "wrk", "-t1", f"-c{concurrency}", f"-d{seconds}s", "--latency", "-s", str(script), url]
+    cmd = [*pinned(0), "wrk", "-t1", f"-c{concurrency}", f"-d{seconds}s", "--latency", "-s", str(script), url]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 30)
     m = re.search(r"Requests/sec:\s+([\d.]+)", proc.stdout)
     if m is None:
@@ -123,10 +112,10 @@ def run_overhead(seconds: int = 5, concurrencies: tuple[int, ...] = (1, 16, 64),
             (work / f"{name}.yaml").write_text(json.dumps(cfg))
         try:
             # taskset execs the server, so these pids are the servers' own (CPU time is read from them)
-            procs.append(subprocess.Popen([*_pin(0), sys.executable, "-m", "bouncer.bench.fast_upstream",
+            procs.append(subprocess.Popen([*pinned(0), sys.executable, "-m", "bouncer.bench.fast_upstream",
                                            "--port", str(up_port)]))
             for name in ("gateway", "gateway-off"):
-                procs.append(subprocess.Popen([*_pin(1), sys.executable, "-m", "bouncer", "serve", "--config",
+                procs.append(subprocess.Popen([*pinned(1), sys.executable, "-m", "bouncer", "serve", "--config",
                                                str(work / f"{name}.yaml"), "--log-level", "warning"],
                                               stdout=subprocess.DEVNULL))
             wait_ok(f"http://127.0.0.1:{up_port}/metrics")
@@ -144,16 +133,13 @@ def run_overhead(seconds: int = 5, concurrencies: tuple[int, ...] = (1, 16, 64),
                     order = [("direct", direct)] + [pair for i in range(rounds) for pair in pairs[::1 - 2 * (i % 2)]]
                     for target, (url, pid) in order:
                         _wrk(url, stream, c, 1, work)  # warm-up
-                        cpu0 = _cpu_seconds(pid)
+                        cpu0 = cpu_seconds(pid)
                         rps, p50, p99, errors, total = _wrk(url, stream, c, seconds, work)
-                        cpu_us = (_cpu_seconds(pid) - cpu0) / max(1, total) * 1e6
+                        cpu_us = (cpu_seconds(pid) - cpu0) / max(1, total) * 1e6
                         runs.append(Run(target, stream, c, rps, p50, p99, errors, total, cpu_us))
             return runs, _recorder_stats(gw_port)
         finally:
-            for p in procs:
-                p.terminate()
-            for p in procs:
-                p.wait(10)
+            stop(procs)
 
 
 def _recorder_stats(port: int) -> dict:
