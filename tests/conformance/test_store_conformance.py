@@ -76,6 +76,24 @@ def test_rate_limits_take_atomically_and_refund(make):
     assert limits.take("t", 100, 0.0) is None and limits.take("t", 1, 0.0)[0] is Reason.RATE_LIMITED_TOKENS
 
 
+@pytest.mark.parametrize("make", RATE_LIMITS)
+def test_rate_limits_say_when_any_request_is_blocked_without_charging(make):
+    limits = make()
+    limits.configure("t", RateLimit(requests_per_s=1, request_burst=2, tokens_per_min=600, token_burst=50), now=0.0)
+    assert limits.blocked("t", 0.0) is None
+    assert limits.take("t", 30, 0.0) is None
+    for _ in range(5):  # looking charges nothing
+        assert limits.blocked("t", 0.0) is None
+    assert limits.take("t", 20, 0.0) is None  # both buckets now empty
+    reason, wait = limits.blocked("t", 0.0)
+    assert reason is Reason.RATE_LIMITED_REQUESTS and wait == pytest.approx(1.0)
+    assert limits.blocked("t", 1.0) is None  # a second later: a request and 10 tokens back
+    limits.configure("u", RateLimit(tokens_per_min=600, token_burst=50), now=0.0)
+    assert limits.take("u", 50, 0.0) is None
+    reason, wait = limits.blocked("u", 0.0)  # no token left: however small, refused
+    assert reason is Reason.RATE_LIMITED_TOKENS and wait == pytest.approx(0.1)
+
+
 @pytest.mark.parametrize("make", CREDIT)
 def test_credit_reads_zero_until_added_and_resets(make):
     credit = make()

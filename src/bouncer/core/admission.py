@@ -44,11 +44,12 @@ from bouncer.core.outcomes import Dispatch, Event, Layer, Reason, Refusal, Rejec
 from bouncer.core.output_length import OutputLengthModel
 from bouncer.core.placement import Placement, nowhere_to_go, rest
 from bouncer.core.pool import PoolView
+from bouncer.core.precheck import cheap_refusal
 from bouncer.core.registry import make_fairness, make_ordering, make_router, make_saturation
 from bouncer.core.requests import STEP_OTHER, Admission, RequestInfo
 from bouncer.core.stores import Stores
 from bouncer.core.view import CoreView
-from bouncer.core.waiting_room import door, door_shut
+from bouncer.core.waiting_room import door
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,31 +135,12 @@ class AdmissionCore:
         refusal = intake.validate_model(info.model, t, ms.cfg if ms else None)
         if refusal is not None:
             return self._refuse_new(info, t.name, t.priority, refusal)
-        view = PoolView(ms.replicas, self.policy, now)
-        refusal = (self._gate.closed(t, self._breakers[t.name], now)
-                   or door_shut(ms, t.name, t.priority, view, self.saturation, self.policy, now)
-                   or self._surely_late(ms, t, info, view, now))
+        refusal = cheap_refusal(ms, t, info, self._gate, self._breakers[t.name], self.saturation, self.policy,
+                                self.policy.refuse_infeasible and self._exemption is None, now)
         if refusal is not None:
             self._first_arrival(t, info, now)  # as offer remembers what the gate or the door refuses
             return self._refuse_new(info, t.name, t.priority, refusal)
         return t
-
-    def _surely_late(self, ms: ModelState, t: Tenant, info: RequestInfo, view: PoolView, now: float
-                     ) -> Refusal | None:
-        """Refused as `_late` would refuse it once tokenized: the queue ahead alone outlasts its
-        TTFT SLO. Not for an agent's step (it goes ahead of its tenant's queue), nor where late
-        requests are served best-effort or only flagged."""
-        slo = deadlines.tighter(info.ttft_slo_s, t.slo.ttft_s)
-        if not slo or info.session_id is not None or t.slo.on_infeasible != "refuse" or \
-                not self.policy.refuse_infeasible or self._exemption is not None or ms.draining:
-            return None
-        predicts = any(r.predictor is not None for r in view.usable_replicas())
-        late = deadlines.surely_late(ms.backlog, t.priority, t.name, slo, predicts, self.policy, now)
-        if late is None:
-            return None
-        return Refusal(Layer.SLO, Reason.DEADLINE_INFEASIBLE, f"predicted to start ~{late:.2f} s past this "
-                       f"request's TTFT SLO ({slo:g} s)", max(RETRY_AFTER_MIN_S, late, ms.backlog.turnover_wait(
-                           t.priority, now, t.name) or 0.0))
 
     def _first_arrival(self, t: Tenant, info: RequestInfo, now: float) -> tuple[tuple | None, float | None]:
         """(its key in the retry ledger, when its first attempt came), for a retry the client

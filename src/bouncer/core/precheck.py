@@ -1,0 +1,51 @@
+"""The layers a new request meets before its prompt is tokenized: those that need no prompt.
+
+`AdmissionCore.precheck` runs them first (the gateway calls it before it tokenizes the prompt
+and hashes its blocks), so that a flood they refuse costs no tokenizing: an open breaker or a
+rate limit with nothing left (looked at, not taken: `offer` charges the real token count), a
+shut waiting-room door (draining, no backend, sheddable while saturated, a full tenant or band
+queue), and a queue ahead that alone outlasts the request's TTFT SLO. Each refuses as the layer
+`offer` runs later would; a request these pass may still be refused there, with its tokens.
+"""
+
+from __future__ import annotations
+
+from bouncer.config import Policy, Tenant
+from bouncer.core import deadlines
+from bouncer.core.backlog import RETRY_AFTER_MIN_S
+from bouncer.core.breaker import CircuitBreaker
+from bouncer.core.intake import TenantGate
+from bouncer.core.model_state import ModelState
+from bouncer.core.outcomes import Layer, Reason, Refusal
+from bouncer.core.pool import PoolView
+from bouncer.core.requests import RequestInfo
+from bouncer.core.saturation import SaturationDetector
+from bouncer.core.waiting_room import door_shut
+
+
+def cheap_refusal(ms: ModelState, tenant: Tenant, info: RequestInfo, gate: TenantGate, breaker: CircuitBreaker,
+                  saturation: SaturationDetector, policy: Policy, refuses_late: bool, now: float) -> Refusal | None:
+    """Why `info` is refused whatever its prompt, or None. `refuses_late`: requests predicted
+    to miss their deadline are refused (not only flagged)."""
+    view = PoolView(ms.replicas, policy, now)
+    return (gate.closed(tenant, breaker, now)
+            or door_shut(ms, tenant.name, tenant.priority, view, saturation, policy, now)
+            or _surely_late(ms, tenant, info, view, policy, refuses_late, now))
+
+
+def _surely_late(ms: ModelState, tenant: Tenant, info: RequestInfo, view: PoolView, policy: Policy,
+                 refuses_late: bool, now: float) -> Refusal | None:
+    """Refused as the core refuses a late newcomer once tokenized (`AdmissionCore._late`): the
+    queue ahead alone outlasts its TTFT SLO. Not an agent's step (it goes ahead of its tenant's
+    queue), nor where late requests are served best-effort or only flagged, nor while draining."""
+    slo = deadlines.tighter(info.ttft_slo_s, tenant.slo.ttft_s)
+    if not slo or info.session_id is not None or tenant.slo.on_infeasible != "refuse" or not refuses_late \
+            or ms.draining:
+        return None
+    predicts = any(r.predictor is not None for r in view.usable_replicas())
+    late = deadlines.surely_late(ms.backlog, tenant.priority, tenant.name, slo, predicts, policy, now)
+    if late is None:
+        return None
+    return Refusal(Layer.SLO, Reason.DEADLINE_INFEASIBLE, f"predicted to start ~{late:.2f} s past this request's "
+                   f"TTFT SLO ({slo:g} s)", max(RETRY_AFTER_MIN_S, late, ms.backlog.turnover_wait(
+                       tenant.priority, now, tenant.name) or 0.0))
