@@ -35,6 +35,13 @@ $(VLLM_STAMP):
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
 	touch $(VLLM_STAMP)
 
+# The Rust vllm-router, a peer `bouncer bench overhead` measures Bouncer against (optional: the
+# benchmark reports it missing without it; BOUNCER_VLLM_ROUTER=.venv-peers/bin/vllm-router)
+.venv-peers/.installed:
+	$(PYTHON) -m venv .venv-peers
+	.venv-peers/bin/python -m pip install -q vllm-router==0.1.17
+	touch .venv-peers/.installed
+
 $(GUIDELLM_STAMP):
 	$(PYTHON) -m venv $(GUIDELLM_VENV)
 	$(GUIDELLM_VENV)/bin/python -m pip install -q --upgrade pip

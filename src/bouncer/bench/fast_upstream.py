@@ -63,6 +63,7 @@ def app() -> web.Application:
     a.router.add_post("/v1/completions", generate)
     a.router.add_get("/metrics", metrics)
     a.router.add_get("/v1/models", models)
+    a.router.add_get("/health", lambda _request: web.Response(text="ok"))  # what routers probe
     return a
 
 

@@ -37,16 +37,20 @@ def pinned(cpu: int) -> list[str]:
     return ["taskset", "-c", str(cpu)] if shutil.which("taskset") and (os.cpu_count() or 1) > 1 else []
 
 
-def cpu_seconds(pid: int) -> float:
+def cpu_seconds(pid: int, children: bool = False) -> float:
     """Time on CPU of all of a process's threads (the first field of each thread's schedstat, in
-    nanoseconds: finer than /proc/PID/stat's clock ticks)."""
+    nanoseconds: finer than /proc/PID/stat's clock ticks); with `children`, of the processes it
+    started too (nginx's workers)."""
     total = 0
+    kids: list[int] = []
     for task in pathlib.Path(f"/proc/{pid}/task").iterdir():
         try:
             total += int((task / "schedstat").read_text().split()[0])
+            if children:
+                kids += [int(k) for k in (task / "children").read_text().split()]
         except (FileNotFoundError, ProcessLookupError):
             pass  # a thread that ended
-    return total / 1e9
+    return total / 1e9 + sum(cpu_seconds(k, children=True) for k in kids)
 
 
 def stop(procs: list[subprocess.Popen]) -> None:

@@ -22,6 +22,7 @@ import urllib.request
 from dataclasses import asdict, dataclass
 
 from bouncer.bench.loopback import cpu_seconds, free_port, pinned, stop, wait_ok
+from bouncer.bench.peers import start_peers
 from bouncer.config import key_digest
 
 BENCH_KEY = "bench-key"
@@ -95,10 +96,11 @@ def _gateway_config(upstream: str, port: int, recorder: bool = True) -> str:
 
 
 def run_overhead(seconds: int = 5, concurrencies: tuple[int, ...] = (1, 16, 64), tokenizer: str | None = None,
-                 rounds: int = 3) -> tuple[list[Run], dict]:
-    """The runs, and what one flight-recorder sample cost the recording gateway (its own
-    count, CPU time of the sampling thread). The two gateways are measured in `rounds`
-    alternating rounds: the report takes each one's median."""
+                 rounds: int = 3) -> tuple[list[Run], dict, dict[str, str]]:
+    """The runs; what one flight-recorder sample cost the recording gateway (its own count, CPU
+    time of the sampling thread); and the peers that are missing (`bouncer.bench.peers`). The
+    two gateways are measured in `rounds` alternating rounds (the report takes each one's
+    median), the upstream alone and each peer once."""
     if not shutil.which("wrk"):
         raise SystemExit("bouncer bench overhead needs wrk (Debian/Ubuntu: apt-get install wrk)")
     up_port, gw_port, off_port = free_port(), free_port(), free_port()
@@ -121,8 +123,11 @@ def run_overhead(seconds: int = 5, concurrencies: tuple[int, ...] = (1, 16, 64),
             wait_ok(f"http://127.0.0.1:{up_port}/metrics")
             wait_ok(f"http://127.0.0.1:{gw_port}/ready")
             wait_ok(f"http://127.0.0.1:{off_port}/ready")
+            peers, missing = start_peers(up_port, work)
+            procs += [peer.proc for peer in peers]
             runs = []
-            direct = (f"http://127.0.0.1:{up_port}/v1/chat/completions", procs[0].pid)
+            once = [("direct", (f"http://127.0.0.1:{up_port}/v1/chat/completions", procs[0].pid))] + [
+                (peer.name, (peer.url + "/v1/chat/completions", peer.proc.pid)) for peer in peers]
             gateways = {"bouncer": (f"http://127.0.0.1:{gw_port}/v1/chat/completions", procs[1].pid),
                         "bouncer-recorder-off": (f"http://127.0.0.1:{off_port}/v1/chat/completions", procs[2].pid)}
             for stream in (False, True):
@@ -130,14 +135,14 @@ def run_overhead(seconds: int = 5, concurrencies: tuple[int, ...] = (1, 16, 64),
                     # on, off / off, on / ...: neither gateway always runs first (which was worth
                     # up to 18% here when both ran with the recorder off)
                     pairs = list(gateways.items())
-                    order = [("direct", direct)] + [pair for i in range(rounds) for pair in pairs[::1 - 2 * (i % 2)]]
+                    order = once + [pair for i in range(rounds) for pair in pairs[::1 - 2 * (i % 2)]]
                     for target, (url, pid) in order:
                         _wrk(url, stream, c, 1, work)  # warm-up
-                        cpu0 = cpu_seconds(pid)
+                        cpu0 = cpu_seconds(pid, children=True)
                         rps, p50, p99, errors, total = _wrk(url, stream, c, seconds, work)
-                        cpu_us = (cpu_seconds(pid) - cpu0) / max(1, total) * 1e6
+                        cpu_us = (cpu_seconds(pid, children=True) - cpu0) / max(1, total) * 1e6
                         runs.append(Run(target, stream, c, rps, p50, p99, errors, total, cpu_us))
-            return runs, _recorder_stats(gw_port)
+            return runs, _recorder_stats(gw_port), missing
         finally:
             stop(procs)
 
@@ -194,9 +199,38 @@ def report(runs: list[Run], recorder: dict | None = None) -> str:
     return "\n".join(lines)
 
 
+def peers_report(runs: list[Run], missing: dict[str, str]) -> str:
+    """Bouncer beside each peer that ran: req/s, latency added over going direct, CPU per
+    request, and Bouncer's CPU per request over the peer's."""
+    by = {(r.target, r.stream, r.concurrency): r for r in runs if r.target not in ("bouncer", "bouncer-recorder-off")}
+    bouncer = {}
+    for r in runs:
+        if r.target == "bouncer":
+            bouncer.setdefault((r.stream, r.concurrency), []).append(r)
+    names = sorted({t for t, _, _ in by} - {"direct"})
+    lines = ["| mode | conc. | proxy | req/s | added p50 / p99 ms | CPU us/req | Bouncer's CPU / its |",
+             "|---|---|---|---|---|---|---|"]
+    for (stream, c), rs in bouncer.items():
+        direct = by.get(("direct", stream, c))
+        b = _median(rs)
+        for name in ["bouncer", *names]:
+            r = b if name == "bouncer" else by.get((name, stream, c))
+            if r is None or direct is None:
+                continue
+            ratio = "" if name == "bouncer" else f"{b.server_cpu_us_per_request / r.server_cpu_us_per_request:.1f}x"
+            lines.append(f"| {'stream' if stream else 'plain'} | {c} | {name} | {r.rps:,.0f} | "
+                         f"{r.p50_ms - direct.p50_ms:.2f} / {r.p99_ms - direct.p99_ms:.2f} | "
+                         f"{r.server_cpu_us_per_request:.0f} | {ratio} |")
+    lines += [f"{name}: missing ({how})" for name, how in missing.items()]
+    return "\n".join(lines)
+
+
 def main(seconds: int, out: str | None, tokenizer: str | None) -> None:
-    runs, recorder = run_overhead(seconds, tokenizer=tokenizer)
+    runs, recorder, missing = run_overhead(seconds, tokenizer=tokenizer)
     print(report(runs, recorder))
+    print()
+    print(peers_report(runs, missing))
     if out:
-        pathlib.Path(out).write_text(json.dumps({"runs": [asdict(r) for r in runs], "recorder": recorder}, indent=2))
+        pathlib.Path(out).write_text(json.dumps({"runs": [asdict(r) for r in runs], "recorder": recorder,
+                                                 "missing_peers": missing}, indent=2))
         print(f"saved {out}")

@@ -1,0 +1,75 @@
+"""The proxies users would put in Bouncer's place, started for `bouncer bench overhead` in front
+of the same fast upstream, pinned as the gateway is: nginx as a plain reverse proxy (Debian's
+`nginx-light`) and the Rust `vllm-router` (PyPI; `$BOUNCER_VLLM_ROUTER` or on PATH) with
+round-robin routing. One that is not installed is reported missing, with how to install it."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import shutil
+import subprocess
+
+from bouncer.bench.loopback import free_port, pinned, wait_ok
+
+NGINX_CONF = """\
+daemon off;
+worker_processes 1;
+pid {work}/nginx.pid;
+error_log {work}/nginx-error.log warn;
+events {{ worker_connections 4096; }}
+http {{
+  access_log off;
+  client_body_temp_path {work}/nginx-body;
+  proxy_temp_path {work}/nginx-proxy;
+  upstream fast {{ server 127.0.0.1:{upstream}; keepalive 128; }}
+  server {{
+    listen 127.0.0.1:{port};
+    location / {{
+      proxy_pass http://fast;
+      proxy_http_version 1.1;
+      proxy_set_header Connection "";
+      proxy_buffering off;
+    }}
+  }}
+}}
+"""
+
+INSTALL = {"nginx": "apt-get install nginx-light",
+           "vllm-router": "make .venv-peers/.installed (pip install vllm-router==0.1.17 in a venv of its own), "
+                          "then BOUNCER_VLLM_ROUTER=.venv-peers/bin/vllm-router"}
+
+
+class Peer:
+    def __init__(self, name: str, url: str, proc: subprocess.Popen) -> None:
+        self.name, self.url, self.proc = name, url, proc
+
+
+def start_peers(upstream_port: int, work: pathlib.Path) -> tuple[list[Peer], dict[str, str]]:
+    """The peers that are installed, started and answering; and those missing, with how to get
+    them."""
+    peers: list[Peer] = []
+    missing: dict[str, str] = {}
+    nginx = shutil.which("nginx") or ("/usr/sbin/nginx" if pathlib.Path("/usr/sbin/nginx").exists() else None)
+    if nginx:
+        port = free_port()
+        conf = work / "nginx.conf"
+        conf.write_text(NGINX_CONF.format(work=work, upstream=upstream_port, port=port))
+        proc = subprocess.Popen([*pinned(1), nginx, "-c", str(conf), "-p", str(work)], stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+        peers.append(Peer("nginx", f"http://127.0.0.1:{port}", proc))
+    else:
+        missing["nginx"] = INSTALL["nginx"]
+    router = os.environ.get("BOUNCER_VLLM_ROUTER") or shutil.which("vllm-router")
+    if router:
+        port = free_port()
+        proc = subprocess.Popen([*pinned(1), router, "--host", "127.0.0.1", "--port", str(port), "--worker-urls",
+                                 f"http://127.0.0.1:{upstream_port}", "--policy", "round_robin", "--log-level",
+                                 "warning", "--disable-retries", "--disable-circuit-breaker"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        peers.append(Peer("vllm-router", f"http://127.0.0.1:{port}", proc))
+    else:
+        missing["vllm-router"] = INSTALL["vllm-router"]
+    for peer in peers:
+        wait_ok(peer.url + "/v1/models", timeout=60)
+    return peers, missing
