@@ -38,3 +38,22 @@ def test_a_flood_over_its_rate_limit_is_refused_untokenized(bg_loop):
         assert f.call(lambda: f.gateway.core.stats.arrived["rogue"]) == 12  # each counted once
     finally:
         f.close()
+
+
+def test_a_key_that_is_not_utf8_is_a_401_not_a_500(bg_loop):
+    import socket
+    import urllib.parse
+
+    f = Fleet(bg_loop, [tenant("t")])
+    try:
+        url = urllib.parse.urlparse(f.url)
+        body = b'{"model": "demo-llm", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}'
+        raw = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+               b"api-key: \xff\xfe\xfd\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        with socket.create_connection((url.hostname, url.port), timeout=10) as s:
+            s.sendall(raw)
+            answer = s.recv(65536)
+        assert answer.startswith(b"HTTP/1.1 401"), answer[:200]
+        assert f.call(lambda: f.gateway.metrics.internal_errors._value.get()) == 0
+    finally:
+        f.close()

@@ -36,11 +36,17 @@ def cheap_refusal(ms: ModelState, tenant: Tenant, info: RequestInfo, gate: Tenan
 def _surely_late(ms: ModelState, tenant: Tenant, info: RequestInfo, view: PoolView, policy: Policy,
                  refuses_late: bool, now: float) -> Refusal | None:
     """Refused as the core refuses a late newcomer once tokenized (`AdmissionCore._late`): the
-    queue ahead alone outlasts its TTFT SLO. Not an agent's step (it goes ahead of its tenant's
-    queue), nor where late requests are served best-effort or only flagged, nor while draining."""
+    queue ahead alone outlasts its TTFT SLO, behind its own tenant's queued requests. Not an
+    agent's step (it goes ahead of its tenant's queue), nor where late requests are served
+    best-effort or only flagged, nor while draining."""
     slo = deadlines.tighter(info.ttft_slo_s, tenant.slo.ttft_s)
     if not slo or info.session_id is not None or tenant.slo.on_infeasible != "refuse" or not refuses_late \
             or ms.draining:
+        return None
+    own = ms.flow.queue_of(tenant.name, tenant.priority)
+    if own is None or not own.count:
+        # with nothing of its own queued it is its tenant's next turn, which fair queueing gives
+        # it sooner than the whole band's backlog that the estimate counts: `offer` decides
         return None
     predicts = any(r.predictor is not None for r in view.usable_replicas())
     late = deadlines.surely_late(ms.backlog, tenant.priority, tenant.name, slo, predicts, policy, now)

@@ -33,7 +33,9 @@ def key_digest_from_headers(headers) -> str | None:
     microsecond."""
     auth = headers.get("Authorization", "")
     key = auth[7:].strip() if auth[:7].lower() == "bearer " else headers.get("api-key", "").strip()
-    return hashlib.sha256(key.encode()).hexdigest() if key else None
+    # bytes a header carried that are not UTF-8 come as surrogates: hash them as they came (no
+    # tenant has such a key, so it is a 401, not an error)
+    return hashlib.sha256(key.encode("utf-8", "surrogateescape")).hexdigest() if key else None
 
 
 def _estimate_ids(text: str) -> list[int]:
