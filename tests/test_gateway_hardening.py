@@ -341,6 +341,23 @@ def test_5_headers_that_trickle_in_are_cut_off_with_408(tight):
     assert answer.startswith(b"HTTP/1.1 408") and b'"request_timeout"' in answer
 
 
+def test_5_a_kept_alive_connection_idle_past_the_header_deadline_is_not_cut(tight, caplog):
+    """The header deadline runs from a request's first byte: a connection idle between requests
+    (the SDKs' pooled keep-alive connections) is not answered a 408 nobody asked for, and the
+    deadline's timer raises nothing."""
+    base, _ = tight
+    body = json.dumps({"model": "demo-llm", "prompt": "x", "max_tokens": 2}).encode()
+    request = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer alice\r\n"
+               b"Content-Type: application/json\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    with caplog.at_level(logging.DEBUG), socket.create_connection(("127.0.0.1", _port(base))) as s:
+        for _ in range(2):
+            s.sendall(request)
+            answer = _read_all(s, timeout=1.5)  # the answer, then 1.5 s idle: 3x the header deadline
+            assert answer.startswith(b"HTTP/1.1 200"), answer[:200]
+            assert answer.count(b"HTTP/1.1") == 1, answer
+    assert not [r for r in caplog.records if r.exc_info], "a traceback was logged"
+
+
 def test_5_a_body_that_never_completes_is_408_and_counted(tight, bg_loop):
     base, gw = tight
     with socket.create_connection(("127.0.0.1", _port(base))) as s:

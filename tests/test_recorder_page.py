@@ -77,10 +77,15 @@ async def _surge(base: str) -> dict[str, int]:
 
 
 @pytest.fixture
-def demo():
+def demo(tmp_path):
+    """The demo gateway. Its log goes to a file, printed if the test fails: a pipe that nobody
+    reads fills after 64 KB and then blocks the gateway's every write to it, event loop and all."""
     port, engines = free_port(), (free_port(), free_port())
-    proc = subprocess.Popen([BOUNCER, "serve", "--port", str(port), "--engine-ports", f"{engines[0]},{engines[1]}",
-                             "--log-level", "warning"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    log = tmp_path / "demo.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen([BOUNCER, "serve", "--port", str(port), "--engine-ports",
+                                 f"{engines[0]},{engines[1]}", "--log-level", "warning"],
+                                stdout=subprocess.DEVNULL, stderr=out)
     base = f"http://127.0.0.1:{port}"
     try:
         wait_http_ok(base + "/ready", timeout=30)
@@ -91,6 +96,7 @@ def demo():
             proc.wait(10)
         except subprocess.TimeoutExpired:
             proc.kill()
+        print(f"the demo's log ({log.stat().st_size} bytes), its end:\n" + log.read_text(errors="replace")[-4000:])
 
 
 def _open_page(browser, url: str):

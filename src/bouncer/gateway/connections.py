@@ -56,7 +56,6 @@ class GuardedRequestHandler(web_protocol.RequestHandler):
         self._limits = limits
         self._counted = False
         self._handling = 0  # requests of this connection in a handler now
-        self._bytes_while_handling = False
         self._header_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -79,9 +78,12 @@ class GuardedRequestHandler(web_protocol.RequestHandler):
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
-        if self._handling:
-            self._bytes_while_handling = True  # a body, or a pipelined request
-        elif self._header_timer is None:
+        # Bytes that arrive while a request is in a handler are its body (which has its own
+        # deadline) or a pipelined request, which cannot be told apart here; so the clock starts
+        # at the first byte that arrives while none is handled. A pipelined request's headers
+        # left incomplete are then cut by the keep-alive timeout, or by this deadline at its
+        # next byte.
+        if not self._handling and self._header_timer is None:
             self._arm_header_timer()
         super().data_received(data)
 
@@ -92,9 +94,6 @@ class GuardedRequestHandler(web_protocol.RequestHandler):
 
     def request_finished(self) -> None:
         self._handling -= 1
-        if not self._handling and self._bytes_while_handling:
-            self._bytes_while_handling = False
-            self._arm_header_timer()  # the next request may have begun while this one ran
 
     def _arm_header_timer(self) -> None:
         self._header_timer = self._loop.call_later(self._limits.header_timeout_s, self._headers_late)
@@ -112,8 +111,7 @@ class GuardedRequestHandler(web_protocol.RequestHandler):
         self.transport.write(raw_error(408, "Request Timeout", "request_timeout",
                                        f"the request's headers did not arrive within "
                                        f"{self._limits.header_timeout_s:g} s"))
-        self.force_close()
-        self.transport.close()
+        self.force_close()  # closes the transport too
 
     def handle_error(self, request, status: int = 500, exc: BaseException | None = None,
                      message: str | None = None) -> web.StreamResponse:
