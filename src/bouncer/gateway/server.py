@@ -337,7 +337,8 @@ class Gateway:
         if request.content_length is not None and request.content_length > limits.max_body_bytes:
             return self._refuse_early(rid, too_large, line)
         try:
-            raw: bytes | None = await asyncio.wait_for(request.read(), self.config.listen.body_timeout_s)
+            async with asyncio.timeout(self.config.listen.body_timeout_s):  # no task per request, as wait_for has
+                raw: bytes | None = await request.read()
         except web.HTTPRequestEntityTooLarge:  # past the app's client_max_size of limit + 1
             raw = None
         except TimeoutError:

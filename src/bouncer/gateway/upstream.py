@@ -93,8 +93,14 @@ class UpstreamResponse:
             await self._wait(read_timeout)
 
     async def read(self, read_timeout: float) -> bytes:
-        parts = [chunk async for chunk in self.chunks(read_timeout)]
-        return b"".join(parts)
+        """The whole body (a short answer has usually all come with its headers)."""
+        while not self._done:
+            await self._wait(read_timeout)
+        if self._error is not None:
+            raise self._error
+        body = b"".join(self._chunks)
+        self._chunks.clear()
+        return body
 
     def close(self) -> None:
         """Done with it: an unfinished response takes its connection down with it."""
@@ -217,7 +223,8 @@ class UpstreamPool:
         while True:
             resp = conn.send(head, body)
             try:
-                await asyncio.wait_for(conn.headers_done, self.read_timeout)
+                async with asyncio.timeout(self.read_timeout):
+                    await conn.headers_done
                 return resp
             except TimeoutError:
                 conn.abort()
