@@ -16,10 +16,11 @@ GUIDELLM_PACKAGES ?= torch==2.13.0 guidellm==0.8.1
 
 .PHONY: run test test-fast lint bench-engine bench-overhead clean system-tools
 
-# Debian's Chromium (the flight recorder page's browser test) and Prometheus (the Grafana
-# dashboard's and alert rules' queries against the demo): apt installs them when missing and
-# this runs as root; otherwise it says what is missing, and the tests that need them fail.
-SYSTEM_TOOLS := chromium promtool prometheus
+# Debian's Chromium (the flight recorder page's browser test), Prometheus (the Grafana
+# dashboard's and alert rules' queries against the demo) and redis-server (the shared state of
+# several gateways; tests start their own): apt installs them when missing and this runs as
+# root; otherwise it says what is missing, and the tests that need them fail.
+SYSTEM_TOOLS := chromium promtool prometheus redis-server
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -55,11 +56,11 @@ system-tools:
 	@missing=""; for t in $(SYSTEM_TOOLS); do command -v $$t >/dev/null || missing="$$missing $$t"; done; \
 	if [ -n "$$missing" ]; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-	    echo "installing Debian's chromium and prometheus (missing:$$missing)"; \
+	    echo "installing Debian's chromium, prometheus and redis-server (missing:$$missing)"; \
 	    apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium && \
-	    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus; \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus redis-server; \
 	  else \
-	    echo "missing:$$missing: install Debian's chromium and prometheus (the tests that use them fail without)"; \
+	    echo "missing:$$missing: install Debian's chromium, prometheus and redis-server (the tests that use them fail without)"; \
 	  fi; \
 	fi
 

@@ -474,6 +474,29 @@ class Logging(_Strict):
                                                "queue wait, TTFT, tokens")
 
 
+class SharedState(_Strict):
+    """State several gateways share, in Redis: with it set, N gateways behind one load balancer
+    enforce each tenant's rate limits once for all of them, not once each."""
+
+    url: str = Field(description="redis://[user:password@]host:port/db (rediss:// for TLS)")
+    key_prefix: str = Field("bouncer:", min_length=1, description="every key Bouncer writes starts with it")
+    lease_s: float = Field(10.0, gt=0.5, le=600.0, description="a gateway that has not renewed its presence in "
+                                                               "this long is no longer counted")
+    timeout_ms: float = Field(50.0, gt=0.0, le=10_000.0, description="a Redis call slower than this is a failure")
+    on_unavailable: Literal["fail-open", "fail-closed"] = Field(
+        "fail-open", description="with Redis unreachable: fail-open decides locally, each gateway with its share "
+                                 "of every limit (limit / gateways last seen); fail-closed refuses rate-limited "
+                                 "tenants' requests with 503 and Retry-After. Both return to shared state by "
+                                 "themselves once Redis answers again")
+
+    @field_validator("url")
+    @classmethod
+    def _redis_url(cls, url: str) -> str:
+        if not url.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError("a redis://, rediss:// or unix:// URL")
+        return url
+
+
 class BouncerConfig(_Strict):
     listen: Listen = Listen()
     admin_keys_sha256: list[str] = Field(default_factory=list)
@@ -487,6 +510,8 @@ class BouncerConfig(_Strict):
     policy: Policy = Policy()
     limits: Limits = Limits()
     recorder: Recorder = Recorder()
+    shared_state: SharedState | None = Field(None, description="several gateways: what they share, in Redis; "
+                                                               "unset: this gateway alone")
 
     @field_validator("admin_keys_sha256")
     @classmethod
@@ -572,6 +597,13 @@ access:
 # tenant, each replica's KV and queues), the last horizon_s kept in memory, about 1-3 kB a sample
 # by the number of tenants and replicas (/admin/timeline says how much it holds). Seen at /ui.
 recorder: {enabled: true, step_s: 0.25, horizon_s: 900}
+
+# Several gateways behind one load balancer: tenants' rate limits are kept in Redis, so together
+# they let through each limit once, not once per gateway. One Redis call per rate-limited
+# request. on_unavailable: fail-open (each gateway its share of each limit while Redis is away)
+# or fail-closed (503 with Retry-After for rate-limited tenants); both recover by themselves.
+# shared_state: {url: "redis://127.0.0.1:6379/0", key_prefix: "bouncer:", lease_s: 10,
+#                timeout_ms: 50, on_unavailable: fail-open}
 
 logging: {level: info, format: logfmt, access_log: true}   # format: logfmt | json | text
 

@@ -5,6 +5,7 @@ fits the context, and whether its tenant may send now.
 - `validate`: a known model its tenant may use; parameters within `limits`;
 - `context_budget`: prompt + max_tokens within the model's and tenant's context, max_tokens
   defaulted and clamped;
+- `rate_charge`: what the gate will charge it, known before the offer;
 - `TenantGate`: the tenant's circuit breaker, then its rate limits. The gate takes from both (a
   breaker's half-open probe, a rate-limit charge); whatever a later layer refuses, the core's
   finaliser gives back.
@@ -67,6 +68,18 @@ def context_budget(info: RequestInfo, tenant: Tenant, model: ModelConfig) -> int
     return max_tokens
 
 
+def rate_charge(info: RequestInfo, tenant: Tenant, model: ModelConfig | None, limits: Limits) -> int | None:
+    """What `TenantGate.enter` will charge this request's token bucket (prompt + max_tokens
+    after the context budget), for a shell that fetches the rate verdict from a shared store
+    before the offer; None where its tenant has no rate limit or an earlier layer refuses it."""
+    if not (tenant.rate_limit.requests_per_s or tenant.rate_limit.tokens_per_min):
+        return None
+    if model is None or validate(info, tenant, model, limits) is not None:
+        return None
+    max_tokens = context_budget(info, tenant, model)
+    return None if isinstance(max_tokens, Refusal) else info.prompt_tokens + max_tokens
+
+
 class TenantGate:
     """Its circuit breaker, then its rate limits."""
 
@@ -103,5 +116,8 @@ def _circuit_open(tenant: Tenant, wait: float) -> Refusal:
 
 
 def _rate_limited(tenant: Tenant, reason: Reason, wait: float) -> Refusal:
+    if reason is Reason.SHARED_STATE_UNAVAILABLE:
+        return Refusal(Layer.RATE, reason, f"tenant {tenant.name!r}'s rate limits are kept in the gateways' shared "
+                       f"state, which is unreachable (shared_state.on_unavailable: fail-closed)", wait)
     return Refusal(Layer.RATE, reason, f"tenant {tenant.name!r} is over its {reason.split('_')[-1]} rate limit",
                    wait)

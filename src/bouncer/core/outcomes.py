@@ -46,6 +46,7 @@ class Reason(StrEnum):
     RATE_LIMITED_REQUESTS = "rate_limited_requests"
     RATE_LIMITED_TOKENS = "rate_limited_tokens"
     CIRCUIT_OPEN = "circuit_open"
+    SHARED_STATE_UNAVAILABLE = "shared_state_unavailable"  # the gateways' Redis is away, and the config fails closed
     TENANT_QUEUE_FULL = "tenant_queue_full"
     DEADLINE_INFEASIBLE = "deadline_infeasible"
     RETRY_PAST_DEADLINE = "retry_past_deadline"
@@ -90,6 +91,7 @@ STATUS_BY_REASON: dict[Reason, int] = {
     Reason.TTL_EXPIRED: 503,
     Reason.DRAINING: 503,
     Reason.NO_BACKEND: 503,
+    Reason.SHARED_STATE_UNAVAILABLE: 503,
     Reason.TOO_MANY_CONNECTIONS: 503,
     Reason.UPSTREAM_REJECTED: 400,
     Reason.UPSTREAM_REFUSED: 503,

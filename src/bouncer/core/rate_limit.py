@@ -51,14 +51,26 @@ class TokenBucket:
         self.level = min(self.burst, self.level + min(amount, self.burst))
 
 
+Bucket = tuple[float, float]  # (rate per second, burst)
+
+
+def buckets(cfg: RateLimit, share: int = 1) -> tuple[Bucket | None, Bucket | None]:
+    """The (rate, burst) of a tenant's request and token buckets, None where it has no such
+    limit; with `share` N, one gateway's Nth of each (rate and burst divided by N)."""
+    requests = (cfg.requests_per_s, cfg.request_burst or max(1.0, 2 * cfg.requests_per_s)) \
+        if cfg.requests_per_s else None
+    tokens_per_s = cfg.tokens_per_min / 60 if cfg.tokens_per_min else None
+    tokens = (tokens_per_s, cfg.token_burst or 10 * tokens_per_s) if tokens_per_s else None
+    return tuple(None if b is None else (b[0] / share, b[1] / share) for b in (requests, tokens))  # type: ignore[return-value]
+
+
 class TenantRateLimiter:
     """Request and token buckets for one tenant; either may be absent (unlimited)."""
 
-    def __init__(self, cfg: RateLimit, now: float) -> None:
-        self.requests = TokenBucket(cfg.requests_per_s, cfg.request_burst or max(1.0, 2 * cfg.requests_per_s), now) \
-            if cfg.requests_per_s else None
-        tokens_per_s = cfg.tokens_per_min / 60 if cfg.tokens_per_min else None
-        self.tokens = TokenBucket(tokens_per_s, cfg.token_burst or 10 * tokens_per_s, now) if tokens_per_s else None
+    def __init__(self, cfg: RateLimit, now: float, share: int = 1) -> None:
+        requests, tokens = buckets(cfg, share)
+        self.requests = TokenBucket(*requests, now) if requests else None
+        self.tokens = TokenBucket(*tokens, now) if tokens else None
 
     def take(self, tokens: int, now: float) -> tuple[Reason, float] | None:
         """None if the request may pass (and is charged); else (reason, retry_after)."""

@@ -176,12 +176,33 @@ class _CoreCollector:
         yield ratio
 
 
+class _SharedStateCollector:
+    """The link to the gateways' shared Redis (`shared_state`), where one is configured."""
+
+    def __init__(self, shared: Callable[[], object | None]) -> None:
+        self.shared = shared
+
+    def collect(self):
+        link = self.shared()
+        if link is None:
+            return
+        yield GaugeMetricFamily("bouncer_shared_state_up", "1 while the gateways' shared Redis answers; 0: this "
+                                "gateway decides as shared_state.on_unavailable says.", value=int(link.available))
+        yield GaugeMetricFamily("bouncer_shared_state_gateways", "Gateways sharing the rate limits, as last counted "
+                                "(each one's share of every limit while Redis is away).", value=link.store.gateways)
+        yield CounterMetricFamily("bouncer_shared_state_failures", "Redis calls that failed or timed out.",
+                                  value=link.calls_failed)
+        yield CounterMetricFamily("bouncer_shared_state_refunds_lost", "Rate-limit charges that could not be given "
+                                  "back to Redis (it went away meanwhile).", value=link.refunds_lost)
+
+
 class GatewayMetrics:
     def __init__(self, core_ref: Callable[[], AdmissionCore], clock: Callable[[], float],
-                 kv_event_stats: Callable[[], dict] = dict, connections: Callable[[], object | None] = lambda: None
-                 ) -> None:
+                 kv_event_stats: Callable[[], dict] = dict, connections: Callable[[], object | None] = lambda: None,
+                 shared: Callable[[], object | None] = lambda: None) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(_CoreCollector(core_ref, clock, kv_event_stats, connections))
+        self.registry.register(_SharedStateCollector(shared))
         self.internal_errors = Counter("bouncer_internal_errors", "Requests answered 500: a bug in the gateway.",
                                        registry=self.registry)
         self.queue_wait = Histogram("bouncer_queue_wait_seconds", "Time from arrival to dispatch.",

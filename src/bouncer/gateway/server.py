@@ -35,10 +35,13 @@ from aiohttp import web
 from prometheus_client import generate_latest
 
 from bouncer.config import BouncerConfig, ConfigError, key_digest, load_config, parse_config
+from bouncer.core import intake
 from bouncer.core.admission import AdmissionCore
 from bouncer.core.fleet import Telemetry
 from bouncer.core.model_state import backend_name
 from bouncer.core.outcomes import Dispatch, Event, Layer, Reason, Reclaimed, Refusal, Reject, Terminal
+from bouncer.core.shared_rate_limits import SharedRateLimits
+from bouncer.core.stores import Stores
 from bouncer.gateway import kv_events
 from bouncer.gateway.connections import GuardedSite, Limits
 from bouncer.gateway.metrics import GatewayMetrics
@@ -47,6 +50,7 @@ from bouncer.gateway.recording import GatewayRecorder
 from bouncer.gateway.relay import Outcome, Requeue, UpstreamFailure, failure_for_status, relay_json, relay_stream
 from bouncer.gateway.request_parsing import key_digest_from_headers, request_head, with_prompt
 from bouncer.gateway.scrapers import PARSERS
+from bouncer.gateway.shared_state import SharedState
 from bouncer.gateway.upstream import UpstreamError, UpstreamPool, UpstreamTimeout
 from bouncer.openai_wire import ApiError, dumps, models_list, parse_json_object
 from bouncer.recorder.page import add_page_routes, timeline_response
@@ -92,10 +96,17 @@ class Gateway:
         self.clock = clock
         self.config_path = config_path
         prepared = prepare(config)  # raises ConfigError before anything starts
-        self.core = AdmissionCore(config, clock())
+        self.shared: SharedState | None = None  # several gateways: what they share, in Redis
+        if config.shared_state is not None:
+            shared_limits = SharedRateLimits()
+            self.core = AdmissionCore(config, clock(), dataclasses.replace(Stores.local(), rate_limits=shared_limits))
+            self.shared = SharedState(config.shared_state, shared_limits, clock)
+        else:
+            self.core = AdmissionCore(config, clock())
         self._install(prepared)
         self.connections = Limits(config.listen.header_timeout_s, config.listen.max_connections)
-        self.metrics = GatewayMetrics(lambda: self.core, clock, lambda: self.kv_event_stats, lambda: self.connections)
+        self.metrics = GatewayMetrics(lambda: self.core, clock, lambda: self.kv_event_stats, lambda: self.connections,
+                                      lambda: self.shared)
         self.recorder = GatewayRecorder(config.recorder, lambda: self.core.view, clock, self._recorded_gauges)
         self.loop_lag_s = 0.0  # the last probe's (`_probe_loop_lag`)
         self._ids = itertools.count()
@@ -144,6 +155,8 @@ class Gateway:
         self._tasks.append(loop.create_task(self.recorder.run()))
         self._tasks.append(loop.create_task(self._probe_loop_lag()))
         self._sync_scrapers()
+        if self.shared is not None:
+            await self.shared.start()  # degraded (as configured) until Redis answers
 
     async def _stop(self, _app: web.Application) -> None:
         subs = [task for _, task in self._kv_subs.values()]
@@ -155,6 +168,8 @@ class Gateway:
         if self.session is not None:
             await self.session.close()
         self.upstream.close()
+        if self.shared is not None:
+            await self.shared.close()
 
     def _sync_scrapers(self) -> None:
         loop = asyncio.get_running_loop()
@@ -189,6 +204,8 @@ class Gateway:
 
     # -- core events -------------------------------------------------------------------------------
     def _apply(self, events: list[Event]) -> None:
+        if self.shared is not None:
+            self.shared.settle()  # charges the core did not take, or gave back
         for event in events:
             if isinstance(event, Reclaimed):
                 log.warning("permit reclaimed: its lease ran out unrenewed", extra={
@@ -369,6 +386,9 @@ class Gateway:
         else:
             info = with_prompt(head, kind, body, tokenizer, block_size)
         line.update(prompt_tokens=info.prompt_tokens)
+        if self.shared is not None and (charge := intake.rate_charge(
+                info, checked, model, self.config.limits)) is not None:
+            await self.shared.charge(checked.name, charge)  # the rate verdict, from the gateways' Redis
         decision = await self._decision(rid, lambda: self.core.offer(info, self.clock(), checked))
         while True:
             if isinstance(decision, Reject):
@@ -593,6 +613,8 @@ class Gateway:
             else:
                 raise ConfigError("send the new config in the body (no config file to re-read)")
             prepared = prepare(config, "reload")
+            if config.shared_state != self.config.shared_state:
+                raise ConfigError("shared_state changed: that takes a restart (the gateway's state moves)")
         except (ConfigError, ValueError, yaml.YAMLError, OSError) as exc:
             log.warning("reload refused", extra={"event": "reload", "ok": False, "error": str(exc)})
             return _plain_error(400, str(exc), "invalid_request_error", "invalid_config")

@@ -1,0 +1,210 @@
+"""What several gateways share, in Redis: tenants' rate-limit buckets, and who is alive.
+
+Each gateway behind one load balancer runs its own core; without this, each enforces every
+tenant's limit on its own and together they let through the limit times their number (what
+LiteLLM's users report of its multi-instance rate limits). With `shared_state` set:
+- a request of a rate-limited tenant costs one Redis call (`TAKE`, a Lua script: both buckets
+  checked and charged at once, on Redis's own clock so gateways' clocks need not agree), made
+  before the offer; its verdict goes to the core through `SharedRateLimits`. Charges the core
+  gives back are sent back in the background (`REFUND`);
+- every gateway renews its presence every lease_s / 3 (`HEARTBEAT`: a sorted set scored by
+  Redis's time); the ones seen within lease_s are counted, and that count is each gateway's share
+  of every limit if Redis goes away.
+
+Redis unreachable, slower than timeout_ms, or answering an error: the gateway degrades at once and
+stops asking Redis on the request path. fail-open decides locally with its share of each limit;
+fail-closed refuses rate-limited tenants' requests with 503 `shared_state_unavailable` and
+Retry-After. A probe every PROBE_S tries Redis again; its first answer ends the degradation (a
+Redis restarted empty has every bucket full again: one burst each, as after a fresh start).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+import socket
+from collections.abc import Callable
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from bouncer.config import SharedState as SharedStateConfig
+from bouncer.core.outcomes import Reason
+from bouncer.core.rate_limit import Bucket
+from bouncer.core.shared_rate_limits import SharedRateLimits, Verdict
+
+log = logging.getLogger("bouncer.gateway")
+
+PROBE_S = 0.5  # while degraded, how often Redis is tried again
+FAIL_CLOSED_RETRY_S = 1.0  # the Retry-After of a fail-closed refusal
+
+# A bucket is a hash {level, at}; absent means full. The request bucket's unit is one request,
+# the token bucket's the request's charge (capped at the burst, as the local buckets do).
+_BUCKETS = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local function level(key, rate, burst)
+  local v = redis.call('HMGET', key, 'level', 'at')
+  local lvl, at = tonumber(v[1]), tonumber(v[2])
+  if lvl == nil then return burst end
+  return math.min(burst, lvl + math.max(0, now - at) * rate)
+end
+local function store(key, rate, burst, lvl)
+  redis.call('HSET', key, 'level', tostring(lvl), 'at', tostring(now))
+  redis.call('PEXPIRE', key, math.ceil((burst - lvl) / rate * 1000) + 1000)
+end
+local rr, rb, tr, tb, n = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
+"""
+
+TAKE = _BUCKETS + """
+local rl, tl = -1, -1
+if rr > 0 then rl = level(KEYS[1], rr, rb) end
+if tr > 0 then tl = level(KEYS[2], tr, tb) end
+local one, need = math.min(1, rb), math.min(n, tb)
+if rr > 0 and rl < one then return {1, tostring((one - rl) / rr), tostring(rl), tostring(tl)} end
+if tr > 0 and tl < need then return {2, tostring((need - tl) / tr), tostring(rl), tostring(tl)} end
+if rr > 0 then rl = rl - one; store(KEYS[1], rr, rb, rl) end
+if tr > 0 then tl = tl - need; store(KEYS[2], tr, tb, tl) end
+return {0, '0', tostring(rl), tostring(tl)}
+"""
+
+REFUND = _BUCKETS + """
+if rr > 0 then store(KEYS[1], rr, rb, math.min(rb, level(KEYS[1], rr, rb) + math.min(1, rb))) end
+if tr > 0 then store(KEYS[2], tr, tb, math.min(tb, level(KEYS[2], tr, tb) + math.min(n, tb))) end
+return 0
+"""
+
+HEARTBEAT = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+redis.call('ZADD', KEYS[1], now, ARGV[1])
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - tonumber(ARGV[2]))
+redis.call('PEXPIRE', KEYS[1], math.ceil(tonumber(ARGV[2]) * 2000))
+return redis.call('ZCARD', KEYS[1])
+"""
+
+REASONS = {1: Reason.RATE_LIMITED_REQUESTS, 2: Reason.RATE_LIMITED_TOKENS}
+
+
+def _args(limits: tuple[Bucket | None, Bucket | None], tokens: int) -> list[float | int]:
+    requests, token_bucket = limits
+    return [*(requests or (0, 0)), *(token_bucket or (0, 0)), tokens]
+
+
+def _level(raw: bytes) -> float | None:
+    value = float(raw)
+    return None if value < 0 else value
+
+
+class SharedState:
+    """This gateway's link to the shared Redis: the rate verdicts, the refunds, its presence."""
+
+    def __init__(self, cfg: SharedStateConfig, store: SharedRateLimits, clock: Callable[[], float],
+                 gateway_id: str | None = None) -> None:
+        self.cfg = cfg
+        self.store = store
+        self.clock = clock
+        # unique per gateway, even for two in one process
+        self.gateway_id = gateway_id or f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
+        self.available = False
+        self.calls_failed = 0
+        self.refunds_lost = 0  # charges that could not be given back (Redis went away meanwhile)
+        self._redis = aioredis.from_url(cfg.url, socket_timeout=cfg.timeout_ms / 1000,
+                                        socket_connect_timeout=cfg.timeout_ms / 1000, retry_on_timeout=False)
+        self._take = self._redis.register_script(TAKE)
+        self._refund = self._redis.register_script(REFUND)
+        self._heartbeat = self._redis.register_script(HEARTBEAT)
+        self._task: asyncio.Task | None = None
+        self._background: set[asyncio.Task] = set()
+        store.degraded = True  # until Redis first answers
+
+    def _keys(self, tenant: str) -> list[str]:
+        # one hash tag per tenant: both of its buckets on one Redis Cluster slot, for the script
+        base = f"{self.cfg.key_prefix}rl:{{{tenant}}}"
+        return [base + ":requests", base + ":tokens"]
+
+    # -- lifecycle --------------------------------------------------------------------------------
+    async def start(self) -> None:
+        await self._beat()
+        self._task = asyncio.get_running_loop().create_task(self._presence())
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        if self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)
+        if self.available:  # leave the count at once, not after lease_s
+            try:
+                await self._redis.zrem(self.cfg.key_prefix + "gateways", self.gateway_id)
+            except (RedisError, OSError):
+                pass
+        await self._redis.aclose()
+
+    async def _presence(self) -> None:
+        while True:
+            await asyncio.sleep(PROBE_S if not self.available else self.cfg.lease_s / 3)
+            await self._beat()
+
+    async def _beat(self) -> None:
+        try:
+            live = await self._heartbeat(keys=[self.cfg.key_prefix + "gateways"],
+                                         args=[self.gateway_id, self.cfg.lease_s])
+        except (RedisError, OSError) as exc:
+            self._failed(exc)
+            return
+        self.store.set_gateways(int(live), self.clock())
+        if not self.available:
+            log.info("shared state reachable: rate limits shared by %d gateways", live,
+                     extra={"event": "shared_state_up", "gateways": int(live)})
+        self.available = True
+        self.store.degraded = False
+
+    def _failed(self, exc: BaseException) -> None:
+        self.calls_failed += 1
+        if self.available or self.calls_failed == 1:
+            log.warning("shared state unreachable (%s): %s", self.cfg.on_unavailable, exc or type(exc).__name__,
+                        extra={"event": "shared_state_down", "error": str(exc) or type(exc).__name__,
+                               "gateways_share": self.store.gateways})
+        self.available = False
+        self.store.degraded = True
+
+    # -- the request path -------------------------------------------------------------------------
+    async def charge(self, tenant: str, tokens: int) -> None:
+        """Fetch the verdict for a request `offer` will charge `tokens`, and hand it to the
+        store (none while Redis is away and the config fails open: the local share decides)."""
+        if not self.available:
+            if self.cfg.on_unavailable == "fail-closed":
+                self.store.prepay(tenant, tokens, (Reason.SHARED_STATE_UNAVAILABLE, FAIL_CLOSED_RETRY_S))
+            return
+        try:
+            code, wait, requests, token_level = await self._take(keys=self._keys(tenant),
+                                                                 args=_args(self.store.limits(tenant), tokens))
+        except (TimeoutError, RedisError, OSError) as exc:
+            self._failed(exc)
+            return await self.charge(tenant, tokens)  # degraded now: as configured
+        self.store.report(tenant, _level(requests), _level(token_level), self.clock())
+        verdict: Verdict = None if int(code) == 0 else (REASONS[int(code)], float(wait))
+        self.store.prepay(tenant, tokens, verdict)
+
+    def settle(self) -> None:
+        """After a core call: send back what the core did not take, and what it refunded."""
+        back = self.store.unconsumed() + self.store.drain_refunds()
+        if back and not self.available:
+            self.refunds_lost += len(back)
+        elif back:
+            task = asyncio.get_running_loop().create_task(self._give_back(back))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+
+    async def _give_back(self, charges: list[tuple[str, int]]) -> None:
+        # rare (a charge only comes back when a later layer refused the request), so one call each
+        for i, (tenant, tokens) in enumerate(charges):
+            try:
+                await self._refund(keys=self._keys(tenant), args=_args(self.store.limits(tenant), tokens))
+            except (TimeoutError, RedisError, OSError) as exc:
+                self._failed(exc)
+                self.refunds_lost += len(charges) - i  # the tenants' budgets are short by these until they refill
+                return
