@@ -58,18 +58,25 @@ class BackgroundLoop:
             assert not self.thread.is_alive(), "a test's event loop did not stop"
 
 
-def wait_http_ok(url: str, timeout: float = 20) -> None:
+def wait_answering(probe: Callable[[], bool], timeout: float, what: str) -> None:
+    """Until `probe()` is true (an OSError from it counts as not yet), or TimeoutError."""
     deadline = time.monotonic() + timeout
     while True:
         try:
-            with urllib.request.urlopen(url, timeout=2) as resp:
-                if resp.status == 200:
-                    return
+            if probe():
+                return
         except OSError:
             pass
         if time.monotonic() > deadline:
-            raise TimeoutError(f"{url} did not answer 200 within {timeout} s")
+            raise TimeoutError(f"{what} within {timeout} s")
         time.sleep(0.05)
+
+
+def wait_http_ok(url: str, timeout: float = 20) -> None:
+    def answers() -> bool:
+        with urllib.request.urlopen(url, timeout=2) as resp:
+            return resp.status == 200
+    wait_answering(answers, timeout, f"{url} did not answer 200")
 
 
 def poll_until(predicate: Callable[[], bool], timeout: float = 20, what: str = "condition") -> None:
@@ -135,18 +142,12 @@ class RedisProcess:
     def start(self) -> None:
         self.proc = subprocess.Popen([self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
                                       "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=1) as s:
-                    s.sendall(b"PING\r\n")
-                    if s.recv(16).startswith(b"+PONG"):
-                        return
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"redis-server did not come up on port {self.port}")
-            time.sleep(0.05)
+
+        def pong() -> bool:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=1) as s:
+                s.sendall(b"PING\r\n")
+                return s.recv(16).startswith(b"+PONG")
+        wait_answering(pong, 10, f"redis-server did not come up on port {self.port}")
 
     def stop(self) -> None:
         if self.proc is not None:
