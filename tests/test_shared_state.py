@@ -16,6 +16,7 @@ import urllib.error
 import urllib.request
 
 import pytest
+import redis.asyncio as aioredis
 
 from bouncer.config import RateLimit, key_digest
 from bouncer.config import SharedState as SharedStateConfig
@@ -89,15 +90,27 @@ def test_two_gateways_share_one_bucket_in_redis(redis_server):
             verdicts.append(link.store.take("t", 10, time.monotonic()))
         await asyncio.sleep(a.cfg.lease_s / 3 + 0.1)  # a's presence renewed: b is counted too
         gateways = a.store.gateways
+
+        async def at_once(link: SharedState, n: int) -> int:  # asked in one turn: one pipelined round trip
+            await asyncio.gather(*(link.charge("t", 10) for _ in range(n)))
+            return sum(link.store.take("t", 10, time.monotonic()) is None for _ in range(n))
+
+        await asyncio.sleep(1.0)  # the bucket full again
+        together = await at_once(a, 8)
+        async with aioredis.from_url(redis_server.url) as admin:
+            await admin.script_flush()  # as after a restart: no scripts
+        await asyncio.sleep(1.0)
+        after_flush = await at_once(b, 8)
         await a.close()
         await b.close()
-        return verdicts, gateways
+        return verdicts, gateways, together, after_flush
 
-    verdicts, gateways = asyncio.run(scenario())
+    verdicts, gateways, together, after_flush = asyncio.run(scenario())
     assert [v is None for v in verdicts] == [True] * 4 + [False] * 4  # the burst of 4, once for both
     assert {v[0] for v in verdicts[4:]} == {Reason.RATE_LIMITED_REQUESTS}
     assert all(0 < v[1] <= 0.25 + 0.05 for v in verdicts[4:])  # Retry-After: until one more fits
     assert gateways == 2
+    assert together == 4 and after_flush == 4
 
 
 # -- end to end: two gateways, one engine, the openai-shaped requests users send -----------------

@@ -28,7 +28,7 @@ import socket
 from collections.abc import Callable
 
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
+from redis.exceptions import NoScriptError, RedisError
 
 from bouncer.config import SharedState as SharedStateConfig
 from bouncer.core.outcomes import Reason
@@ -118,6 +118,7 @@ class SharedState:
         self._heartbeat = self._redis.register_script(HEARTBEAT)
         self._task: asyncio.Task | None = None
         self._background: set[asyncio.Task] = set()
+        self._pending: list[tuple[str, int, asyncio.Future]] = []  # takes asked in this turn of the loop
         store.degraded = True  # until Redis first answers
 
     def _keys(self, tenant: str) -> list[str]:
@@ -179,15 +180,56 @@ class SharedState:
             if self.cfg.on_unavailable == "fail-closed":
                 self.store.prepay(tenant, tokens, (Reason.SHARED_STATE_UNAVAILABLE, FAIL_CLOSED_RETRY_S))
             return
+        loop = asyncio.get_running_loop()
+        answer: asyncio.Future = loop.create_future()
+        self._pending.append((tenant, tokens, answer))
+        if len(self._pending) == 1:
+            loop.call_soon(self._send_pending)
         try:
-            code, wait, requests, token_level = await self._take(keys=self._keys(tenant),
-                                                                 args=_args(self.store.limits(tenant), tokens))
+            code, wait, requests, token_level = await answer
         except (TimeoutError, RedisError, OSError) as exc:
             self._failed(exc)
             return await self.charge(tenant, tokens)  # degraded now: as configured
         self.store.report(tenant, _level(requests), _level(token_level), self.clock())
         verdict: Verdict = None if int(code) == 0 else (REASONS[int(code)], float(wait))
         self.store.prepay(tenant, tokens, verdict)
+
+    def _send_pending(self) -> None:
+        """The requests that asked in this turn of the loop go in one round trip."""
+        batch, self._pending = self._pending, []
+        task = asyncio.get_running_loop().create_task(self._take_batch(batch))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _take_batch(self, batch: list[tuple[str, int, asyncio.Future]]) -> None:
+        try:
+            if len(batch) == 1:
+                tenant, tokens, _ = batch[0]
+                answers = [await self._take(keys=self._keys(tenant), args=_args(self.store.limits(tenant), tokens))]
+            else:
+                answers = await self._take_many(batch)
+        except (TimeoutError, RedisError, OSError) as exc:
+            answers = [exc] * len(batch)
+        for (_, _, answer), result in zip(batch, answers, strict=True):
+            if answer.done():
+                continue
+            if isinstance(result, BaseException):
+                answer.set_exception(result)
+            else:
+                answer.set_result(result)
+
+    async def _take_many(self, batch: list[tuple[str, int, asyncio.Future]]) -> list:
+        def pipeline():
+            pipe = self._redis.pipeline(transaction=False)
+            for tenant, tokens, _ in batch:
+                pipe.evalsha(self._take.sha, 2, *self._keys(tenant), *_args(self.store.limits(tenant), tokens))
+            return pipe
+
+        answers = await pipeline().execute(raise_on_error=False)
+        if any(isinstance(a, NoScriptError) for a in answers):  # a Redis restarted empty: load it, once
+            await self._redis.script_load(TAKE)
+            answers = await pipeline().execute(raise_on_error=False)
+        return answers
 
     def settle(self) -> None:
         """After a core call: send back what the core did not take, and what it refunded."""
