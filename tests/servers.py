@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import shutil
 import signal
 import socket
 import subprocess
@@ -125,39 +124,3 @@ def stop_all(bg_loop: BackgroundLoop, *stops: Callable[[], object]) -> None:
     finally:
         bg_loop.close()
 
-
-class RedisProcess:
-    """A real `redis-server` of the test's own on a free port (no persistence), which the test
-    may stop, freeze (SIGSTOP: it answers nothing) and start again empty."""
-
-    def __init__(self) -> None:
-        self.binary = shutil.which("redis-server")
-        if self.binary is None:
-            raise RuntimeError("no redis-server: `apt-get install redis-server` (make system-tools does it)")
-        self.port = free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.proc: subprocess.Popen | None = None
-        self.start()
-
-    def start(self) -> None:
-        self.proc = subprocess.Popen([self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                                      "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
-        def pong() -> bool:
-            with socket.create_connection(("127.0.0.1", self.port), timeout=1) as s:
-                s.sendall(b"PING\r\n")
-                return s.recv(16).startswith(b"+PONG")
-        wait_answering(pong, 10, f"redis-server did not come up on port {self.port}")
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            self.proc.send_signal(signal.SIGCONT)
-            self.proc.kill()
-            self.proc.wait(10)
-            self.proc = None
-
-    def freeze(self) -> None:
-        self.proc.send_signal(signal.SIGSTOP)
-
-    def thaw(self) -> None:
-        self.proc.send_signal(signal.SIGCONT)

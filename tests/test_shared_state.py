@@ -18,6 +18,7 @@ import urllib.request
 import pytest
 import redis.asyncio as aioredis
 
+from bouncer.bench.loopback import RedisServer
 from bouncer.config import RateLimit, key_digest
 from bouncer.config import SharedState as SharedStateConfig
 from bouncer.core.outcomes import Reason
@@ -26,14 +27,14 @@ from bouncer.gateway.shared_state import SharedState
 from bouncer.tokenizer import default_tokenizer_path
 from conftest import start_engine, start_gateway
 from gateway_setup import tenant
-from servers import BackgroundLoop, RedisProcess, poll_until
+from servers import BackgroundLoop, poll_until
 
 LIMIT = RateLimit(requests_per_s=4, request_burst=4)
 
 
 @pytest.fixture
 def redis_server():
-    server = RedisProcess()
+    server = RedisServer()
     yield server
     server.stop()
 
@@ -244,3 +245,15 @@ def test_a_shared_state_that_is_not_redis_is_a_config_error():
     with pytest.raises(ConfigError, match="on_unavailable"):
         parse_config({**base, "shared_state": {"url": "redis://127.0.0.1:6379/0", "on_unavailable": "maybe"}})
     assert parse_config(base).shared_state is None  # unset: this gateway alone
+
+
+@pytest.mark.slow
+def test_bench_gateways_shows_the_limit_once_when_shared_and_once_per_gateway_alone():
+    from bouncer.bench.gateways import report, run
+
+    result = run(gateways=2, engines=1, seconds=4.0)
+    alone, shared = ({name: t["admitted_over_allowed"] for name, t in r["tenants"].items()
+                      if "admitted_over_allowed" in t} for r in result["runs"])
+    assert alone["limited"] >= 1.5 and alone["tokens"] >= 1.5, result  # each gateway its own limit
+    assert shared["limited"] <= 1.15 and shared["tokens"] <= 1.15, result
+    assert "sharing Redis" in report(result)

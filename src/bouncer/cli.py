@@ -200,6 +200,12 @@ def cmd_bench_flood(args) -> None:
     flood(args.clients, args.seconds, args.out, args.gateway_pythonpath)
 
 
+def cmd_bench_gateways(args) -> None:
+    from bouncer.bench.gateways import main as gateways
+
+    gateways(args.gateways, args.engines, args.seconds, args.out)
+
+
 def cmd_bench_long_prompts(args) -> None:
     from bouncer.bench.long_prompts import main as long_prompts
 
@@ -489,6 +495,14 @@ def build_parser() -> argparse.ArgumentParser:
                    "(to compare commits)")
     p.add_argument("--out", help="write the result as JSON")
     p.set_defaults(func=cmd_bench_flood)
+
+    p = bench.add_parser("gateways", help="several gateway processes behind one spreading client, each alone and "
+                         "then sharing a redis-server of its own: tenants' admitted rates against their limits")
+    p.add_argument("--gateways", type=int, default=3)
+    p.add_argument("--engines", type=int, default=4)
+    p.add_argument("--seconds", type=float, default=20.0, help="per run (two runs)")
+    p.add_argument("--out", help="write the result as JSON")
+    p.set_defaults(func=cmd_bench_gateways)
 
     p = bench.add_parser("long-prompts", help="gateway CPU and added latency for agent steps of 10k-130k tokens, "
                          "each extending the previous one, with the chat-segment token cache on and off")

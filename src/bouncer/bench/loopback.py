@@ -1,11 +1,12 @@
 """Servers the benchmarks start on loopback: a free port for one, waiting until it answers, pinning
-it to a core, its CPU time, and stopping it."""
+it to a core, its CPU time, and stopping it; and a redis-server of their own."""
 
 from __future__ import annotations
 
 import os
 import pathlib
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -59,3 +60,48 @@ def stop(procs: list[subprocess.Popen]) -> None:
         p.terminate()
     for p in procs:
         p.wait(10)
+
+
+class RedisServer:
+    """A `redis-server` of our own on a free loopback port (no persistence), which a benchmark
+    or a test may stop, freeze (SIGSTOP: it answers nothing) and start again empty."""
+
+    def __init__(self) -> None:
+        self.binary = shutil.which("redis-server")
+        if self.binary is None:
+            raise RuntimeError("no redis-server: `apt-get install redis-server` (make system-tools does it)")
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.proc: subprocess.Popen | None = None
+        self.start()
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen([self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                                      "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+        deadline = time.monotonic() + 10
+        while not self._pong():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"redis-server did not come up on port {self.port}")
+            time.sleep(0.05)
+
+    def _pong(self) -> bool:
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=1) as s:
+                s.sendall(b"PING\r\n")
+                return s.recv(16).startswith(b"+PONG")
+        except OSError:
+            return False
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.send_signal(signal.SIGCONT)
+            self.proc.kill()
+            self.proc.wait(10)
+            self.proc = None
+
+    def freeze(self) -> None:
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        self.proc.send_signal(signal.SIGCONT)
