@@ -474,6 +474,62 @@ class Logging(_Strict):
                                                "queue wait, TTFT, tokens")
 
 
+class SchedulePoint(_Strict):
+    at: str = Field(pattern=r"^([01]\d|2[0-3]):[0-5]\d$", description="HH:MM, UTC: the value holds from then on")
+    value: float
+
+
+class PressureSource(_Strict):
+    """Where an outside signal's value comes from. `file`: a file holding a number, or JSON with
+    `field` (its age is the file's age); `http`: a GET answering a number, or JSON with `field`
+    (its age: since the poll, or since `timestamp_field`, epoch seconds, where given);
+    `schedule`: values by UTC time of day, each from its `at` on (always fresh)."""
+
+    kind: Literal["file", "http", "schedule"]
+    path: str | None = None
+    url: str | None = None
+    field: str | None = Field(None, description="a dotted path into a JSON answer, e.g. data.intensity")
+    timestamp_field: str | None = None
+    schedule: list[SchedulePoint] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _complete(self) -> PressureSource:
+        if self.kind == "file" and not self.path:
+            raise ValueError("a file source needs path")
+        if self.kind == "http" and not (self.url and self.url.startswith(("http://", "https://"))):
+            raise ValueError("an http source needs an http:// or https:// url")
+        if self.kind == "schedule" and not self.schedule:
+            raise ValueError("a schedule source needs at least one point")
+        return self
+
+
+class Pressure(_Strict):
+    """A pressure from outside the cluster (grid carbon intensity, an energy price): while its
+    value is above `shed_above`, the listed bands and tenants are refused (503
+    `outside_pressure`), until it falls below `resume_below`."""
+
+    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
+    source: PressureSource
+    poll_s: float = Field(30.0, ge=0.1, le=86400.0)
+    stale_s: float = Field(120.0, gt=0.0, description="a value older than this is stale: on_stale decides")
+    on_stale: Literal["fail-open", "fail-closed"] = Field(
+        "fail-open", description="with no fresh value (before the first poll too): fail-open sheds nothing, "
+                                 "fail-closed sheds as if the value were high")
+    shed_above: float
+    resume_below: float | None = Field(None, description="shedding stops once the value is below this (hysteresis); "
+                                                         "default shed_above")
+    bands: list[int] = Field(default_factory=list, description="tenants of these priorities are shed")
+    tenants: list[str] = Field(default_factory=list, description="and these tenants")
+
+    @model_validator(mode="after")
+    def _sheds_something(self) -> Pressure:
+        if not self.bands and not self.tenants:
+            raise ValueError("name the bands or tenants it sheds")
+        if self.resume_below is not None and self.resume_below > self.shed_above:
+            raise ValueError("resume_below must not be above shed_above")
+        return self
+
+
 class SharedState(_Strict):
     """State several gateways share, in Redis: with it set, N gateways behind one load balancer
     enforce each tenant's rate limits once for all of them, not once each."""
@@ -512,6 +568,7 @@ class BouncerConfig(_Strict):
     recorder: Recorder = Recorder()
     shared_state: SharedState | None = Field(None, description="several gateways: what they share, in Redis; "
                                                                "unset: this gateway alone")
+    pressure: list[Pressure] = Field(default_factory=list, description="outside signals that shed bands or tenants")
 
     @field_validator("admin_keys_sha256")
     @classmethod
@@ -537,6 +594,13 @@ class BouncerConfig(_Strict):
             raise ValueError("tenant kv_share values add up to more than 1")
         if self.default_tenant is not None and self.default_tenant not in names:
             raise ValueError(f"default_tenant {self.default_tenant!r} is not a tenant")
+        signals = [p.name for p in self.pressure]
+        if len(set(signals)) != len(signals):
+            raise ValueError("pressure signal names must be unique")
+        for p in self.pressure:
+            for t in p.tenants:
+                if t not in names:
+                    raise ValueError(f"pressure {p.name!r} sheds unknown tenant {t!r}")
         return self
 
     def tenant_by_key(self) -> dict[str, Tenant]:
@@ -604,6 +668,19 @@ recorder: {enabled: true, step_s: 0.25, horizon_s: 900}
 # or fail-closed (503 with Retry-After for rate-limited tenants); both recover by themselves.
 # shared_state: {url: "redis://127.0.0.1:6379/0", key_prefix: "bouncer:", lease_s: 10,
 #                timeout_ms: 50, on_unavailable: fail-open}
+
+# Pressure from outside the cluster: while a polled value is above shed_above, the listed bands
+# and tenants are refused (503 outside_pressure), until it falls below resume_below. Sources:
+# file (a number, or JSON with field), http (the same, by GET), schedule (values by UTC time).
+# pressure:
+#   - name: carbon
+#     source: {kind: http, url: "http://carbon-feed.internal/now", field: data.intensity}
+#     poll_s: 60
+#     stale_s: 600
+#     on_stale: fail-open         # no fresh value (before the first poll too): shed nothing
+#     shed_above: 400             # gCO2/kWh
+#     resume_below: 350
+#     bands: [-1]
 
 logging: {level: info, format: logfmt, access_log: true}   # format: logfmt | json | text
 

@@ -15,6 +15,7 @@ Entry points (those that decide return `list[Event]`):
 - `cancel(id, now)`: the client left while queued. `observe(replica, telemetry, now)`: a scrape.
   `kv_events` / `kv_digests`: an engine's prefix-cache changes. `renew(ids, now)`: the shell still
   serves these. `drain(model)` / `undrain(model)`: model swaps. `reload(config, now)`.
+  `observe_pressure(name, value, at)`: an outside signal's value (`bouncer.core.pressure`).
 - `view`: what the shells may read (`bouncer.core.view`).
 
 This class holds only the entry points and the glue between the parts; each layer lives in its
@@ -45,6 +46,7 @@ from bouncer.core.output_length import OutputLengthModel
 from bouncer.core.placement import Placement, nowhere_to_go, rest
 from bouncer.core.pool import PoolView
 from bouncer.core.precheck import cheap_refusal
+from bouncer.core.pressure import PressureSignal, pressure_refusal, reconfigured
 from bouncer.core.registry import make_fairness, make_ordering, make_router, make_saturation
 from bouncer.core.requests import STEP_OTHER, Admission, RequestInfo
 from bouncer.core.stores import Stores
@@ -73,6 +75,7 @@ class AdmissionCore:
         self._breakers: dict[str, CircuitBreaker] = {}
         self._output_models: dict[str, dict[str, OutputLengthModel]] = {}  # tenant -> model -> learned lengths
         self._tenants: dict[str, Tenant] = {}
+        self.pressures: dict[str, PressureSignal] = {}  # outside signals by name (`observe_pressure`)
         self.finaliser = Finaliser(self.stats, self.permits, self.stores.rate_limits, self.stores.backlog,
                                    self._breakers, self.replicas)
         self._gate = intake.TenantGate(self.stores.rate_limits)
@@ -100,6 +103,7 @@ class AdmissionCore:
         self._default_tenant = next((t for t in config.tenants if t.name == config.default_tenant), None)
         self.finaliser.retries = self.stores.retries if p.retries.deadline == "first-attempt" else None
         self.stores.retries.remember_s, self.stores.retries.max_entries = p.retries.remember_s, p.retries.max_remembered
+        self.pressures = reconfigured(self.pressures, config.pressure)
         self._tenants.clear()
         for t in config.tenants:
             self._tenants[t.name] = t
@@ -132,7 +136,8 @@ class AdmissionCore:
             return self._refuse_new(info, UNKNOWN_TENANT, None, Refusal(
                 Layer.VALIDATION, Reason.UNAUTHENTICATED, "invalid or missing API key"))
         ms = self.models.get(info.model)
-        refusal = intake.validate_model(info.model, t, ms.cfg if ms else None)
+        refusal = intake.validate_model(info.model, t, ms.cfg if ms else None) or pressure_refusal(
+            self.pressures, t, now)
         if refusal is not None:
             return self._refuse_new(info, t.name, t.priority, refusal)
         refusal = cheap_refusal(ms, t, info, self._gate, self._breakers[t.name], self.saturation, self.policy,
@@ -433,6 +438,12 @@ class AdmissionCore:
         self.drain(model)  # (checks the name)
         self.models[model].draining = False
         return self._dispatcher.run(self.models[model], now)
+
+    def observe_pressure(self, name: str, value: float, at: float) -> None:
+        """An outside signal's value, from `at` (the shell polls it); unknown names are ignored."""
+        signal = self.pressures.get(name)
+        if signal is not None:
+            signal.observe(value, at)
 
     def record_refusal(self, request_id: str, refusal: Refusal, tenant: str = UNKNOWN_TENANT) -> Reject:
         """Count a refusal the shell made before the core could see the request (a body too

@@ -47,6 +47,7 @@ class Reason(StrEnum):
     RATE_LIMITED_TOKENS = "rate_limited_tokens"
     CIRCUIT_OPEN = "circuit_open"
     SHARED_STATE_UNAVAILABLE = "shared_state_unavailable"  # the gateways' Redis is away, and the config fails closed
+    OUTSIDE_PRESSURE = "outside_pressure"  # an outside signal (carbon, price) is high: its bands are shed
     TENANT_QUEUE_FULL = "tenant_queue_full"
     DEADLINE_INFEASIBLE = "deadline_infeasible"
     RETRY_PAST_DEADLINE = "retry_past_deadline"
@@ -92,6 +93,7 @@ STATUS_BY_REASON: dict[Reason, int] = {
     Reason.DRAINING: 503,
     Reason.NO_BACKEND: 503,
     Reason.SHARED_STATE_UNAVAILABLE: 503,
+    Reason.OUTSIDE_PRESSURE: 503,
     Reason.TOO_MANY_CONNECTIONS: 503,
     Reason.UPSTREAM_REJECTED: 400,
     Reason.UPSTREAM_REFUSED: 503,

@@ -62,6 +62,11 @@ class CoreView:
         """Each configured tenant's priority band."""
         return {t.name: t.priority for t in self._core.config.tenants}
 
+    def pressures(self, now: float) -> list[tuple[str, float | None, float | None, bool]]:
+        """Each outside signal: (name, its last value, its age in seconds, whether it sheds now)."""
+        return [(name, s.value, None if s.at is None else now - s.at, s.shedding(now))
+                for name, s in self._core.pressures.items()]
+
     def replica_names(self, live_only: bool = False) -> list[str]:
         return [name for name, r in self._core.replicas.items() if not (live_only and r.removed)]
 

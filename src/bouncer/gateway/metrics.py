@@ -61,6 +61,21 @@ class _CoreCollector:
                                       value=conns.refused)
             yield CounterMetricFamily("bouncer_header_timeouts", "Connections closed for headers that came too slowly.",
                                       value=conns.header_timeouts)
+        signals = view.pressures(self.clock())
+        if signals:
+            value = GaugeMetricFamily("bouncer_pressure_value", "An outside signal's last value.", labels=["signal"])
+            age = GaugeMetricFamily("bouncer_pressure_age_seconds", "How old the signal's last value is.",
+                                    labels=["signal"])
+            shedding = GaugeMetricFamily("bouncer_pressure_shedding", "1 while the signal sheds its bands and "
+                                         "tenants (high, or stale with on_stale: fail-closed).", labels=["signal"])
+            for name, v, a, shed in signals:
+                if v is not None:
+                    value.add_metric([name], v)
+                    age.add_metric([name], a)
+                shedding.add_metric([name], int(shed))
+            yield value
+            yield age
+            yield shedding
         depth = GaugeMetricFamily("bouncer_queue_depth", "Queued requests.", labels=["model", "band"])
         queued_tokens = GaugeMetricFamily("bouncer_queue_tokens", "Queued prompt tokens.", labels=["model", "band"])
         sat = GaugeMetricFamily("bouncer_saturation", "Fleet saturation (>= 1 saturated).", labels=["model"])

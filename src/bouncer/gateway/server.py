@@ -42,7 +42,7 @@ from bouncer.core.model_state import backend_name
 from bouncer.core.outcomes import Dispatch, Event, Layer, Reason, Reclaimed, Refusal, Reject, Terminal
 from bouncer.core.shared_rate_limits import SharedRateLimits
 from bouncer.core.stores import Stores
-from bouncer.gateway import kv_events
+from bouncer.gateway import kv_events, pressure_feeds
 from bouncer.gateway.connections import GuardedSite, Limits
 from bouncer.gateway.metrics import GatewayMetrics
 from bouncer.gateway.prepared import Prepared, prepare
@@ -114,6 +114,7 @@ class Gateway:
         self._live: set[str] = set()  # admitted requests being served: their permits' leases are renewed
         self._tasks: list[asyncio.Task] = []
         self._scrapers: dict[str, asyncio.Task] = {}
+        self._pressure_polls: list[asyncio.Task] = []  # one per outside signal (`pressure:`)
         # KV-event subscriptions: replica -> ((endpoint, topic), task), and their counters
         self._kv_subs: dict[str, tuple[tuple[str, str], asyncio.Task]] = {}
         self.kv_event_stats: dict[str, kv_events.SubscriberStats] = {}
@@ -155,6 +156,7 @@ class Gateway:
         self._tasks.append(loop.create_task(self.recorder.run()))
         self._tasks.append(loop.create_task(self._probe_loop_lag()))
         self._sync_scrapers()
+        self._sync_pressure()
         if self.shared is not None:
             await self.shared.start()  # degraded (as configured) until Redis answers
 
@@ -162,7 +164,10 @@ class Gateway:
         subs = [task for _, task in self._kv_subs.values()]
         for task in [*self._tasks, *self._scrapers.values(), *subs]:
             task.cancel()
-        await asyncio.gather(*self._tasks, *self._scrapers.values(), *subs, return_exceptions=True)
+        for task in self._pressure_polls:
+            task.cancel()
+        await asyncio.gather(*self._tasks, *self._scrapers.values(), *subs, *self._pressure_polls,
+                             return_exceptions=True)
         if self._zmq is not None:
             self._zmq.destroy(linger=0)  # closes any subscriber socket left, then terminates
         if self.session is not None:
@@ -170,6 +175,14 @@ class Gateway:
         self.upstream.close()
         if self.shared is not None:
             await self.shared.close()
+
+    def _sync_pressure(self) -> None:
+        """One poll per outside signal of the config in force (all restarted on a reload)."""
+        for task in self._pressure_polls:
+            task.cancel()
+        loop = asyncio.get_running_loop()
+        self._pressure_polls = [loop.create_task(pressure_feeds.poll(cfg, self.session, self.core.observe_pressure,
+                                                                     self.clock)) for cfg in self.config.pressure]
 
     def _sync_scrapers(self) -> None:
         loop = asyncio.get_running_loop()
@@ -618,10 +631,13 @@ class Gateway:
         except (ConfigError, ValueError, yaml.YAMLError, OSError) as exc:
             log.warning("reload refused", extra={"event": "reload", "ok": False, "error": str(exc)})
             return _plain_error(400, str(exc), "invalid_request_error", "invalid_config")
+        old = self.config
         self._apply(self.core.reload(config, self.clock()))
         self._install(prepared)
         self.recorder.reconfigure(config.recorder)
         self._sync_scrapers()
+        if config.pressure != old.pressure:
+            self._sync_pressure()
         log.info("config reloaded", extra={"event": "reload", "ok": True, "models": len(config.models),
                                            "tenants": len(config.tenants)})
         return web.json_response({"reloaded": True, "models": list(prepared.models),
