@@ -12,7 +12,8 @@ The same load runs twice: each gateway alone (no `shared_state`), and sharing Re
 prints per tenant: what was offered, admitted (200) and refused (by status), the admitted rate
 against the limit, and the gateways' CPU (all of them, in cores: at these rates most of it is
 their background work, scraping the engines). Alone, N gateways admit about N times each
-limit; sharing, about the limit once (plus the burst at the start).
+limit; sharing, about the limit once (plus the burst at the start). Then what sharing costs
+one gateway per request (`cost`, with wrk).
 """
 
 from __future__ import annotations
@@ -174,6 +175,63 @@ def run(gateways: int = 3, engines: int = 4, seconds: float = 20.0) -> dict:
     return {"gateways": gateways, "engines": engines, "token_charge": token_charge, "runs": [alone, shared]}
 
 
+def cost(rounds: int = 3, seconds: int = 4) -> dict:
+    """What sharing costs one gateway per request: `wrk` against two gateways in front of the
+    fast upstream, one deciding a (never reached) rate limit alone, one asking Redis; alternating
+    rounds at concurrency 1 and 16, medians. None where wrk is missing."""
+    import shutil
+    import statistics
+
+    from bouncer.bench.loopback import pinned
+    from bouncer.bench.overhead import _gateway_config, _wrk
+
+    if not shutil.which("wrk"):
+        return {"missing": "wrk (apt-get install wrk)"}
+    redis = RedisServer()
+    up = free_port()
+    procs = [subprocess.Popen([*pinned(0), sys.executable, "-m", "bouncer.bench.fast_upstream", "--port", str(up)])]
+    result: dict = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            gateways = {}
+            for name in ("alone", "sharing"):
+                port = free_port()
+                cfg = json.loads(_gateway_config(f"http://127.0.0.1:{up}", port, recorder=False))
+                cfg["models"][0]["tokenizer"] = str(default_tokenizer_path())
+                cfg["tenants"][0]["rate_limit"] = {"requests_per_s": 1e6, "tokens_per_min": 1e12}
+                if name == "sharing":
+                    cfg["shared_state"] = {"url": redis.url, "key_prefix": "cost:"}
+                path = pathlib.Path(tmp) / f"{name}.json"
+                path.write_text(json.dumps(cfg))
+                p = subprocess.Popen([*pinned(1), sys.executable, "-m", "bouncer", "serve", "--config", str(path),
+                                      "--log-level", "warning"], stdout=subprocess.DEVNULL)
+                procs.append(p)
+                gateways[name] = (f"http://127.0.0.1:{port}/v1/chat/completions", p.pid)
+            wait_ok(f"http://127.0.0.1:{up}/metrics")
+            for url, _ in gateways.values():
+                wait_ok(url.rsplit("/v1/", 1)[0] + "/ready")
+            for c in (1, 16):
+                rows: dict[str, list] = {name: [] for name in gateways}
+                for i in range(rounds):
+                    for name in (("alone", "sharing") if i % 2 == 0 else ("sharing", "alone")):
+                        url, pid = gateways[name]
+                        _wrk(url, False, c, 1, pathlib.Path(tmp))  # warm-up
+                        cpu0, redis0 = cpu_seconds(pid), cpu_seconds(redis.proc.pid)
+                        rps, p50, _, errors, total = _wrk(url, False, c, seconds, pathlib.Path(tmp))
+                        rows[name].append(((cpu_seconds(pid) - cpu0) / max(1, total) * 1e6, p50, rps, errors,
+                                           (cpu_seconds(redis.proc.pid) - redis0) / max(1, total) * 1e6))
+                result[f"c{c}"] = {name: {"gateway_cpu_us": round(statistics.median(r[0] for r in rs), 1),
+                                          "p50_ms": round(statistics.median(r[1] for r in rs), 3),
+                                          "rps": round(statistics.median(r[2] for r in rs)),
+                                          "errors": sum(r[3] for r in rs),
+                                          "redis_cpu_us": round(statistics.median(r[4] for r in rs), 1)}
+                                   for name, rs in rows.items()}
+        finally:
+            stop(procs)
+            redis.stop()
+    return result
+
+
 def report(result: dict) -> str:
     lines = [f"{result['gateways']} gateways, {result['engines']} engines; a request charges "
              f"{result['token_charge']} tokens", "",
@@ -190,11 +248,24 @@ def report(result: dict) -> str:
         redis = f", redis-server {r['redis_cpu_cores']} cores" if r["shared"] else ""
         lines.append(f"{'sharing Redis' if r['shared'] else 'each alone'}: {r['requests']} requests in "
                      f"{r['seconds']} s; the gateways' CPU {r['gateways_cpu_cores']} cores{redis}")
+    costs = result.get("cost")
+    if costs and "missing" in costs:
+        lines += ["", f"cost per request: missing {costs['missing']}"]
+    elif costs:
+        lines += ["", "What sharing costs one gateway per request (wrk, the overhead benchmark's request, a "
+                  "limit never reached):", "",
+                  "| conc. | gateway | CPU us/req | p50 ms | req/s | Redis CPU us/req | errors |",
+                  "|---|---|---|---|---|---|---|"]
+        for conc, by in costs.items():
+            for name, r in by.items():
+                lines.append(f"| {conc[1:]} | {name} | {r['gateway_cpu_us']:.0f} | {r['p50_ms']:.2f} | {r['rps']:,} | "
+                             f"{r['redis_cpu_us']:.0f} | {r['errors']} |")
     return "\n".join(lines)
 
 
 def main(gateways: int, engines: int, seconds: float, out: str | None) -> None:
     result = run(gateways, engines, seconds)
+    result["cost"] = cost()
     print(report(result))
     if out:
         pathlib.Path(out).write_text(json.dumps(result, indent=2))
