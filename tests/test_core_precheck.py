@@ -7,6 +7,8 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from bouncer.core.outcomes import Reject, Terminal
 from core_helpers import dispatched, info, make_core, observe_idle, rejected, tenant
@@ -87,3 +89,82 @@ def test_a_retry_of_a_request_the_precheck_refused_keeps_its_first_deadline():
     observe_idle(core, 3.5)
     (r,) = rejected(core.offer(info(prompt_digest=42, retry_count=1), 3.5))
     assert r.refusal.reason == "retry_past_deadline"
+
+
+@settings(max_examples=60, deadline=None)
+@given(loaded=st.lists(st.integers(200, 30_000), min_size=0, max_size=16), queued_own=st.integers(0, 3),
+       slo=st.floats(0.02, 1.0), prompt=st.integers(1, 6000), margin_seen=st.floats(0.3, 3.0),
+       replicas=st.integers(1, 2))
+def test_what_the_precheck_refuses_as_late_offer_refuses_too(loaded, queued_own, slo, prompt, margin_seen, replicas):
+    """Two cores fed the same calls: whatever the precheck of one refuses as late (its prompt
+    unknown), the other's offer (skipping the precheck) refuses as well, prompt known."""
+    from bouncer.core.outcomes import Reason
+    from bouncer.sim.profiles import DEFAULT_PROFILE, get_profile
+
+    step = get_profile(DEFAULT_PROFILE).step_time_config
+    cores = []
+    for _ in range(2):
+        core = make_core(tenants=[tenant("a", slo={"ttft_s": slo}), tenant("bulk")], replicas=replicas,
+                         kv_blocks=100_000,
+                         max_model_len=32_768,
+                         model={"step_time": step},
+                         policy={"max_inflight_per_replica": 1_000, "prefill_busy_tokens": 10 ** 9})
+        for ms in core.models.values():  # a band margin as if measured
+            ms.ttft_margins.margin = lambda band, m=margin_seen: m
+        for n in loaded:  # prefill queued on the replicas: dispatched, not started
+            core.offer(info("bulk", prompt=n, max_tokens=10), 0.0)
+        for _ in range(queued_own):
+            core.offer(info("a", prompt=100, max_tokens=10, ttl_s=600), 0.0)
+        cores.append(core)
+    request = info("a", prompt=prompt, max_tokens=10)
+    checked = cores[0].precheck(request, 0.0)
+    if isinstance(checked, Reject) and checked.refusal.reason == Reason.DEADLINE_INFEASIBLE:
+        t = cores[1]._tenants["a"]
+        events = cores[1].offer(request, 0.0, t)
+        assert not dispatched(events)
+        assert any(r.request_id == request.request_id and r.refusal.reason == Reason.DEADLINE_INFEASIBLE
+                   for r in rejected(events)), events
+
+
+@settings(max_examples=150, deadline=None)
+@given(texts=st.lists(st.text(max_size=400), min_size=1, max_size=4), chat=st.booleans(), bundled=st.booleans())
+def test_the_bound_known_before_tokenizing_never_exceeds_the_count(texts, chat, bundled):
+    """`min_prompt_tokens` (bytes over the longest token's) is at most what tokenizing gives, with
+    the bundled tokenizer and with the estimate, for chats and for completions."""
+    from bouncer.gateway.request_parsing import min_prompt_tokens, request_head, with_prompt
+    from bouncer.openai_wire import ApiError
+
+    tok = _bundled() if bundled else None
+    body = ({"model": "m", "messages": [{"role": "user", "content": t} for t in texts]} if chat
+            else {"model": "m", "prompt": texts[0]})
+    kind = "chat" if chat else "completion"
+    try:
+        head_ = request_head("r", kind, body, {}, tok)
+    except ApiError:
+        return  # a prompt the gateway refuses is never counted
+    full = with_prompt(head_, kind, body, tok, 16)
+    assert head_.min_prompt_tokens <= full.prompt_tokens
+    assert min_prompt_tokens(kind, body.get("messages") or body["prompt"], tok) == head_.min_prompt_tokens
+
+
+_TOKENIZER = []
+
+
+def _bundled():
+    from bouncer.tokenizer import PromptTokenizer
+
+    if not _TOKENIZER:
+        _TOKENIZER.append(PromptTokenizer())
+    return _TOKENIZER[0]
+
+
+def test_a_prompt_that_would_overfill_its_tenants_queued_tokens_is_refused_untokenized():
+    core = make_core(tenants=[tenant("a")], replicas=1, kv_blocks=100,
+                     policy={"queues": {"tenant_max_tokens": 5_000}, "max_inflight_per_replica": 1})
+    core.offer(info("a", prompt=3_000, max_tokens=10), 0.0)  # runs
+    core.offer(info("a", prompt=3_000, max_tokens=10, ttl_s=60), 0.0)  # queued: 3,000 tokens
+    assert len(core.models["m"].flow) == 1
+    small, large = (dataclasses.replace(head(tenant_name="a"), min_prompt_tokens=n) for n in (1_000, 2_500))
+    assert not isinstance(core.precheck(small, 0.0), Reject)  # 4,000 queued would fit
+    refused = core.precheck(large, 0.0)
+    assert isinstance(refused, Reject) and refused.refusal.reason == "tenant_queue_full"

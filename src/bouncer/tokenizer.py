@@ -84,6 +84,15 @@ class PromptTokenizer:
         specials = {t.content for t in self._tok.get_added_tokens_decoder().values()}
         # Texts of ordinary tokens, for producing output text one token at a time.
         self._texts = [self._tok.decode([i]) for i in range(self.vocab_size)]
+        # Each token covers at most this many bytes of the text it was encoded from, so a text of
+        # n bytes has at least n / max_token_bytes tokens: where nothing rewrites the text first
+        # (a normalizer) and no token stands for text of any length (an unknown-word token).
+        # Tokens of a partial UTF-8 sequence decode to U+FFFD, longer than their byte: the safe side.
+        model = spec.get("model") or {}
+        self.max_token_bytes: int | None = None
+        if spec.get("normalizer") is None and not model.get("unk_token"):
+            self.max_token_bytes = max([len(t.encode()) for t in self._texts] + [len(s.encode()) for s in specials]
+                                       + [1])
         self.output_token_ids = [i for i in range(self.vocab_size)
                                  if self._tok.id_to_token(i) not in specials and self._texts[i].strip()
                                  and "\ufffd" not in self._texts[i]]

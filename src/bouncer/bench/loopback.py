@@ -38,6 +38,18 @@ def pinned(cpu: int) -> list[str]:
     return ["taskset", "-c", str(cpu)] if shutil.which("taskset") and (os.cpu_count() or 1) > 1 else []
 
 
+def runqueue_wait_seconds(pid: int) -> float:
+    """Time a process's threads spent runnable but waiting for a CPU (the second field of each
+    thread's schedstat): on a shared machine, how long others kept it off the cores."""
+    total = 0
+    for task in pathlib.Path(f"/proc/{pid}/task").iterdir():
+        try:
+            total += int((task / "schedstat").read_text().split()[1])
+        except (FileNotFoundError, ProcessLookupError):
+            pass
+    return total / 1e9
+
+
 def cpu_seconds(pid: int, children: bool = False) -> float:
     """Time on CPU of all of a process's threads (the first field of each thread's schedstat, in
     nanoseconds: finer than /proc/PID/stat's clock ticks); with `children`, of the processes it

@@ -79,15 +79,20 @@ def late_by(backlog: Backlog, adm: Admission, ttft_left: float, best_ttft: float
     return late if late > 0 else None
 
 
-def surely_late(backlog: Backlog, priority: int, tenant: str, ttft_left: float, predicts: bool, policy: Policy,
-                now: float) -> float | None:
-    """What `late_by` would at least say of a newcomer whose prompt is not known yet (its own
-    TTFT counted as nothing): late already by the wait in the queue alone. For the precheck."""
+def surely_late(backlog: Backlog, priority: int, tenant: str, ttft_left: float, predicts: bool,
+                ttft_floor: float | None, behind_queue: bool, policy: Policy, now: float) -> float | None:
+    """What `late_by` would at least say of a newcomer whose prompt is not known yet: late
+    already by `ttft_floor` (the least its TTFT can be: the prefill queued on the best replica,
+    with none of its own; 0 if not known), after the wait in the gateway's queue where it waits
+    `behind_queue`. For the precheck."""
     if not predicts:
+        if not behind_queue:
+            return None
         wait = backlog.estimated_wait(priority, now, tenant)
         budget = ttft_left * policy.slo_queue_fraction
         return wait - budget if wait is not None and wait > budget else None
-    late = (backlog.queue_wait(priority, now, tenant) or 0.0) - ttft_left
+    wait = (backlog.queue_wait(priority, now, tenant) or 0.0) if behind_queue else 0.0
+    late = wait + (ttft_floor or 0.0) - ttft_left
     return late if late > 0 else None
 
 

@@ -218,6 +218,14 @@ class ReplicaState:
         pairs = self.queued_prefill_pairs + prefill_pairs(adm.info.prompt_tokens, own_prefill)
         return predict(self.queued_prefill_tokens, own_prefill, self.decoding, self.decode_context, pairs)
 
+    def ttft_floor(self) -> float | None:
+        """The least TTFT any request sent here now could have, whatever its prompt: the prefill
+        queued ahead of it and one token of its own (`predict_ttft` grows with the prompt)."""
+        if self.latency is None:
+            return None
+        return self.latency.ttft(self.queued_prefill_tokens, 0, self.decoding, self.decode_context,
+                                 self.queued_prefill_pairs)
+
     def predict_tpot(self, adm, now: float, raw: bool = False) -> float | None:
         """The TPOT of the batch `adm` would join: what decodes here now, what was sent and has
         not started yet, and itself (`raw`: before the online correction)."""

@@ -4,7 +4,8 @@
 and hashes its blocks), so that a flood they refuse costs no tokenizing: an open breaker or a
 rate limit with nothing left (looked at, not taken: `offer` charges the real token count), a
 shut waiting-room door (draining, no backend, sheddable while saturated, a full tenant or band
-queue), and a queue ahead that alone outlasts the request's TTFT SLO. Each refuses as the layer
+queue), and a queue ahead that alone outlasts the request's TTFT SLO (the gateway's queue, and the
+prefill queued on the best replica, with none of its own). Each refuses as the layer
 `offer` runs later would; a request these pass may still be refused there, with its tokens.
 """
 
@@ -29,14 +30,15 @@ def cheap_refusal(ms: ModelState, tenant: Tenant, info: RequestInfo, gate: Tenan
     to miss their deadline are refused (not only flagged)."""
     view = PoolView(ms.replicas, policy, now)
     return (gate.closed(tenant, breaker, now)
-            or door_shut(ms, tenant.name, tenant.priority, view, saturation, policy, now)
+            or door_shut(ms, tenant.name, tenant.priority, view, saturation, policy, now, info.min_prompt_tokens)
             or _surely_late(ms, tenant, info, view, policy, refuses_late, now))
 
 
 def _surely_late(ms: ModelState, tenant: Tenant, info: RequestInfo, view: PoolView, policy: Policy,
                  refuses_late: bool, now: float) -> Refusal | None:
-    """Refused as the core refuses a late newcomer once tokenized (`AdmissionCore._late`): the
-    queue ahead alone outlasts its TTFT SLO, behind its own tenant's queued requests. Not an
+    """Refused as the core refuses a late newcomer once tokenized: the least TTFT it could have
+    on any replica (the prefill queued there, with none of its own), after the gateway's queue
+    ahead when it waits behind its own tenant's queued requests, outlasts its TTFT SLO. Not an
     agent's step (it goes ahead of its tenant's queue), nor where late requests are served
     best-effort or only flagged, nor while draining."""
     slo = deadlines.tighter(info.ttft_slo_s, tenant.slo.ttft_s)
@@ -44,12 +46,20 @@ def _surely_late(ms: ModelState, tenant: Tenant, info: RequestInfo, view: PoolVi
             or ms.draining:
         return None
     own = ms.flow.queue_of(tenant.name, tenant.priority)
-    if own is None or not own.count:
-        # with nothing of its own queued it is its tenant's next turn, which fair queueing gives
-        # it sooner than the whole band's backlog that the estimate counts: `offer` decides
-        return None
+    # with nothing of its own queued it is its tenant's next turn, which fair queueing gives it
+    # sooner than the whole band's backlog that the estimate counts: the queue is not counted
+    behind_own = own is not None and own.count > 0
     predicts = any(r.predictor is not None for r in view.usable_replicas())
-    late = deadlines.surely_late(ms.backlog, tenant.priority, tenant.name, slo, predicts, policy, now)
+    floors = [f for r in view.usable_replicas() if (f := r.ttft_floor()) is not None]
+    # `offer` refuses a queued request whose wait plus margin x best TTFT outlasts its SLO, and
+    # one it could send now if no replica with room predicts it in time (no margin): the floor
+    # counts the smaller factor, so that what this refuses, both would
+    margin = min(1.0, ms.ttft_margins.margin(tenant.priority) or policy.ttft_safety_factor)
+    floor = min(floors) * margin if floors else None
+    if not behind_own and floor is None:
+        return None
+    late = deadlines.surely_late(ms.backlog, tenant.priority, tenant.name, slo, predicts, floor, behind_own,
+                                 policy, now)
     if late is None:
         return None
     return Refusal(Layer.SLO, Reason.DEADLINE_INFEASIBLE, f"predicted to start ~{late:.2f} s past this request's "

@@ -28,6 +28,9 @@ class RequestInfo:
     user: str | None = None  # the OpenAI `user` field
     retry_count: int | None = None  # x-stainless-retry-count: the client's earlier attempts at this request
     prompt_digest: int | None = None  # the whole prompt's hash: a retry sends the same
+    # at most prompt_tokens, known before tokenizing (its text's bytes over the longest token's),
+    # for the precheck: a request that would overfill its tenant's queued tokens even so is refused
+    min_prompt_tokens: int = 0
 
 
 # An agent's step goes before other requests of its tenant: an active agent's first (its prefix is

@@ -18,10 +18,10 @@ from bouncer.core.saturation import SaturationDetector, ceiling
 
 
 def door_shut(ms: ModelState, tenant: str, band: int, view: PoolView, saturation: SaturationDetector,
-              policy: Policy, now: float) -> Refusal | None:
-    """Why no request of `tenant` in `band` may join the waiting room now, whatever its size:
-    the checks that need no prompt, so that a request they refuse is refused before its prompt
-    is tokenized (`AdmissionCore.precheck`)."""
+              policy: Policy, now: float, min_prompt: int = 0) -> Refusal | None:
+    """Why no request of `tenant` in `band` may join the waiting room now, whatever its size
+    (of at least `min_prompt` tokens): the checks that need no prompt, so that a request they
+    refuse is refused before its prompt is tokenized (`AdmissionCore.precheck`)."""
     flow, model = ms.flow, ms.cfg.name
 
     def refused(layer: Layer, reason: Reason, message: str) -> Refusal:
@@ -36,7 +36,8 @@ def door_shut(ms: ModelState, tenant: str, band: int, view: PoolView, saturation
         if band < 0 and saturation.saturation(view) >= ceiling(policy, band):
             return refused(Layer.FLOW, Reason.SATURATED, "the fleet is saturated; sheddable traffic is refused")
     q = flow.queue_of(tenant, band)
-    if q is not None and q.count >= policy.queues.tenant_max_requests:
+    if q is not None and (q.count >= policy.queues.tenant_max_requests
+                          or (min_prompt and q.tokens + min_prompt > policy.queues.tenant_max_tokens)):
         return refused(Layer.QUEUE, Reason.TENANT_QUEUE_FULL, f"tenant {tenant!r} has too many queued requests")
     band_state = flow.bands.get(band)
     if band_state is not None and band_state.count >= policy.queues.band_max_requests:

@@ -84,6 +84,17 @@ def prompt_token_ids(kind: str, body: dict[str, Any], tokenizer: PromptTokenizer
     return prompt
 
 
+def min_prompt_tokens(kind: str, prompt: list | str, tokenizer: PromptTokenizer | None) -> int:
+    """At most the prompt's token count, from its text's bytes alone (0 where no bound holds)."""
+    if not isinstance(prompt, str) and kind != "chat":
+        return len(prompt)  # token ids: exactly
+    per_token = BYTES_PER_TOKEN_ESTIMATE if tokenizer is None else tokenizer.max_token_bytes
+    if not per_token:
+        return 0
+    text = prompt if isinstance(prompt, str) else "".join(message_text(m.get("content")) for m in prompt)
+    return len(text.encode("utf-8", "surrogatepass")) // per_token
+
+
 def _header_ms(headers, name: str) -> float | None:
     raw = headers.get(name)
     if raw is None:
@@ -133,7 +144,7 @@ def request_head(request_id: str, kind: str, body: dict[str, Any], headers,
         ttl_s=_header_ms(headers, "x-bouncer-ttl-ms"), ttft_slo_s=_header_ms(headers, "x-bouncer-ttft-ms"),
         tpot_slo_s=_header_ms(headers, "x-bouncer-tpot-ms"), session_id=headers.get("x-session-id") or None,
         parent_session_id=headers.get("x-parent-session-id") or None,
-        user=user, retry_count=retry_count,
+        user=user, retry_count=retry_count, min_prompt_tokens=min_prompt_tokens(kind, prompt, tokenizer),
         # only a client that numbers its attempts can be known again when it retries; the prompt
         # as sent (a retry sends it again), hashed before it is tokenized, so a retry of one the
         # precheck refused is known too
