@@ -33,14 +33,13 @@ from dataclasses import dataclass
 from bouncer.config import BouncerConfig, Tenant
 from bouncer.core import deadlines, feedback, intake
 from bouncer.core.agent_gate import WindowGate, make_gate
-from bouncer.core.backlog import RETRY_AFTER_MIN_S
 from bouncer.core.breaker import CircuitBreaker
-from bouncer.core.dispatch import Dispatcher, blocks_and_prefill, dispatch_event
+from bouncer.core.dispatch import Dispatcher, grant
 from bouncer.core.finaliser import UNKNOWN_TENANT, CoreStats, Finaliser
 from bouncer.core.fleet import ReplicaState, Telemetry
 from bouncer.core.flow import FlowQueues
 from bouncer.core.kv_events import KVEvent
-from bouncer.core.model_state import ModelState
+from bouncer.core.model_state import ModelState, next_wakeup
 from bouncer.core.outcomes import Dispatch, Event, Layer, Reason, Refusal, Reject, Terminal
 from bouncer.core.output_length import OutputLengthModel
 from bouncer.core.placement import Placement, nowhere_to_go, rest
@@ -49,6 +48,7 @@ from bouncer.core.precheck import cheap_refusal
 from bouncer.core.pressure import PressureSignal, pressure_refusal, reconfigured
 from bouncer.core.registry import make_fairness, make_ordering, make_router, make_saturation
 from bouncer.core.requests import STEP_OTHER, Admission, RequestInfo
+from bouncer.core.retries import first_arrival
 from bouncer.core.stores import Stores
 from bouncer.core.view import CoreView
 from bouncer.core.waiting_room import door
@@ -143,18 +143,10 @@ class AdmissionCore:
         refusal = cheap_refusal(ms, t, info, self._gate, self._breakers[t.name], self.saturation, self.policy,
                                 self.policy.refuse_infeasible and self._exemption is None, now)
         if refusal is not None:
-            self._first_arrival(t, info, now)  # as offer remembers what the gate or the door refuses
+            # as offer remembers what the gate or the door refuses
+            first_arrival(self.finaliser.retries, t.name, info, now)
             return self._refuse_new(info, t.name, t.priority, refusal)
         return t
-
-    def _first_arrival(self, t: Tenant, info: RequestInfo, now: float) -> tuple[tuple | None, float | None]:
-        """(its key in the retry ledger, when its first attempt came), for a retry the client
-        numbers (else None, None)."""
-        retries = self.finaliser.retries
-        if retries is None or info.prompt_digest is None:
-            return None, None
-        key = (t.name, info.model, info.prompt_digest, info.max_tokens)
-        return key, retries.arrived(key, bool(info.retry_count), now)
 
     def offer(self, info: RequestInfo, now: float, checked: Tenant | None = None) -> list[Event]:
         """A new request, layer by layer; `checked`: its tenant as `precheck` found it, where the
@@ -175,20 +167,20 @@ class AdmissionCore:
         max_tokens = intake.context_budget(info, t, ms.cfg)  # layer 2
         if isinstance(max_tokens, Refusal):
             return [self._refuse_new(info, t.name, t.priority, max_tokens)]
-        retry_key, first_arrival = self._first_arrival(t, info, now)
+        retry_key, first_arrival_at = first_arrival(self.finaliser.retries, t.name, info, now)
         refusal, probe = self._gate.enter(t, self._breakers[t.name], info.prompt_tokens + max_tokens, now)  # rate
         if refusal is not None:
             return [self._refuse_new(info, t.name, t.priority, refusal)]
         adm, ttft_left = deadlines.new_admission(
             info, t, self.policy, max_tokens, feedback.expected_output(self._output_models[t.name], self.policy,
                                                                        info.model, max_tokens),
-            first_arrival, retry_key, next(self._seq), now)
+            first_arrival_at, retry_key, next(self._seq), now)
         adm.breaker_probe, adm.rate_charge, adm.context_limit = probe, info.prompt_tokens + max_tokens, \
             ms.cfg.max_model_len
         ms.band_slos.note(adm, now)
         if ttft_left is not None and ttft_left <= 0:  # a retry past its first attempt's deadline
             refusal = deadlines.past_first_deadline(adm, t, self.policy, self._acts_on_late(adm),
-                                                    now - first_arrival)  # type: ignore[operator]
+                                                    now - first_arrival_at)  # type: ignore[operator]
             if refusal is not None:
                 return [self.finaliser.refuse(adm, refusal, now)]
             self.stats.note("demoted", Layer.SLO.value, Reason.RETRY_PAST_DEADLINE.value, adm.tenant, adm.priority)
@@ -249,42 +241,16 @@ class AdmissionCore:
         return e is not None and e.request_id == adm.request_id and (e.keep_queued or not keeping_queued)
 
     def _late(self, adm: Admission, now: float, late_by: float) -> list[Event]:
-        """`adm` (queued) is predicted to miss its TTFT deadline: refuse it, or serve it
-        best-effort, as its tenant says; with refuse_infeasible off, only flag it."""
+        """`adm` (queued) is predicted to miss its TTFT deadline (`deadlines.act_on_late`)."""
         adm.predicted_infeasible = True
         if not self._acts_on_late(adm):
             return []
-        ms = self.models[adm.info.model]
-        tenant = self._tenants.get(adm.tenant)
-        if tenant is not None and tenant.slo.on_infeasible == "best-effort":  # it stays, lower down
-            ms.flow.remove(adm)
-            deadlines.demote(adm, tenant, self.policy)
-            ms.flow.push(adm, tenant.weight)
-            self.stats.note("demoted", Layer.SLO.value, Reason.DEADLINE_INFEASIBLE.value, adm.tenant, adm.priority)
-            return []
-        # queued since an earlier call: it leaves the waiting room as an expiry, not a refusal
-        terminal = Terminal.REFUSED if adm.arrival == now else Terminal.EXPIRED
-        # when new work like it would fit: once what waits ahead of it now has been served (its
-        # lateness alone says too little: arrivals go on, and with them the backlog; measured,
-        # `retry_after_accuracy` in `bench run`)
-        return [self.finaliser.refuse(adm, lambda: Refusal(
-            Layer.SLO, Reason.DEADLINE_INFEASIBLE,
-            f"predicted to start ~{late_by:.2f} s past this request's TTFT SLO ({adm.ttft_slo:g} s)",
-            max(RETRY_AFTER_MIN_S, late_by, ms.backlog.turnover_wait(adm.priority, now, adm.tenant) or 0.0)),
-            now, terminal, ms.flow)]
+        return deadlines.act_on_late(adm, self._tenants.get(adm.tenant), self.models[adm.info.model], self.policy,
+                                     self.stats, self.finaliser, late_by, now)
 
     def _grant(self, adm: Admission, replica: ReplicaState, cached: dict[str, int], now: float) -> Dispatch:
-        """It goes to `replica` now: out of the waiting room, its permit granted there."""
-        ms = self.models[adm.info.model]
-        self.finaliser.dispatched(adm, ms.flow, now)
-        blocks_and_prefill(adm, replica, cached)
-        feedback.at_dispatch(adm, replica, now)
-        replica.prefix.record(adm.info.block_digests, now)
-        self.permits.grant(adm, replica, now, self.policy.permit_lease_s)
-        if adm.session is not None and isinstance(ms.agents, WindowGate):
-            ms.agents.dispatched(adm, now)
-        self.stats.note("admitted", "-", "-", adm.tenant, adm.priority)
-        return dispatch_event(adm, replica, now)
+        return grant(adm, replica, cached, self.models[adm.info.model], self.finaliser, self.permits, self.policy,
+                     self.stats, now)
 
     # -- lifecycle of admitted requests -------------------------------------------------------
     def started(self, request_id: str, now: float, measured: bool = True) -> None:
@@ -418,15 +384,8 @@ class AdmissionCore:
         return events
 
     def next_wakeup(self) -> float | None:
-        """When `tick` must run next at the latest: the earliest queue TTL, or the end of a
-        replica's rest after a refusal while work is queued for it, or an idle agent freeing
-        its slot."""
-        times = [d for ms in self.models.values() if (d := ms.flow.next_deadline()) is not None]
-        times += [r.cooldown_until for r in self.replicas.values()
-                  if r.cooldown_until is not None and len(self.models[r.model].flow)]
-        times += [t for ms in self.models.values() if len(ms.flow)
-                  and (t := ms.agents.next_wakeup(ms.flow.waiting_sessions)) is not None]
-        return min(times) if times else None
+        """When `tick` must run next at the latest (`model_state.next_wakeup`)."""
+        return next_wakeup(self.models, self.replicas)
 
     # -- operations --------------------------------------------------------------------------------
     def drain(self, model: str) -> None:

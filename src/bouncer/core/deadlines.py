@@ -15,11 +15,17 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from bouncer.config import Policy, Tenant
-from bouncer.core.backlog import Backlog
-from bouncer.core.outcomes import Layer, Reason, Refusal
+from bouncer.core.backlog import RETRY_AFTER_MIN_S, Backlog
+from bouncer.core.outcomes import Event, Layer, Reason, Refusal, Terminal
 from bouncer.core.requests import Admission, RequestInfo
 from bouncer.core.retries import RetryKey
+
+if TYPE_CHECKING:
+    from bouncer.core.finaliser import CoreStats, Finaliser
+    from bouncer.core.model_state import ModelState
 
 INF = float("inf")
 BAND_ACTIVE_S = 10.0  # a band that sent a request this recently has its TTFT protected from lower bands
@@ -152,3 +158,25 @@ class BandSLOs:
     def _strictest(slos: dict[int, tuple[float, float]], priority: int, now: float) -> float:
         return min((slo for band, (slo, seen) in slos.items()
                     if band > priority and now - seen <= BAND_ACTIVE_S), default=float("inf"))
+
+
+def act_on_late(adm: Admission, tenant: Tenant | None, ms: ModelState, policy: Policy, stats: CoreStats,
+                finaliser: Finaliser, late_by: float, now: float) -> list[Event]:
+    """A queued request predicted to miss its TTFT deadline by `late_by`, where late requests are
+    acted on: served best-effort, lower down, or refused, as its tenant says."""
+    if tenant is not None and tenant.slo.on_infeasible == "best-effort":  # it stays, lower down
+        ms.flow.remove(adm)
+        demote(adm, tenant, policy)
+        ms.flow.push(adm, tenant.weight)
+        stats.note("demoted", Layer.SLO.value, Reason.DEADLINE_INFEASIBLE.value, adm.tenant, adm.priority)
+        return []
+    # queued since an earlier call: it leaves the waiting room as an expiry, not a refusal
+    terminal = Terminal.REFUSED if adm.arrival == now else Terminal.EXPIRED
+    # when new work like it would fit: once what waits ahead of it now has been served (its
+    # lateness alone says too little: arrivals go on, and with them the backlog; measured,
+    # `retry_after_accuracy` in `bench run`)
+    return [finaliser.refuse(adm, lambda: Refusal(
+        Layer.SLO, Reason.DEADLINE_INFEASIBLE,
+        f"predicted to start ~{late_by:.2f} s past this request's TTFT SLO ({adm.ttft_slo:g} s)",
+        max(RETRY_AFTER_MIN_S, late_by, ms.backlog.turnover_wait(adm.priority, now, adm.tenant) or 0.0)),
+        now, terminal, ms.flow)]

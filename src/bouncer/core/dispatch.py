@@ -10,17 +10,24 @@ holds lets another agent's go (`next_agent_step`).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
+from bouncer.config import Policy
+from bouncer.core import feedback
 from bouncer.core.agent_gate import AgentGate, WindowGate
 from bouncer.core.blocks import num_blocks
 from bouncer.core.fleet import ReplicaState
 from bouncer.core.flow import FlowQueues, TenantQueue
 from bouncer.core.model_state import ModelState
 from bouncer.core.outcomes import Dispatch, Event
+from bouncer.core.permits import PermitStore
 from bouncer.core.placement import Late, Placement
 from bouncer.core.pool import PoolView
 from bouncer.core.requests import Admission
 from bouncer.core.saturation import SaturationDetector, ceiling
+
+if TYPE_CHECKING:
+    from bouncer.core.finaliser import CoreStats, Finaliser
 
 AGENT_LOOKAHEAD = 16  # queued requests of a tenant looked at for an agent step that may go now
 
@@ -129,3 +136,17 @@ def dispatch_event(adm: Admission, replica: ReplicaState, now: float) -> Dispatc
         tpot = adm.tpot_raw * replica.latency.tpot_factor
     return Dispatch(adm.request_id, replica.name, adm.info.model, adm.tenant, adm.priority, adm.max_tokens,
                     adm.arrival, now, ttft, tpot, adm.predicted_infeasible)
+
+
+def grant(adm: Admission, replica: ReplicaState, cached: dict[str, int], ms: ModelState, finaliser: Finaliser,
+          permits: PermitStore, policy: Policy, stats: CoreStats, now: float) -> Dispatch:
+    """It goes to `replica` now: out of the waiting room, its permit granted there."""
+    finaliser.dispatched(adm, ms.flow, now)
+    blocks_and_prefill(adm, replica, cached)
+    feedback.at_dispatch(adm, replica, now)
+    replica.prefix.record(adm.info.block_digests, now)
+    permits.grant(adm, replica, now, policy.permit_lease_s)
+    if adm.session is not None and isinstance(ms.agents, WindowGate):
+        ms.agents.dispatched(adm, now)
+    stats.note("admitted", "-", "-", adm.tenant, adm.priority)
+    return dispatch_event(adm, replica, now)

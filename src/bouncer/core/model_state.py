@@ -95,6 +95,18 @@ def _predictor(step: StepTimeConfig, learner: StepTimeLearner | None) -> Latency
     return LatencyPredictor(StepTimeModel(a, b, c, step.max_batched_tokens, d, e))
 
 
+def next_wakeup(models: dict[str, ModelState], replicas: dict[str, ReplicaState]) -> float | None:
+    """When the core's `tick` must run next at the latest: the earliest queue TTL, or the end of
+    a replica's rest after a refusal while work is queued for it, or an idle agent freeing its
+    slot."""
+    times = [d for ms in models.values() if (d := ms.flow.next_deadline()) is not None]
+    times += [r.cooldown_until for r in replicas.values()
+              if r.cooldown_until is not None and len(models[r.model].flow)]
+    times += [t for ms in models.values() if len(ms.flow)
+              and (t := ms.agents.next_wakeup(ms.flow.waiting_sessions)) is not None]
+    return min(times) if times else None
+
+
 def backend_name(model: str, index: int, explicit: str | None) -> str:
     return explicit or f"{model}/{index}"
 

@@ -20,9 +20,22 @@ retry may reach another gateway than its first attempt did).
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from bouncer.core.requests import RequestInfo
 
 RetryKey = tuple[str, str, int, int | None]  # tenant, model, prompt digest, max_tokens as asked
+
+
+def first_arrival(retries: RetryStore | None, tenant: str, info: RequestInfo,
+                  now: float) -> tuple[RetryKey | None, float | None]:
+    """(its key in the ledger, when its first attempt came) for a request whose client numbers
+    its attempts (else None, None, as with the ledger off)."""
+    if retries is None or info.prompt_digest is None:
+        return None, None
+    key = (tenant, info.model, info.prompt_digest, info.max_tokens)
+    return key, retries.arrived(key, bool(info.retry_count), now)
 
 
 class RetryStore(Protocol):
