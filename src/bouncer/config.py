@@ -351,6 +351,13 @@ class Policy(_Strict):
                                                              "budget leaves room for this many times its best "
                                                              "predicted TTFT: it is refused at arrival, or leaves "
                                                              "the queue, that much earlier")
+    standing_queue_share: float = Field(0.7, gt=0, le=1, description="while a tenant's queue in a band stands (its "
+                                                                     "least wait over an interval was more than half "
+                                                                     "its TTFT SLO: sustained overload, where a "
+                                                                     "longer queue serves no more, only later), its "
+                                                                     "newcomers are planned on this share of what "
+                                                                     "their SLO leaves (bouncer/core/"
+                                                                     "standing_queue.py; 1: off)")
     best_effort_priority: int = Field(-1, description="band of requests served best-effort after their deadline "
                                                       "was found infeasible")
     tpot_hold: bool = Field(True, description="hold a request while sending it would raise a replica's predicted "
@@ -734,6 +741,7 @@ policy:
   default_ttl_s: 30
   refuse_infeasible: true      # 429 deadline_infeasible when queue wait + predicted TTFT > the TTFT SLO
   ttft_safety_factor: 2        #   (the predicted TTFT x each band's measured error, p90; x this until measured)
+  standing_queue_share: 0.7    # a tenant's queue that stands (sustained overload) plans newcomers on 70% of the SLO
   tpot_hold: true              # hold a request that would slow a replica past its strictest TPOT SLO
   ttft_reserve_fraction: 0.25  # while a higher band sends, lower bands keep prefill queues short enough
                                #   for its next request to start within 25% of its TTFT SLO

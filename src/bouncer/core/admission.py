@@ -77,7 +77,7 @@ class AdmissionCore:
         self._tenants: dict[str, Tenant] = {}
         self.pressures: dict[str, PressureSignal] = {}  # outside signals by name (`observe_pressure`)
         self.finaliser = Finaliser(self.stats, self.permits, self.stores.rate_limits, self.stores.backlog,
-                                   self._breakers, self.replicas)
+                                   self._breakers, self.replicas, self.models)
         self._gate = intake.TenantGate(self.stores.rate_limits)
         self._seq = itertools.count()
         self._exemption = exemption
@@ -145,7 +145,7 @@ class AdmissionCore:
         if refusal is not None:
             # as offer remembers what the gate or the door refuses
             first_arrival(self.finaliser.retries, t.name, info, now)
-            return self._refuse_new(info, t.name, t.priority, refusal)
+            return self.finaliser.refuse_unadmitted(info.request_id, t.name, t.priority, refusal, info.model, now)
         return t
 
     def offer(self, info: RequestInfo, now: float, checked: Tenant | None = None) -> list[Event]:
@@ -188,7 +188,7 @@ class AdmissionCore:
         view = PoolView(ms.replicas, self.policy, now)
         best_ttft = self.placement.best_ttft(ms.replicas, adm, view) if ttft_left else None
         if ttft_left and not self._exempt(adm, keeping_queued=True):
-            deadlines.queue_budget(adm, ttft_left, best_ttft, ms.ttft_margins.margin(adm.priority), self.policy, now)
+            deadlines.queue_budget(adm, ttft_left, best_ttft, ms, self.policy, now)
         ms.agents.classify(adm)
         return self._enter_waiting_room(ms, adm, view, ttft_left, best_ttft, now)  # layers 4 and 5
 
@@ -218,8 +218,7 @@ class AdmissionCore:
             # It has to wait. If the backlog ahead and the prefill work on the best replica already
             # add up to more than its TTFT SLO, say so now (before any prefill), and when to come
             # back: once enough of it has drained.
-            late = deadlines.late_by(ms.backlog, adm, ttft_left, best_ttft, ms.ttft_margins.margin(adm.priority),
-                                     self.policy, now)
+            late = deadlines.late_by(ms, adm, ttft_left, best_ttft, self.policy, now)
             if late is not None:
                 events.extend(self._late(adm, now, late))
         return events
@@ -261,7 +260,7 @@ class AdmissionCore:
             return
         r = self.replicas[adm.replica]  # type: ignore[index]
         r.streamed_at = now
-        feedback.first_token(adm, r, self.models[adm.info.model].ttft_margins, now, measured)
+        feedback.first_token(adm, r, self.models[adm.info.model], now, measured)
         self.permits.started(adm, r, now)
 
     def finished(self, request_id: str, now: float, terminal: Terminal, completion_tokens: int = 0,

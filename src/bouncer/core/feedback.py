@@ -3,7 +3,8 @@
 - Latency: each replica's predictor (`bouncer.core.latency`) is corrected by what its requests
   showed: observed / predicted TTFT at the first token, TPOT at the end. The uncorrected
   predictions are kept on the request at dispatch (`at_dispatch`), to correct by; the corrected
-  one too, for its band's TTFT margin (`bouncer.core.ttft_margin`).
+  one too, for its band's TTFT margin (`bouncer.core.ttft_margin`). A first token past its
+  deadline is its band's miss (`deadlines.BandSLOs.missed`).
 - Output lengths: KV is reserved for the output expected of a tenant on a model
   (`bouncer.core.output_length`), learned from its completions.
 - Each replica's in-flight limit (AIMD, `adapt_inflight_limit`): the TPOT guard cuts it when
@@ -13,12 +14,16 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from bouncer.config import Policy
 from bouncer.core.fleet import ReplicaState, decode_context
 from bouncer.core.latency import prefill_pairs
 from bouncer.core.output_length import OutputLengthModel
 from bouncer.core.requests import Admission
-from bouncer.core.ttft_margin import TtftMargins
+
+if TYPE_CHECKING:
+    from bouncer.core.model_state import ModelState
 
 
 def expected_output(models: dict[str, OutputLengthModel], policy: Policy, model: str, max_tokens: int) -> int:
@@ -49,15 +54,17 @@ def at_dispatch(adm: Admission, r: ReplicaState, now: float) -> None:
     p.dispatched(adm.prefill_tokens, now)
 
 
-def first_token(adm: Admission, r: ReplicaState, margins: TtftMargins, now: float, measured: bool) -> None:
+def first_token(adm: Admission, r: ReplicaState, ms: ModelState, now: float, measured: bool) -> None:
     """Its first token came at `now` (`measured`), or its whole answer did (a non-streamed
-    request: its prefill is over, but when it ended is not known). `margins`: its model's."""
+    request: its prefill is over, but when it ended is not known). `ms`: its model's state."""
     r.idle_refusals = 0  # it ran something: not a replica that refuses everything
     adm.first_token_measured = measured
     if not measured:
         return
+    if adm.ttft_deadline is not None and now > adm.ttft_deadline and not adm.best_effort:
+        ms.band_slos.missed(adm.priority, now)
     if adm.ttft_predicted is not None:
-        margins.observe(adm.priority, adm.ttft_predicted, now - adm.dispatched_at)  # type: ignore[operator]
+        ms.ttft_margins.observe(adm.priority, adm.ttft_predicted, now - adm.dispatched_at)  # type: ignore[operator]
     if r.latency is not None and adm.ttft_raw is not None:
         r.latency.observe_ttft(adm.ttft_raw, now - adm.dispatched_at)  # type: ignore[operator]
     learner = r.predictor.learner if r.predictor is not None else None

@@ -10,7 +10,9 @@ layers took for it:
   an engine (refused by a later layer, expired, evicted, cancelled while queued);
 - the retry ledger: a completed request is forgotten, so the same prompt later is a new request;
 - its permit, when it held one: released on its replica and tenant (`PermitStore`);
-- the waiting room's departure rate, when it left the waiting room (for Retry-After).
+- the waiting room's departure rate, when it left the waiting room (for Retry-After), and how
+  long it waited there (whether its queue stands: `bouncer.core.standing_queue`);
+- its band's misses, when it was refused or expired as late (`deadlines.BandSLOs.missed`).
 """
 
 from __future__ import annotations
@@ -18,9 +20,11 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from bouncer.core.backlog import BacklogStore
 from bouncer.core.breaker import CircuitBreaker
+from bouncer.core.deadlines import LATE_REASONS
 from bouncer.core.fleet import ReplicaState
 from bouncer.core.flow import FlowQueues
 from bouncer.core.outcomes import Layer, Reason, Reclaimed, Refusal, Reject, Terminal
@@ -28,6 +32,9 @@ from bouncer.core.permits import PermitStore
 from bouncer.core.rate_limit import RateLimitStore
 from bouncer.core.requests import Admission
 from bouncer.core.retries import RetryStore
+
+if TYPE_CHECKING:
+    from bouncer.core.model_state import ModelState
 
 UNKNOWN_TENANT = "-"
 NEVER_DISPATCHED = (Terminal.REFUSED, Terminal.EXPIRED, Terminal.EVICTED, Terminal.CANCELLED)
@@ -68,19 +75,24 @@ class CoreStats:
 
 class Finaliser:
     def __init__(self, stats: CoreStats, permits: PermitStore, rate_limits: RateLimitStore,
-                 backlog: BacklogStore, breakers: dict[str, CircuitBreaker], replicas: dict[str, ReplicaState]) -> None:
+                 backlog: BacklogStore, breakers: dict[str, CircuitBreaker], replicas: dict[str, ReplicaState],
+                 models: dict[str, ModelState]) -> None:
         self.stats = stats
         self.permits = permits
         self.rate_limits = rate_limits
         self.backlog = backlog
         self.breakers = breakers  # tenant -> its breaker
         self.replicas = replicas
+        self.models = models  # the core's, by name: whose queues stand
         self.retries: RetryStore | None = None  # set by the core's reload
 
     # -- before the request was admitted to a layer that takes anything ------------------------
-    def refuse_unadmitted(self, request_id: str, tenant: str, band: int | None, refusal: Refusal) -> Reject:
+    def refuse_unadmitted(self, request_id: str, tenant: str, band: int | None, refusal: Refusal,
+                          model: str | None = None, now: float | None = None) -> Reject:
         """Refused before any layer took anything for it (who it is, validation, context, the
-        gate refusing)."""
+        gate refusing; `model` and `now` where it may have been refused as late: the precheck)."""
+        if model is not None and now is not None and band is not None:
+            self._missed(model, band, refusal.reason, now)
         self._count(Terminal.REFUSED, refusal.layer, refusal.reason, tenant, band)
         return Reject(request_id, refusal, Terminal.REFUSED, tenant, band)
 
@@ -93,6 +105,8 @@ class Finaliser:
             self._departed(adm, now)
         if callable(refusal):
             refusal = refusal()
+        if not adm.best_effort:
+            self._missed(adm.info.model, adm.priority, refusal.reason, now)
         self._count(terminal, refusal.layer, refusal.reason, adm.tenant, adm.priority)
         self._settle(adm, terminal, refusal.reason, now, completion_tokens=0)
         return Reject(adm.request_id, refusal, terminal, adm.tenant, adm.priority)
@@ -107,7 +121,7 @@ class Finaliser:
     def dispatched(self, adm: Admission, flow: FlowQueues, now: float) -> None:
         """It leaves the waiting room for a replica (not an end: it holds a permit now)."""
         flow.remove(adm)
-        self._departed(adm, now)
+        self._departed(adm, now, dispatched=True)
         self.backlog.note_dispatch(adm.info.model, now)
 
     # -- an admitted request, holding a permit ----------------------------------------------------
@@ -138,9 +152,20 @@ class Finaliser:
         self.stats.outcomes[terminal] += 1
         self.stats.decisions[(terminal.value, str(layer), str(reason), tenant, band)] += 1
 
-    def _departed(self, adm: Admission, now: float) -> None:
-        if adm.arrival < now:  # one refused as it arrived was never part of a backlog
+    def _missed(self, model: str, band: int, reason: Reason | str, now: float) -> None:
+        """Refused or expired as late: its band missed (the reserve lower bands leave it grows)."""
+        ms = self.models.get(model)
+        if ms is not None and reason in LATE_REASONS:
+            ms.band_slos.missed(band, now)
+
+    def _departed(self, adm: Admission, now: float, dispatched: bool = False) -> None:
+        if adm.arrival < now:  # one that left as it arrived was never part of a backlog
             self.backlog.note_departure(adm.info.model, now)
+        elif not dispatched:  # refused as it arrived: it says nothing of how long the queue makes one wait
+            return
+        ms = self.models.get(adm.info.model)
+        if ms is not None and adm.ttft_slo and not adm.best_effort:
+            ms.standing.departed(adm.priority, adm.tenant, now - adm.arrival, adm.ttft_slo, now)
 
     def _settle(self, adm: Admission, terminal: Terminal, reason: str | None, now: float,
                 completion_tokens: int) -> None:

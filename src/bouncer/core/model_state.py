@@ -11,13 +11,14 @@ from bouncer.core.fleet import ReplicaState
 from bouncer.core.flow import FlowQueues
 from bouncer.core.latency import LatencyPredictor, StepTimeModel
 from bouncer.core.ordering import OrderingPolicy
+from bouncer.core.standing_queue import StandingQueues
 from bouncer.core.step_time_learner import GENERIC_PRIOR, StepTimeLearner
 from bouncer.core.ttft_margin import TtftMargins
 
 
 class ModelState:
     __slots__ = ("cfg", "flow", "draining", "replicas", "agents", "tpot_target", "band_slos", "backlog",
-                 "step_time", "learner", "ttft_margins")
+                 "step_time", "learner", "ttft_margins", "standing")
 
     def __init__(self, cfg: ModelConfig, flow: FlowQueues, backlog: BacklogStore) -> None:
         self.cfg = cfg
@@ -31,6 +32,7 @@ class ModelState:
         self.step_time: StepTimeConfig | None = None  # the config the predictors below were built from
         self.learner: StepTimeLearner | None = None  # the step-time fit its replicas share, when learned
         self.ttft_margins = TtftMargins()  # how far its TTFT predictions are off, per band
+        self.standing = StandingQueues()  # which of its tenants' queues stand (sustained overload)
 
     def reconfigure(self, m: ModelConfig, config: BouncerConfig, fairness: FairnessPolicy, ordering: OrderingPolicy,
                     credit: CreditStore, agents: AgentGate, registry: dict[str, ReplicaState]) -> None:

@@ -58,10 +58,10 @@ def _surely_late(ms: ModelState, tenant: Tenant, info: RequestInfo, view: PoolVi
     floor = min(floors) * margin if floors else None
     if not behind_own and floor is None:
         return None
-    late = deadlines.surely_late(ms.backlog, tenant.priority, tenant.name, slo, predicts, floor, behind_own,
+    late = deadlines.surely_late(ms, tenant.priority, tenant.name, slo, predicts, floor, behind_own,
                                  policy, now)
     if late is None:
         return None
-    return Refusal(Layer.SLO, Reason.DEADLINE_INFEASIBLE, f"predicted to start ~{late:.2f} s past this request's "
-                   f"TTFT SLO ({slo:g} s)", max(RETRY_AFTER_MIN_S, late, ms.backlog.turnover_wait(
-                       tenant.priority, now, tenant.name) or 0.0))
+    standing = behind_own and ms.standing.standing(tenant.priority, tenant.name, now)
+    return Refusal(Layer.SLO, Reason.DEADLINE_INFEASIBLE, deadlines.late_message(late, slo, standing, policy),
+                   max(RETRY_AFTER_MIN_S, late, ms.backlog.turnover_wait(tenant.priority, now, tenant.name) or 0.0))

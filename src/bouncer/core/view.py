@@ -102,6 +102,7 @@ class CoreView:
                           for b in ms.flow.bands_desc()},
                 "step_time": _step_time_snapshot(ms),
                 "ttft_margins": ms.ttft_margins.snapshot(),  # per band: observed/predicted TTFT, QUANTILE
+                "standing_queues": ms.standing.snapshot(now),  # (band, tenant) planned on standing_queue_share
                 "replicas": {r.name: _replica_snapshot(r, view, now) for r in ms.replicas.values()},
             }
         return out
