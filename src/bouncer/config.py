@@ -352,7 +352,7 @@ class Policy(_Strict):
                                                              "predicted TTFT: it is refused at arrival, or leaves "
                                                              "the queue, that much earlier")
     standing_queue_share: float = Field(0.7, gt=0, le=1, description="while a tenant's queue in a band stands (its "
-                                                                     "least wait over an interval was more than half "
+                                                                     "mean wait over an interval was more than half "
                                                                      "its TTFT SLO: sustained overload, where a "
                                                                      "longer queue serves no more, only later), its "
                                                                      "newcomers are planned on this share of what "
