@@ -55,7 +55,8 @@ def cmd_engine(args) -> None:
     engine = _engine_model_from_args(args)
     publisher = _kv_event_publisher(args.kv_events_config, engine.block_size)
     server = EngineServer(engine, model_name=args.model, speed=args.speed,
-                          tokenizer=PromptTokenizer(args.tokenizer), seed=args.seed, kv_events=publisher)
+                          tokenizer=PromptTokenizer(args.tokenizer), seed=args.seed, kv_events=publisher,
+                          kv_connector=f"{args.host}:{args.port}" if args.kv_connector else None)
     if publisher is not None:
         print(f"bouncer engine: KV events on {publisher.endpoint}", flush=True)
     print(f"bouncer engine: model {args.model!r} ({args.profile}, {engine.pool.num_blocks} KV blocks of "
@@ -357,6 +358,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-events-config", help="publish KV-cache events as vLLM does, e.g. "
                                               "'{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", "
                                               "\"endpoint\": \"tcp://127.0.0.1:5557\"}'")
+    p.add_argument("--kv-connector", action="store_true",
+                   help="speak vLLM's P/D protocol (kv_transfer_params), as vLLM with --kv-transfer-config does: "
+                        "serve as a prefill or a decode worker of a disaggregated fleet")
     _add_engine_args(p)
     p.set_defaults(func=cmd_engine)
 

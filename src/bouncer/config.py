@@ -98,6 +98,9 @@ class Backend(_Strict):
                                                     "endpoint), e.g. tcp://10.0.0.5:5557; makes the prefix "
                                                     "index precise")
     kv_events_topic: str = Field("", description="ZMQ topic to subscribe to (vLLM's default is empty: all)")
+    role: Literal["both", "prefill", "decode"] = Field(
+        "both", description="disaggregated serving: a prefill worker computes prompts and hands their KV to a "
+                            "decode worker; a model's backends are either all `both` or prefill and decode workers")
 
     @field_validator("kv_events")
     @classmethod
@@ -177,6 +180,18 @@ class ModelConfig(_Strict):
     @classmethod
     def _default_step_time(cls, value: object) -> object:
         return {} if value is None else value  # `step_time: null` is the default: learned
+
+    @model_validator(mode="after")
+    def _roles(self) -> ModelConfig:
+        roles = {b.role for b in self.backends}
+        if roles != {"both"} and roles != {"prefill", "decode"}:
+            raise ValueError(f"model {self.name!r}: backends are either all role `both` (colocated) or prefill "
+                             f"and decode workers, at least one of each (got {', '.join(sorted(roles))})")
+        return self
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.backends[0].role != "both"
 
 
 class Queues(_Strict):
@@ -730,6 +745,10 @@ models:
       - url: http://10.0.0.12:8000
         kv_cache_gb: 52              # or stated: blocks = bytes / (kv bytes per token x block_size)
         kv_offload_blocks: 100000    # host-memory KV (vLLM --kv-offloading-size), if any
+      # Disaggregated serving (vLLM / llm-d P/D): backends are all `role: both` (the default) or
+      # prefill and decode workers, at least one of each, engines started with a KV connector:
+      # - {url: http://10.0.0.21:8000, role: prefill}
+      # - {url: http://10.0.0.31:8000, role: decode}
 
 policy:
   kv_reservation: overcommit   # overcommit: reserve the learned expected output; reserve: max_tokens

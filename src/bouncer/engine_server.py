@@ -5,6 +5,13 @@ A single asyncio task drives the model: it runs one step, sleeps for the step's 
 relay tokens, so one process carries hundreds of concurrent streams on one core.
 
 Times reported in `/metrics` histograms are model time (equal to wall time at speed 1).
+
+With a KV connector (`--kv-connector`, vLLM's `--kv-transfer-config`), it speaks vLLM's P/D
+protocol: a request with `kv_transfer_params.do_remote_decode` is prefilled and answered with one
+token and `kv_transfer_params` saying where its KV waits; one with `do_remote_prefill` waits the
+modelled transfer of its prompt's KV (`EngineProfile.kv_transfer_s`) and then decodes with that
+KV taken as computed. The KV itself is not moved between processes: the decode side trusts the
+parameters (the number of blocks must match its prompt) and models the time the pull takes.
 """
 
 from __future__ import annotations
@@ -193,10 +200,12 @@ class KVEventPublisher:
 class EngineServer:
     def __init__(self, engine: EngineModel, *, model_name: str = "demo-llm", speed: float = 1.0,
                  tokenizer: PromptTokenizer | None = None, seed: int = 0,
-                 kv_events: KVEventPublisher | None = None) -> None:
+                 kv_events: KVEventPublisher | None = None, kv_connector: str | None = None) -> None:
+        """`kv_connector`: this engine's id in vLLM's P/D protocol (module doc); None: none."""
         if speed <= 0:
             raise ValueError("speed must be positive")
         self.engine = engine
+        self.kv_connector = kv_connector
         self.kv_events = kv_events
         if kv_events is not None:
             engine.pool.event_sink = kv_events.sink
@@ -353,11 +362,17 @@ class EngineServer:
             rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{n}"
             seed = zlib.crc32(rid.encode()) ^ self.seed
             target, _ = self._output_len(body, seed)
+            remote_decode, remote_tokens = self._kv_transfer(body, len(prompt_ids))
+            if remote_decode:
+                target = 1  # the decode worker generates the answer
+            elif remote_tokens:
+                await asyncio.sleep(self.engine.profile.kv_transfer_s(remote_tokens) / self.speed)
             digests = chain_block_hashes(prompt_ids, self.engine.block_size)
             priority = body.get("priority", 0)
             if not isinstance(priority, int):
                 raise ApiError(400, "priority must be an integer", param="priority")
-            req = EngineRequest(rid, len(prompt_ids), target, digests, self.now(), priority)
+            req = EngineRequest(rid, len(prompt_ids), target, digests, self.now(), priority,
+                                remote_tokens=remote_tokens)
             try:
                 self.engine.add_request(req)
             except QueueFull as exc:
@@ -382,7 +397,7 @@ class EngineServer:
             if body.get("stream"):
                 include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
                 return await self._stream_response(request, kind, stream, created, include_usage)
-            return await self._full_response(kind, stream, created)
+            return await self._full_response(kind, stream, created, remote_decode)
         finally:
             self._streams.pop(rid, None)
             if self.kv_events is not None:
@@ -390,6 +405,26 @@ class EngineServer:
             if req.finished_at is None:  # client went away: free its KV at once
                 self.engine.abort(rid, self.now())
                 self._wake.set()
+
+    def _kv_transfer(self, body: dict[str, Any], prompt_len: int) -> tuple[bool, int]:
+        """(prefill for a remote decode, prompt tokens whose KV a remote prefill computed), from
+        the request's `kv_transfer_params`; ignored without a connector, as vLLM ignores them."""
+        params = body.get("kv_transfer_params")
+        if self.kv_connector is None or params is None:
+            return False, 0
+        if not isinstance(params, dict):
+            raise ApiError(400, "kv_transfer_params must be an object", param="kv_transfer_params")
+        if params.get("do_remote_decode"):
+            if body.get("stream"):
+                raise ApiError(400, "a prefill for a remote decode is not streamed", param="stream")
+            return True, 0
+        if params.get("do_remote_prefill"):
+            blocks = params.get("remote_block_ids")
+            if not isinstance(blocks, list) or len(blocks) != -(-prompt_len // self.engine.block_size):
+                raise ApiError(400, "kv_transfer_params.remote_block_ids does not match the prompt's blocks",
+                               param="kv_transfer_params")
+            return False, prompt_len
+        return False, 0
 
     async def _stream_error(self, request: web.Request, err: ApiError) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
@@ -430,7 +465,8 @@ class EngineServer:
         await resp.write_eof()
         return resp
 
-    async def _full_response(self, kind: str, stream: _Stream, created: int) -> web.Response:
+    async def _full_response(self, kind: str, stream: _Stream, created: int,
+                             remote_decode: bool = False) -> web.Response:
         req = stream.request
         sent = 0
         texts: list[str] = []
@@ -443,6 +479,12 @@ class EngineServer:
         body = full_response(kind, req.request_id, self.model_name, created, "".join(texts),
                              req.finish_reason or "length",
                              usage(req.prompt_len, req.num_output, req.num_cached_tokens))
+        if remote_decode:  # where the decode worker finds its KV (vLLM's NixlConnector's fields)
+            body["kv_transfer_params"] = {
+                "do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": self.kv_connector,
+                "remote_request_id": req.request_id,
+                "remote_block_ids": list(range(-(-req.prompt_len // self.engine.block_size))),
+                "remote_host": None, "remote_port": None}
         return web.Response(body=dumps(body), content_type="application/json")
 
     async def handle_models(self, _request: web.Request) -> web.Response:

@@ -21,6 +21,7 @@ from bouncer.core.registry import make_router
 from bouncer.recorder.sampler import Sampler
 from bouncer.recorder.timeline import Timeline
 from bouncer.sim.fleet import FleetConfig, FleetSim, SimRequest
+from bouncer.sim.pd_policies import PdCurrentLoad, PdDynamoBusy, PdRoundRobin
 from bouncer.sim.policies import (
     BOUNCER_POLICY,
     LLMD_POLICY,
@@ -36,7 +37,10 @@ from bouncer.sim.profiles import EngineProfile, get_profile
 from bouncer.sim.scenarios import Scenario, get_scenario
 from bouncer.sim.workloads import TenantSpec, make_requests, measure_capacity
 
-POLICIES = ("none", "tgi-cap", "vllm-queue-cap", "llmd-flow-control", "dynamo-busy", "bouncer")
+POLICIES = ("none", "tgi-cap", "vllm-queue-cap", "llmd-flow-control", "dynamo-busy", "pd-current-load", "bouncer")
+# on a disaggregated fleet (bouncer.sim.pd_policies): TGI has no P/D mode, and llm-d's flow
+# control is not modelled on two pools
+PD_POLICIES = ("none", "vllm-queue-cap", "dynamo-busy", "pd-current-load", "bouncer")
 DEFAULT_PROFILE = "llama-3.1-8b-h100"
 # vLLM's default is no queue cap; the `vllm-queue-cap` baseline runs engines with these (a
 # common production choice: a few hundred waiting requests per engine).
@@ -57,6 +61,8 @@ def fleet_config(policy: str, replicas: int, profile: str | EngineProfile, seed:
     profile = dataclasses.replace(engine_profile(profile), max_model_len=scenario.max_model_len)
     cfg = FleetConfig(replicas=replicas, profile=profile, seed=seed, kv_events=kv_events,
                       cpu_offload_gib=scenario.cpu_offload_gib)
+    if scenario.disaggregated:
+        cfg.replicas, cfg.decode_replicas = scenario.pd_split(profile, replicas)
     if policy == "vllm-queue-cap":
         cfg.max_num_queued_reqs = VLLM_MAX_QUEUED_REQS
         cfg.max_num_queued_tokens = VLLM_MAX_QUEUED_TOKENS
@@ -88,6 +94,10 @@ def make_policy(name: str, scenario: Scenario, cfg: FleetConfig, routing: str | 
     engine's token budget stated, which operators set themselves); `off`, no latency prediction."""
     names = [f"r{i}" for i in range(cfg.replicas)]
     blocks = cfg.kv_blocks or cfg.profile.num_blocks
+    if cfg.decode_replicas and name not in ("bouncer", "llmd-flow-control"):
+        return _pd_baseline(name, scenario, cfg, blocks)
+    if name == "pd-current-load":
+        raise ValueError("pd-current-load needs a disaggregated fleet (the disaggregated scenario)")
     if name == "none":
         router = make_router(routing, Routing()) if routing else None
         return NoAdmission(names, router, blocks, cfg.profile.block_size,
@@ -107,10 +117,23 @@ def make_policy(name: str, scenario: Scenario, cfg: FleetConfig, routing: str | 
         offload = cfg.profile.offload_blocks(cfg.cpu_offload_gib)
         # llm-d predicts no latency
         step = _step_time_config(cfg, step_time) if name == "bouncer" else {"mode": "off"}
-        return CorePolicy(name, core_config(tenant_configs(scenario), cfg.replicas, blocks, cfg.profile.block_size,
+        if cfg.decode_replicas and name != "bouncer":
+            raise ValueError(f"{name} is not modelled on a disaggregated fleet; known there: {', '.join(PD_POLICIES)}")
+        return CorePolicy(name, core_config(tenant_configs(scenario), cfg.roles(), blocks, cfg.profile.block_size,
                                            cfg.profile.max_model_len, policy, offload, step),
                           advises_clients=name == "bouncer")
     raise ValueError(f"unknown policy {name!r}; known: {', '.join(POLICIES)}")
+
+
+def _pd_baseline(name: str, scenario: Scenario, cfg: FleetConfig, blocks: int):
+    roles = cfg.roles()
+    if name in ("none", "vllm-queue-cap"):
+        return PdRoundRobin(roles, name)
+    if name == "dynamo-busy":
+        return PdDynamoBusy(roles, blocks, cfg.profile.block_size, cfg.profile.max_num_batched_tokens)
+    if name == "pd-current-load":
+        return PdCurrentLoad(roles, cfg.profile.prefill_seconds)
+    raise ValueError(f"{name} is not modelled on a disaggregated fleet; known there: {', '.join(PD_POLICIES)}")
 
 
 def _step_time_config(cfg: FleetConfig, step_time: str) -> dict:
@@ -338,6 +361,7 @@ def summarize(scenario: Scenario, policy: str, load: float, seed: int, replicas:
         "routing": routing or ("prefix-aware" if policy == "bouncer" else "llmd-scorers" if policy ==
                                "llmd-flow-control" else "round-robin" if policy != "dynamo-busy" else "kv-overlap"),
         "capacity_rps": capacity, "duration_s": duration_s,
+        **({"decode_replicas": result.decode_replicas} if result.decode_replicas else {}),
         "sim_seconds": result.sim_seconds, "wall_seconds": result.wall_seconds,
         "sim_seconds_per_wall_second": result.sim_seconds / result.wall_seconds if result.wall_seconds else None,
         "offered": len(requests), "lost": len(requests) - sum(outcomes.values()), "outcomes": outcomes,
@@ -355,11 +379,43 @@ def summarize(scenario: Scenario, policy: str, load: float, seed: int, replicas:
         "preemptions": result.preemptions,
         "recomputed_tokens": result.recomputed_tokens,
         "wasted_tokens": sum(r.wasted_tokens for r in requests),
+        "refused_after_prefill": result.refused_after_prefill,
+        "decode_kv": decode_kv_swing(result.samples, duration_s),
         "tenants": tenants,
         "ttft_minus_slo": ttft_minus_slo(requests),
         "retry_after_accuracy": retry_after_accuracy(result),
         "samples": result.samples,
     }
+
+
+OSCILLATION_WINDOW_S = 10.0
+
+
+def _std(values: list[float]) -> float:
+    mean = sum(values) / len(values)
+    return math.sqrt(sum((v - mean) ** 2 for v in values) / len(values))
+
+
+def decode_kv_swing(samples: list[dict], duration_s: float) -> dict | None:
+    """How the decode pool's KV usage moved (a disaggregated fleet's; None otherwise), from the
+    simulator's 1-s samples after the first 10 s: its mean; the standard deviation within each
+    10-s window, averaged over the windows (swings of a few seconds, the anti-phase oscillation
+    of admission on current decode load: a wave let in while decode looks empty, arriving once
+    its prefill is done); the standard deviation of the windows' means (slower drift); and the
+    share of samples at 98% or more, where the engines preempt."""
+    points = [(x["t"], x["decode_kv_usage_mean"]) for x in samples
+              if "decode_kv_usage_mean" in x and OSCILLATION_WINDOW_S <= x["t"] < duration_s]
+    if not points:
+        return None
+    windows: dict[int, list[float]] = {}
+    for t, usage in points:
+        windows.setdefault(int(t // OSCILLATION_WINDOW_S), []).append(usage)
+    means = [sum(w) / len(w) for w in windows.values()]
+    return {"mean": sum(u for _, u in points) / len(points),
+            "std_within_10s": sum(_std(w) for w in windows.values()) / len(windows),
+            "std_of_10s_means": _std(means),
+            "share_at_98pct": sum(1 for _, u in points if u >= 0.98) / len(points),
+            "windows": len(windows)}
 
 
 def _finite(obj):

@@ -57,8 +57,10 @@ def run(guidellm: str | pathlib.Path, target: str, model: str, api_key: str, rat
     }}
     (workdir / "scenario.json").write_text(json.dumps(scenario))
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "DO_NOT_TRACK": "1"}
-    proc = subprocess.run([str(guidellm), "run", "--scenario", str(workdir / "scenario.json"), "--disable-console"],
-                          cwd=workdir, env=env, capture_output=True, text=True, timeout=timeout_s or seconds + 180)
+    # it runs in `workdir`: a relative path to it (`make test`'s default) is the caller's
+    proc = subprocess.run([os.path.abspath(guidellm), "run", "--scenario", str(workdir / "scenario.json"),
+                           "--disable-console"], cwd=workdir, env=env, capture_output=True, text=True,
+                          timeout=timeout_s or seconds + 180)
     if proc.returncode != 0 or not report.is_file():
         raise RuntimeError(f"guidellm failed ({proc.returncode}): {proc.stderr[-2000:]}")
     bench = json.loads(report.read_text())["benchmarks"][0]

@@ -6,7 +6,9 @@ highest load, Bouncer against no admission. Scenarios whose runs compare routers
 policy, several `--routing` or `--kv-events` variants) get a routing table instead: prefix hit
 rate against the trace's infinite-cache bound, TTFT, and KV imbalance. Runs of the closed-loop
 `agents` scenario get their own table (sessions and steps per hour, hit rate, recomputed tokens)
-and a plot of the prefix-cache hit rate over time, one panel per concurrency.
+and a plot of the prefix-cache hit rate over time, one panel per concurrency. Runs on a
+disaggregated fleet add a table of what its decode pool did (refusals after prefill, KV usage and
+its swings, preemptions) and a plot of the decode pool's KV usage over time at the highest load.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-POLICY_ORDER = ["none", "tgi-cap", "vllm-queue-cap", "llmd-flow-control", "dynamo-busy", "bouncer"]
+POLICY_ORDER = ["none", "tgi-cap", "vllm-queue-cap", "llmd-flow-control", "dynamo-busy", "pd-current-load", "bouncer"]
 AGENT_POLICY_ORDER = ["none", "request-cap", "bouncer"]
 AGENT_POLICY_COLORS = {"none": "tab:blue", "request-cap": "tab:orange", "bouncer": "tab:green"}
 
@@ -205,6 +207,45 @@ def plot_timeline(results: list[dict], scenario: str, out: pathlib.Path) -> bool
     return True
 
 
+def decode_pool_table(results: list[dict], scenario: str) -> list[str]:
+    """Per policy and load on a disaggregated fleet: requests a decode worker refused after their
+    prefill ran, the decode pool's KV usage (mean; standard deviation within 10-s windows, then of
+    the windows' means; share of seconds at 98% or more), and preemptions."""
+    rows = [r for r in results if r["scenario"] == scenario and r.get("decode_kv")]
+    if not rows:
+        return []
+    lines = ["| policy | load | refused after prefill | decode KV mean | std within 10 s | std of 10-s means "
+             "| seconds at >= 98% | preemptions |", "|---|---|---|---|---|---|---|---|"]
+    for r in sorted(rows, key=lambda r: (r["load"], POLICY_ORDER.index(r["policy"]))):
+        k = r["decode_kv"]
+        lines.append(f"| {r['policy']} | {r['load']:g} | {r['refused_after_prefill']} | {k['mean']:.2f} | "
+                     f"{k['std_within_10s']:.3f} | {k['std_of_10s_means']:.3f} | {k['share_at_98pct']:.0%} | "
+                     f"{r['preemptions']} |")
+    return lines
+
+
+def plot_decode_pool(results: list[dict], scenario: str, out: pathlib.Path) -> bool:
+    rows = [r for r in results if r["scenario"] == scenario and r.get("decode_kv")]
+    if not rows:
+        return False
+    top = max(r["load"] for r in rows)
+    fig, ax = plt.subplots(figsize=(9, 3.6))
+    for r in sorted((r for r in rows if r["load"] == top), key=lambda r: POLICY_ORDER.index(r["policy"])):
+        s = [x for x in r["samples"] if "decode_kv_usage_mean" in x]
+        ax.plot([x["t"] for x in s], [x["decode_kv_usage_mean"] for x in s], label=r["policy"],
+                linewidth=2.0 if r["policy"] == "bouncer" else 1.0)
+    ax.set_ylabel("decode pool KV usage")
+    ax.set_xlabel("simulated seconds")
+    ax.set_ylim(0, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    ax.set_title(f"{scenario} at load {top:g}: the decode pool")
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return True
+
+
 def _agent_runs(results: list[dict]) -> list[dict]:
     return sorted(results, key=lambda r: (r["duration_s"], r["sessions"], r["seed"],
                                           AGENT_POLICY_ORDER.index(r["policy"])))
@@ -338,6 +379,12 @@ def write_report(paths: list[str], out_dir: str) -> pathlib.Path:
         lines.append("")
         if plot_timeline(results, sc, out / f"timeline-{sc}.png"):
             lines += [f"![queue and KV over time](timeline-{sc}.png)", ""]
+        pool = decode_pool_table(results, sc)
+        if pool:
+            lines += [f"The decode pool ({rows[0].get('decode_replicas', '?')} of the {rows[0]['replicas']} "
+                      "engines decode):", ""] + pool + [""]
+            if plot_decode_pool(results, sc, out / f"decode-pool-{sc}.png"):
+                lines += [f"![decode pool KV over time](decode-pool-{sc}.png)", ""]
         lines += recordings_list(rows, out)
     for trace in sorted({r.get("trace", "traces") for r in agents}, key=lambda t: (t != "traces", t)):  # WEKA folders
         rows = [r for r in agents if r.get("trace", "traces") == trace]

@@ -177,6 +177,8 @@ class AdmissionCore:
             first_arrival_at, retry_key, next(self._seq), now)
         adm.breaker_probe, adm.rate_charge, adm.context_limit = probe, info.prompt_tokens + max_tokens, \
             ms.cfg.max_model_len
+        if ms.cfg.disaggregated:
+            adm.mean_output = feedback.mean_output(self._output_models[t.name], self.policy, info.model, max_tokens)
         ms.band_slos.note(adm, now)
         if ttft_left is not None and ttft_left <= 0:  # a retry past its first attempt's deadline
             refusal = deadlines.past_first_deadline(adm, t, self.policy, self._acts_on_late(adm),
@@ -260,8 +262,18 @@ class AdmissionCore:
             return
         r = self.replicas[adm.replica]  # type: ignore[index]
         r.streamed_at = now
-        feedback.first_token(adm, r, self.models[adm.info.model], now, measured)
+        prefill = self.replicas[adm.prefill_replica] if adm.prefill_replica is not None else None
+        feedback.first_token(adm, r, self.models[adm.info.model], now, measured, prefill)
         self.permits.started(adm, r, now)
+
+    def handed_over(self, request_id: str, now: float) -> list[Event]:
+        """Disaggregated: its prefill ended, and its KV goes to its decode worker (the prefill
+        worker's room is freed for what waits)."""
+        adm = self.permits.get(request_id)
+        if adm is None or adm.decode_replica is None:
+            return []
+        self.permits.hand_over(adm, self.replicas, now)
+        return self._dispatcher.run(self.models[adm.info.model], now)
 
     def finished(self, request_id: str, now: float, terminal: Terminal, completion_tokens: int = 0,
                  reason: str | None = None) -> list[Event]:
@@ -306,7 +318,7 @@ class AdmissionCore:
         if refusal is not None:
             return [self.finaliser.refuse(adm, refusal, now, Terminal.FAILED), *self._dispatcher.run(ms, now)]
         self.stats.note("requeued", Layer.UPSTREAM.value, Reason.UPSTREAM_REFUSED.value, adm.tenant, adm.priority)
-        adm.replica = adm.dispatched_at = adm.first_token_at = None
+        adm.replica = adm.dispatched_at = adm.first_token_at = adm.decode_replica = adm.prefill_replica = None
         adm.blocks = adm.prefill_tokens = 0
         ms.flow.push(adm, self._tenants[adm.tenant].weight if adm.tenant in self._tenants else 1.0)
         return self.tick(now)

@@ -125,7 +125,8 @@ class Dispatcher:
 def blocks_and_prefill(adm: Admission, replica: ReplicaState, cached: dict[str, int]) -> None:
     """What it will hold there: KV blocks for its prompt and expected output, and the prompt
     tokens the replica does not hold yet (its prefill work)."""
-    adm.blocks = num_blocks(adm.info.prompt_tokens + adm.expected_output, replica.block_size)
+    output = 0 if replica.role == "prefill" else adm.expected_output  # decoded elsewhere
+    adm.blocks = num_blocks(adm.info.prompt_tokens + output, replica.block_size)
     adm.prefill_tokens = adm.info.prompt_tokens - cached[replica.name]
 
 
@@ -135,7 +136,7 @@ def dispatch_event(adm: Admission, replica: ReplicaState, now: float) -> Dispatc
         ttft = adm.ttft_raw * replica.latency.ttft_factor
         tpot = adm.tpot_raw * replica.latency.tpot_factor
     return Dispatch(adm.request_id, replica.name, adm.info.model, adm.tenant, adm.priority, adm.max_tokens,
-                    adm.arrival, now, ttft, tpot, adm.predicted_infeasible)
+                    adm.arrival, now, ttft, tpot, adm.predicted_infeasible, adm.decode_replica)
 
 
 def grant(adm: Admission, replica: ReplicaState, cached: dict[str, int], ms: ModelState, finaliser: Finaliser,
@@ -145,7 +146,8 @@ def grant(adm: Admission, replica: ReplicaState, cached: dict[str, int], ms: Mod
     blocks_and_prefill(adm, replica, cached)
     feedback.at_dispatch(adm, replica, now)
     replica.prefix.record(adm.info.block_digests, now)
-    permits.grant(adm, replica, now, policy.permit_lease_s)
+    decode = ms.replicas[adm.decode_replica] if adm.decode_replica is not None else None
+    permits.grant(adm, replica, now, policy.permit_lease_s, decode)
     if adm.session is not None and isinstance(ms.agents, WindowGate):
         ms.agents.dispatched(adm, now)
     stats.note("admitted", "-", "-", adm.tenant, adm.priority)

@@ -34,6 +34,15 @@ def expected_output(models: dict[str, OutputLengthModel], policy: Policy, model:
     return m.expected(max_tokens) if m else min(max_tokens, policy.expected_output_default)
 
 
+def mean_output(models: dict[str, OutputLengthModel], policy: Policy, model: str, max_tokens: int) -> int:
+    """The mean output of this tenant's requests (`models`) on `model`, where `expected_output`
+    adds a margin: what a decode worker's many requests hold on average (`decode_room`)."""
+    if policy.kv_reservation == "reserve":
+        return max_tokens
+    m = models.get(model)
+    return m.mean(max_tokens) if m else min(max_tokens, policy.expected_output_default)
+
+
 def learn_output(models: dict[str, OutputLengthModel], policy: Policy, model: str, completion_tokens: int) -> None:
     models.setdefault(model, OutputLengthModel(policy.expected_output_default)).observe(completion_tokens)
 
@@ -54,11 +63,17 @@ def at_dispatch(adm: Admission, r: ReplicaState, now: float) -> None:
     p.dispatched(adm.prefill_tokens, now)
 
 
-def first_token(adm: Admission, r: ReplicaState, ms: ModelState, now: float, measured: bool) -> None:
+def first_token(adm: Admission, r: ReplicaState, ms: ModelState, now: float, measured: bool,
+                prefill: ReplicaState | None = None) -> None:
     """Its first token came at `now` (`measured`), or its whole answer did (a non-streamed
-    request: its prefill is over, but when it ended is not known). `ms`: its model's state."""
-    r.idle_refusals = 0  # it ran something: not a replica that refuses everything
+    request: its prefill is over, but when it ended is not known). `ms`: its model's state;
+    `prefill`: the prefill worker that computed its prompt, where its TTFT was predicted, when it
+    was handed over to `r`, a decode worker."""
+    decoder, r = r, prefill or r
+    decoder.idle_refusals = r.idle_refusals = 0  # they ran something: not replicas that refuse everything
     adm.first_token_measured = measured
+    if decoder.decode_ledger is not None:
+        decoder.decode_ledger.first_token(adm.request_id, now)
     if not measured:
         return
     if adm.ttft_deadline is not None and now > adm.ttft_deadline and not adm.best_effort:
@@ -70,7 +85,7 @@ def first_token(adm: Admission, r: ReplicaState, ms: ModelState, now: float, mea
     learner = r.predictor.learner if r.predictor is not None else None
     if learner is not None and adm.ttft_terms is not None:
         learner.observe_ttft(adm.ttft_terms, now - adm.dispatched_at)  # type: ignore[operator]
-        adm.decode_start = (r.decoding + 1, r.decode_context + decode_context(adm))  # itself included
+        adm.decode_start = (decoder.decoding + 1, decoder.decode_context + decode_context(adm))  # itself included
 
 
 def completed(adm: Admission, r: ReplicaState, now: float, completion_tokens: int) -> None:
@@ -89,6 +104,8 @@ def completed(adm: Admission, r: ReplicaState, now: float, completion_tokens: in
     if completion_tokens < 2:
         return
     tpot = (now - adm.first_token_at) / (completion_tokens - 1)
+    if r.decode_ledger is not None:
+        r.decode_ledger.observe_tpot(tpot)
     if r.latency is not None and adm.tpot_raw is not None:
         r.latency.observe_tpot(adm.tpot_raw, tpot)
     if learner is not None and adm.decode_start is not None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
+from bouncer.core.decode_room import DecodeLedger
 from bouncer.core.latency import LatencyPredictor, prefill_pairs
 from bouncer.core.prefix_index import ReplicaPrefixIndex
 
@@ -47,6 +48,8 @@ class ReplicaState:
         self.name = name
         self.model = model
         self.url = url
+        self.role = "both"  # or, disaggregated, "prefill" or "decode"
+        self.decode_ledger: DecodeLedger | None = None  # a decode worker's: what it is bound to hold
         self.configured_blocks = capacity_blocks
         self.offload_blocks = 0  # host-memory tier behind the GPU's (KV offloading)
         self.block_size = block_size

@@ -6,6 +6,7 @@ from bouncer.config import BouncerConfig, ModelConfig, Policy, StepTimeConfig
 from bouncer.core.agent_gate import AgentGate, NoAgents
 from bouncer.core.backlog import Backlog, BacklogStore
 from bouncer.core.deadlines import BandSLOs
+from bouncer.core.decode_room import DecodeLedger
 from bouncer.core.fairness import CreditStore, FairnessPolicy
 from bouncer.core.fleet import ReplicaState
 from bouncer.core.flow import FlowQueues
@@ -72,6 +73,9 @@ class ModelState:
                 r = self.replicas[name] = registry[name] = ReplicaState(name, m.name, b.url, _backend_blocks(m, b),
                                                                         m.block_size)
             r.url, r.configured_blocks, r.removed = b.url, _backend_blocks(m, b), False
+            r.role = b.role
+            if b.role == "decode" and r.decode_ledger is None:
+                r.decode_ledger = DecodeLedger()
             r.offload_blocks = b.kv_offload_blocks
             r.prefix.events_staleness_s = policy.routing.kv_events_staleness_s
             if rebuild or r.predictor is None and m.step_time.mode != "off":

@@ -157,6 +157,7 @@ class Dispatch(NamedTuple):
     predicted_ttft_s: float | None = None  # on that replica, corrected; None without a step-time model
     predicted_tpot_s: float | None = None
     predicted_late: bool = False  # found unable to meet its TTFT SLO and let through (not acted on)
+    decode_replica: str | None = None  # disaggregated: the decode worker; `replica` is the prefill worker
 
 
 class Reject(NamedTuple):

@@ -32,6 +32,12 @@ class OutputLengthModel:
             self._dev += EWMA_ALPHA * (abs(err) - self._dev)
         self._n += 1
 
+    def mean(self, max_tokens: int) -> int:
+        """The mean alone: what each of many requests holds on average (a pool's total)."""
+        if self._n < MIN_SAMPLES:
+            return min(max_tokens, self.default)
+        return max(1, min(max_tokens, round(self._mean)))
+
     def expected(self, max_tokens: int) -> int:
         if self._n < MIN_SAMPLES:
             return min(max_tokens, self.default)

@@ -6,6 +6,11 @@ and so does its tenant (KV blocks, for tenant KV shares). Every permit is a leas
 `lease_until`, which the shell renews while it serves the request; one never renewed is
 `expired`, for the core to reclaim.
 
+In a disaggregated fleet a permit starts on the prefill worker, holding the prompt's blocks and
+prefill, with the decode worker's ledger bound to hold the whole request from its predicted
+arrival (`bouncer.core.decode_room`); when the prefill ends it is handed over (`hand_over`) and
+held on the decode worker until the request ends.
+
 `PermitStore` is what the core asks; `LocalPermits` keeps them in this process. The simulator's
 baselines that keep their own in-flight view (a router deployed on its own) use the same store,
 so every policy counts load the same way.
@@ -17,6 +22,7 @@ from collections import Counter
 from collections.abc import Iterable, Iterator
 from typing import Protocol
 
+from bouncer.core.blocks import num_blocks
 from bouncer.core.fleet import ReplicaState
 from bouncer.core.requests import Admission
 
@@ -30,7 +36,9 @@ class PermitStore(Protocol):
     def __len__(self) -> int: ...
     def __iter__(self) -> Iterator[Admission]: ...
     def get(self, request_id: str) -> Admission | None: ...
-    def grant(self, adm: Admission, replica: ReplicaState, now: float, lease_s: float) -> None: ...
+    def grant(self, adm: Admission, replica: ReplicaState, now: float, lease_s: float,
+              decode: ReplicaState | None = None) -> None: ...
+    def hand_over(self, adm: Admission, replicas: dict[str, ReplicaState], now: float) -> None: ...
     def started(self, adm: Admission, replica: ReplicaState, now: float) -> None: ...
     def release(self, request_id: str, replicas: dict[str, ReplicaState]) -> Admission | None: ...
     def renew(self, request_ids: Iterable[str], until: float) -> None: ...
@@ -52,14 +60,35 @@ class LocalPermits:
     def get(self, request_id: str) -> Admission | None:
         return self._held.get(request_id)
 
-    def grant(self, adm: Admission, replica: ReplicaState, now: float, lease_s: float) -> None:
-        """`adm.blocks` and `adm.prefill_tokens` are what it holds there (set by placement)."""
+    def grant(self, adm: Admission, replica: ReplicaState, now: float, lease_s: float,
+              decode: ReplicaState | None = None) -> None:
+        """`adm.blocks` and `adm.prefill_tokens` are what it holds there (set by placement);
+        `decode`: the decode worker that will hold it after `replica`, a prefill worker."""
         adm.replica = replica.name
         adm.dispatched_at = now
         adm.lease_until = now + lease_s
         replica.add(adm.request_id, adm, adm.blocks, adm.prefill_tokens)
         self._tenant_blocks[adm.tenant] += adm.blocks
         self._held[adm.request_id] = adm
+        if decode is not None:
+            decode.decode_ledger.bind(adm.request_id, adm.info.prompt_tokens,  # type: ignore[union-attr]
+                                      adm.mean_output or adm.expected_output, now + (adm.ttft_predicted or 0.0))
+
+    def hand_over(self, adm: Admission, replicas: dict[str, ReplicaState], now: float) -> None:
+        """Its prefill ended: the permit moves from the prefill worker to its decode worker (at
+        most once; a colocated request's is left where it is)."""
+        if adm.decode_replica is None or adm.prefill_replica is not None or adm.request_id not in self._held:
+            return
+        prefill, decode = replicas[adm.replica], replicas[adm.decode_replica]  # type: ignore[index]
+        prefill.mark_started(adm)
+        prefill.remove(adm.request_id, adm.blocks)
+        self._tenant_blocks[adm.tenant] -= adm.blocks
+        adm.prefill_replica, adm.replica = prefill.name, decode.name
+        adm.blocks = num_blocks(adm.info.prompt_tokens + adm.expected_output, decode.block_size)
+        adm.prefill_tokens = 0  # its KV arrives computed
+        decode.add(adm.request_id, adm, adm.blocks, 0)
+        self._tenant_blocks[adm.tenant] += adm.blocks
+        decode.decode_ledger.arrived(adm.request_id, now)  # type: ignore[union-attr]
 
     def started(self, adm: Admission, replica: ReplicaState, now: float) -> None:
         if adm.first_token_at is None:
@@ -75,6 +104,8 @@ class LocalPermits:
             replica.mark_started(adm)
         replica.remove(adm.request_id, adm.blocks)
         self._tenant_blocks[adm.tenant] -= adm.blocks
+        if adm.decode_replica is not None:
+            replicas[adm.decode_replica].decode_ledger.release(adm.request_id)  # type: ignore[union-attr]
         return adm
 
     def renew(self, request_ids: Iterable[str], until: float) -> None:

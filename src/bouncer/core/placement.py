@@ -1,4 +1,7 @@
 """Placement: a replica with room for a request now, predicted in time, ranked by the router.
+In a disaggregated fleet that replica is a prefill worker, and a decode worker must also be
+predicted to have room when the prefill ends (`bouncer.core.decode_room`), or the request waits:
+it is never sent to prefill without a place to decode.
 
 Layer 3 of a request's life. The pool-wide checks come first (`pool_admits`: long requests wait
 while the pool is under pressure; tenants' KV shares), then each replica's room (`room`, a pure
@@ -18,6 +21,7 @@ from bouncer.config import ModelConfig, Policy, Tenant
 from bouncer.core.agent_gate import AgentGate
 from bouncer.core.backlog import RETRY_AFTER_MIN_S
 from bouncer.core.blocks import num_blocks
+from bouncer.core.decode_room import choose_decode
 from bouncer.core.fleet import ReplicaState
 from bouncer.core.latency import prefill_pairs
 from bouncer.core.outcomes import Layer, Reason, Refusal
@@ -68,7 +72,7 @@ def room(r: ReplicaState, adm: Admission, cached: int, usage: float, protected: 
         return Room.NO
     if len(r.inflight) >= r.concurrency_limit and not warm:
         return Room.NO
-    if p.tpot_hold and r.inflight and r.latency is not None:
+    if p.tpot_hold and r.inflight and r.latency is not None and r.role != "prefill":
         # the batch it would join must stay within the strictest TPOT promised there, and
         # while a higher band sends, leave room in it for that band's next requests
         limit = min(min(r.tpot_slos, default=INF), adm.tpot_slo or INF) * p.tpot_guard_margin
@@ -87,7 +91,9 @@ def room(r: ReplicaState, adm: Admission, cached: int, usage: float, protected: 
     # while others use it; where it sits evictable, this underestimates, and the engine may
     # have to preempt: measured, rarely)
     cap = r.capacity_blocks
-    need = num_blocks(adm.info.prompt_tokens - cached + adm.expected_output, r.block_size) / cap if cap else 0.0
+    # a prefill worker holds the prompt only: the answer is generated on a decode worker
+    output = 0 if r.role == "prefill" else adm.expected_output
+    need = num_blocks(adm.info.prompt_tokens - cached + output, r.block_size) / cap if cap else 0.0
     if r.inflight and usage + need > p.kv_busy_threshold:
         return Room.LATER
     # its prefill queue is full (what it holds cached adds no prefill work there). Sheddable
@@ -144,7 +150,7 @@ class Placement:
     def best_ttft(self, replicas: dict[str, ReplicaState], adm: Admission, view: PoolView) -> float | None:
         """The lowest TTFT predicted for `adm` on a usable replica, were it sent now (None
         without a step-time model)."""
-        ttfts = [ttft for r in view.usable_replicas()
+        ttfts = [ttft for r in view.prompt_workers()
                  if (ttft := r.predict_ttft(adm, adm.info.prompt_tokens - cached_tokens(r, adm, view.now)))
                  is not None]
         return min(ttfts) if ttfts else None
@@ -167,7 +173,7 @@ class Placement:
         backlogged: list[ReplicaState] = []
         policy = self.policy
         for r in replicas.values():
-            if not view.usable(r):
+            if not view.usable(r) or r.role == "decode":
                 continue
             if r.cooldown_until is not None:  # resting after a refusal, until the end of its rest
                 if now < r.cooldown_until:
@@ -200,7 +206,20 @@ class Placement:
                 backlogged = [r for r in backlogged
                               if (r.predict_ttft(adm, adm.info.prompt_tokens - cached[r.name]) or 0.0) <= budget]
         chosen = self.router.choose(adm, candidates, view, self.policy.prefill_busy_tokens, backlogged, cached)
+        if model.disaggregated:
+            decode = self._decode_worker(replicas, adm, chosen, cached, view)
+            if decode is None:
+                return None
+            adm.decode_replica = decode.name
         return chosen, cached
+
+    def _decode_worker(self, replicas: dict[str, ReplicaState], adm: Admission, prefill: ReplicaState,
+                       cached: dict[str, int], view: PoolView) -> ReplicaState | None:
+        """The decode worker predicted to have room for `adm` when its prefill on `prefill` ends."""
+        workers = [r for r in replicas.values() if r.role == "decode" and view.usable(r)]
+        ttft = prefill.predict_ttft(adm, adm.info.prompt_tokens - cached[prefill.name]) or 0.0
+        return choose_decode(workers, adm.info.prompt_tokens, adm.mean_output or adm.expected_output,
+                             prefill.block_size, view.now + ttft, self.policy.kv_busy_threshold, view.now)
 
     def _pool_admits(self, model: ModelConfig, replicas: dict[str, ReplicaState], adm: Admission,
                      view: PoolView) -> bool:

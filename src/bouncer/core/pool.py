@@ -64,6 +64,12 @@ class PoolView:
         usable = self._usable
         return (r for name, r in self.replicas.items() if usable[name])
 
+    def prompt_workers(self) -> Iterable[ReplicaState]:
+        """The usable replicas that compute prompts (all but a disaggregated fleet's decode
+        workers): where a request's TTFT is decided."""
+        usable = self._usable
+        return (r for name, r in self.replicas.items() if usable[name] and r.role != "decode")
+
     def any_usable(self) -> bool:
         return any(self._usable.values())
 

@@ -50,7 +50,7 @@ def _surely_late(ms: ModelState, tenant: Tenant, info: RequestInfo, view: PoolVi
     # sooner than the whole band's backlog that the estimate counts: the queue is not counted
     behind_own = own is not None and own.count > 0
     predicts = any(r.predictor is not None for r in view.usable_replicas())
-    floors = [f for r in view.usable_replicas() if (f := r.ttft_floor()) is not None]
+    floors = [f for r in view.prompt_workers() if (f := r.ttft_floor()) is not None]
     # `offer` refuses a queued request whose wait plus margin x best TTFT outlasts its SLO, and
     # one it could send now if no replica with room predicts it in time (no margin): the floor
     # counts the smaller factor, so that what this refuses, both would

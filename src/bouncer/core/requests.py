@@ -53,7 +53,10 @@ class Admission:
     ttft_slo: float | None = None  # the TTFT it was promised: its tenant's, or a client header's if tighter
     context_limit: int = 0  # the model's max_model_len: a completion that reaches it is a runaway
     tpot_slo: float | None = None  # the same for TPOT
-    replica: str | None = None  # set when dispatched
+    replica: str | None = None  # set when dispatched (disaggregated: the prefill worker, then the decode worker)
+    decode_replica: str | None = None  # disaggregated: the decode worker chosen with the prefill worker
+    prefill_replica: str | None = None  # disaggregated: where its prompt was computed, once handed over
+    mean_output: int = 0  # disaggregated: its tenant's mean output, what its decode worker's ledger counts
     dispatched_at: float | None = None
     first_token_at: float | None = None
     blocks: int = 0  # projected KV blocks reserved on its replica

@@ -50,8 +50,10 @@ class UtilizationDetector:
             if not is_fresh and not view.answering(r) and (not r.healthy or self.fail_closed):
                 values.append(1.0)
                 continue
-            values.append(max(r.queue_depth(is_fresh) / self.queue_threshold,
-                              view.usage(r, is_fresh) / self.kv_threshold))
+            # a decode worker's KV is planned full (`bouncer.core.decode_room` keeps it in
+            # bounds): only its queue says it is overloaded
+            kv = 0.0 if r.role == "decode" else view.usage(r, is_fresh) / self.kv_threshold
+            values.append(max(r.queue_depth(is_fresh) / self.queue_threshold, kv))
         return sum(values) / len(values) if values else 1.0
 
 

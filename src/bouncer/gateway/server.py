@@ -44,6 +44,7 @@ from bouncer.core.shared_rate_limits import SharedRateLimits
 from bouncer.core.stores import Stores
 from bouncer.gateway import kv_events, pressure_feeds
 from bouncer.gateway.connections import GuardedSite, Limits
+from bouncer.gateway.disaggregated import kv_transfer_params, prefill_body
 from bouncer.gateway.metrics import GatewayMetrics
 from bouncer.gateway.prepared import Prepared, prepare
 from bouncer.gateway.recording import GatewayRecorder
@@ -463,6 +464,8 @@ class Gateway:
                 self.core.started(rid, at, measured=streaming)
 
             read_timeout = self.upstream.read_timeout
+            if d.decode_replica is not None:  # disaggregated: the prompt first, on the prefill worker
+                url = await self._prefill(rid, url, path, upstream_body, d.decode_replica)
             up = await self.upstream.post_json(self._upstream_url(url, path), dumps(upstream_body))
             try:
                 if up.status != 200:
@@ -500,6 +503,19 @@ class Gateway:
                             ttft_s=None if out.first_token_at is None else round(out.first_token_at - d.arrival, 4),
                             layer=Layer.UPSTREAM.value if out.terminal is Terminal.FAILED else None)
                 self._apply(self.core.finished(rid, now, out.terminal, out.completion_tokens, out.reason))
+
+    async def _prefill(self, rid: str, url: str, path: str, upstream_body: dict[str, Any], decode: str) -> str:
+        """The P/D hop (`bouncer.gateway.disaggregated`): the prompt on the prefill worker at
+        `url`; then the request is the decode worker's, whose URL is returned, and
+        `upstream_body` carries where its KV waits."""
+        up = await self.upstream.post_json(self._upstream_url(url, path), dumps(prefill_body(upstream_body)))
+        try:
+            params = await kv_transfer_params(up, self.upstream.read_timeout)
+        finally:
+            up.close()
+        self._apply(self.core.handed_over(rid, self.clock()))
+        upstream_body["kv_transfer_params"] = params
+        return self.core.view.replica(decode).url
 
     def _upstream_url(self, base: str, path: str) -> yarl.URL:
         """Parsed once per backend and path: URL parsing is a visible cost per request."""

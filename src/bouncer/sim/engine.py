@@ -83,6 +83,11 @@ class EngineRequest:
     block_digests: list[int]  # chained digests of the prompt's full blocks
     arrival: float
     priority: int = 0  # vLLM polarity: lower value is served first
+    # prompt tokens whose KV a prefill worker computed and handed over (disaggregated serving):
+    # a decode engine takes them as computed at admission, as vLLM's NixlConnector does, all but
+    # the last token, which it computes to sample the first output token. Gone after preemption:
+    # the engine then recomputes the prompt itself.
+    remote_tokens: int = 0
     # progress, vLLM's names (num_computed, num_output and max_computed are properties below)
     blocks: list[int] = field(default_factory=list)
     num_registered: int = 0  # prompt blocks made findable in the prefix cache
@@ -173,6 +178,7 @@ class EngineCounters:
     # found in the CPU tier (KV offloading) and loaded instead of recomputed; vLLM counts these
     # as external_prefix_cache_hits (vllm/v1/metrics/loggers.py)
     external_prefix_cache_hits: int = 0
+    kv_transfer_tokens: int = 0  # received from prefill workers instead of computed (disaggregated)
     num_preemptions: int = 0
     request_success: dict[str, int] = field(default_factory=lambda: {"length": 0, "stop": 0, "abort": 0})
     admission_rejections: dict[str, int] = field(
@@ -554,6 +560,8 @@ class EngineModel:
             if pool.cpu_blocks and len(hit) < max_hit:
                 loaded = min(pool.offloaded_run(req.block_digests, len(hit)), max_hit - len(hit))
             num_cached = (len(hit) + loaded) * bs
+            remote = max(0, min(req.remote_tokens, req.num_tokens - 1) - num_cached)
+            num_cached += remote
             n_new = min(req.num_tokens - num_cached, budget)
             need = num_blocks(num_cached + n_new, bs) - len(hit)
             if need + pool.count_free(hit) > pool.num_free:
@@ -568,6 +576,7 @@ class EngineModel:
                 self.counters.prefix_cache_hits += len(hit) * bs
                 self.counters.external_prefix_cache_hits += loaded * bs
             self._loaded_tokens += loaded * bs
+            self.counters.kv_transfer_tokens += remote
             self.waiting.pop()
             req.status = Status.RUNNING
             if req.scheduled_at is None:
@@ -587,6 +596,7 @@ class EngineModel:
         req.blocks = []
         req.num_computed = 0
         req.num_registered = 0
+        req.remote_tokens = 0
         req.num_preemptions += 1
         req.status = Status.PREEMPTED
         self.counters.num_preemptions += 1

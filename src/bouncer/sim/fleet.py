@@ -9,6 +9,15 @@ A discrete-event loop drives three kinds of actor with one clock:
   normal case); with `kv_events`, each step's prefix-cache changes are published to the gateway
   `kv_events_delay_s` after the step, as vLLM's ZMQ publisher does.
 
+A disaggregated fleet (`FleetConfig.decode_replicas`) splits the engines into prefill and
+decode workers, as vLLM's and llm-d's P/D deployments do: the gateway picks one of each; the
+prefill worker computes the prompt and its first token (the request runs there with max_tokens 1,
+as vLLM's P/D proxy sends it); its KV then crosses the link (`EngineProfile.kv_transfer_s`) to the
+decode worker, which takes it as computed and generates the answer. The client's first token is
+the decode worker's. Simplification, stated: the decode worker allocates the request's blocks when
+the KV has arrived, where vLLM's allocates them before it pulls the KV (a transfer's worth of time
+earlier: milliseconds, against decode times of seconds).
+
 Every logical request ends in exactly one outcome (completed, refused, expired, abandoned,
 failed); `FleetResult.lost` counts any that did not, and must be 0.
 """
@@ -48,6 +57,8 @@ class SimRequest:
     timeout_s: float  # per attempt
     max_retries: int
     session: str | None = None
+    decode_replica: str | None = None  # disaggregated: where the answer is generated
+    stage: str = ""  # disaggregated: "prefill", "transfer" or "decode" while at the engines
     parent_session: str | None = None  # a subagent's step: the session that launched it
     # progress
     attempt: int = 0
@@ -66,7 +77,8 @@ class SimRequest:
 @dataclass(slots=True)
 class Dispatched:
     attempt_id: str
-    replica: str
+    replica: str  # in a disaggregated fleet, the prefill worker
+    decode_replica: str | None = None  # the decode worker, in a disaggregated fleet
 
 
 @dataclass(slots=True)
@@ -91,6 +103,7 @@ class GatewayPolicy(Protocol):
     def tick(self, now: float) -> list[PolicyEvent]: ...
     def next_wakeup(self) -> float | None: ...
     def started(self, attempt_id: str, now: float) -> None: ...
+    def handed_over(self, attempt_id: str, now: float) -> list[PolicyEvent]: ...  # disaggregated: prefill done
     def finished(self, attempt_id: str, now: float, completed: bool, completion_tokens: int) -> list[PolicyEvent]: ...
     def cancel(self, attempt_id: str, now: float) -> list[PolicyEvent]: ...
     def engine_refused(self, attempt_id: str, now: float) -> list[PolicyEvent]: ...
@@ -113,9 +126,19 @@ class FleetConfig:
     kv_events: bool = False  # engines publish prefix-cache events (vLLM --kv-events-config)
     cpu_offload_gib: float = 0.0  # host-memory KV tier per engine (vLLM --kv-offloading-size)
     kv_events_delay_s: float = 0.01
+    # disaggregated: this many more engines are decode workers, and the `replicas` are prefill
+    # workers (0: every engine serves both, colocated)
+    decode_replicas: int = 0
     retry_base_s: float = 0.5  # openai-python's initial backoff
     retry_max_s: float = 8.0
     seed: int = 0
+
+    def roles(self) -> dict[str, str]:
+        """Engine name -> role: `both` colocated; `prefill` and `decode` when disaggregated."""
+        if not self.decode_replicas:
+            return {f"r{i}": "both" for i in range(self.replicas)}
+        return {**{f"p{i}": "prefill" for i in range(self.replicas)},
+                **{f"d{i}": "decode" for i in range(self.decode_replicas)}}
 
 
 @dataclass
@@ -135,6 +158,9 @@ class FleetResult:
     # admission
     retry_afters: list[tuple[float, str, str, float]] = field(default_factory=list)
     admissions: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
+    # disaggregated: attempts a decode worker refused after their prefill had run (wasted prefill)
+    refused_after_prefill: int = 0
+    decode_replicas: int = 0  # of the engines, those that decode (disaggregated)
 
     @property
     def outcomes(self) -> Counter:
@@ -146,13 +172,16 @@ class FleetResult:
 
 
 # event kinds, ordered so simultaneous events resolve deterministically
-_ARRIVE, _STEP, _TELEMETRY, _SCRAPE, _TICK, _TIMEOUT, _SAMPLE, _KV, _RECORD = range(9)
+_ARRIVE, _STEP, _TELEMETRY, _SCRAPE, _TICK, _TIMEOUT, _SAMPLE, _KV, _RECORD, _HANDOFF = range(10)
 
 
 class FleetSim:
     def __init__(self, cfg: FleetConfig, policy: GatewayPolicy, replica_names: list[str]) -> None:
         self.cfg = cfg
         self.policy = policy
+        self.roles = cfg.roles()
+        if sorted(self.roles) != sorted(replica_names):
+            raise ValueError(f"the policy's replicas {replica_names} are not the fleet's {list(self.roles)}")
         self.rng = random.Random(cfg.seed)
         # prefix-cache changes of the step in progress, per engine: (stored, removed) (medium, digest)
         self._kv_pending: dict[str, tuple[list, list]] = {name: ([], []) for name in replica_names}
@@ -173,6 +202,7 @@ class FleetSim:
         self.retry_afters: list[tuple[float, str, str, float]] = []
         self.admissions: dict[str, list[tuple[float, float]]] = {}
         self.attempts = 0
+        self.refused_after_prefill = 0
         self.samples: list[dict] = []
         self._open = 0  # requests without an outcome yet
         self._on_done = None  # closed-loop hook: called when a request gets its outcome
@@ -213,11 +243,14 @@ class FleetSim:
         self._push(0.0, _SAMPLE, None)
         now = self._loop(math.inf)
         counters = [e.counters for e in self.engines.values()]
+        # prefix caching is the prompt computers' (a decode worker receives whole prompts)
+        prefilling = [e.counters for name, e in self.engines.items() if self.roles[name] != "decode"]
         return FleetResult(requests, now, time.perf_counter() - wall0, self.refused_by_reason, self.attempts,
-                           sum(c.num_preemptions for c in counters), sum(c.prefix_cache_queries for c in counters),
-                           sum(c.prefix_cache_hits + c.external_prefix_cache_hits for c in counters),
+                           sum(c.num_preemptions for c in counters), sum(c.prefix_cache_queries for c in prefilling),
+                           sum(c.prefix_cache_hits + c.external_prefix_cache_hits for c in prefilling),
                            sum(c.recomputed_tokens for c in counters),
-                           self.samples, self.retry_afters, self.admissions)
+                           self.samples, self.retry_afters, self.admissions, self.refused_after_prefill,
+                           self.cfg.decode_replicas)
 
     def run_closed_loop(self, make_request, clients: int, warmup_s: float, measure_s: float) -> float:
         """`clients` loops of send, wait for the outcome, send again; `make_request(rid, now)`
@@ -305,6 +338,8 @@ class FleetSim:
             elif kind == _RECORD:
                 self._on_record(now)
                 self._push(now + self._record_every, _RECORD, None)
+            elif kind == _HANDOFF:
+                self._handoff(data, now)
             self._schedule_tick(now)
         if self._on_record is not None:
             self._on_record(now)  # the last sample: what happened after the one before
@@ -324,6 +359,8 @@ class FleetSim:
         req.attempt_id = f"{req.rid}#{req.attempt}"
         req.attempt_at = now
         req.replica = None
+        req.decode_replica = None
+        req.stage = ""
         req.engine_req = None
         self._by_attempt[req.attempt_id] = req
         self.attempts += 1
@@ -354,6 +391,9 @@ class FleetSim:
             return  # that attempt already ended
         if req.replica is None:  # still queued at the gateway
             events = self.policy.cancel(attempt_id, now)
+        elif req.stage == "transfer":  # its KV is on the wire: the prefill's work is lost
+            req.wasted_tokens += req.prompt_len
+            events = self.policy.finished(attempt_id, now, False, 0)
         else:
             engine = self.engines[req.replica]
             ereq = engine.abort(attempt_id, now)
@@ -371,7 +411,7 @@ class FleetSim:
                 continue
             if isinstance(ev, Dispatched):
                 self.admissions.setdefault(req.tenant, []).append((req.attempt_at, now))
-                self._send(req, ev.replica, now)
+                self._send(req, ev.replica, now, ev.decode_replica)
             else:
                 self.refused_by_reason[ev.reason] += 1
                 if ev.retry_after is not None:
@@ -380,14 +420,26 @@ class FleetSim:
                 self._retry_or_end(req, now, outcome, ev.reason, ev.retry_after,
                                    ev.status in RETRYABLE and ev.should_retry)
 
-    def _send(self, req: SimRequest, replica: str, now: float) -> None:
+    def _send(self, req: SimRequest, replica: str, now: float, decode_replica: str | None = None,
+              remote_tokens: int = 0) -> None:
+        """To `replica`; in a disaggregated fleet, to the prefill worker `replica` with the decode
+        worker named, or (`remote_tokens`, its KV arrived) to the decode worker."""
+        role = self.roles[replica]
+        if (role == "prefill") != (decode_replica is not None) or (role == "decode") != (remote_tokens > 0):
+            raise ValueError(f"attempt {req.attempt_id} sent to {role} engine {replica} "
+                             f"(decode worker {decode_replica}, {remote_tokens} tokens of KV handed over)")
         engine = self.engines[replica]
-        ereq = EngineRequest(req.attempt_id, req.prompt_len, req.output_len, req.block_digests, now,
-                             priority=-req.priority)  # vLLM: lower value first
+        # a prefill worker computes the prompt and one token, as vLLM's P/D proxy asks it to
+        output = 1 if role == "prefill" else req.output_len
+        ereq = EngineRequest(req.attempt_id, req.prompt_len, output, req.block_digests, now,
+                             priority=-req.priority, remote_tokens=remote_tokens)  # vLLM: lower value first
         try:
             engine.add_request(ereq)
         except QueueFull as exc:
             self.refused_by_reason[f"engine/{exc.reason}"] += 1
+            if remote_tokens:
+                self.refused_after_prefill += 1
+                req.wasted_tokens += req.prompt_len
             self._apply(self.policy.engine_refused(req.attempt_id, now), now)
             return
         except RequestTooLong:
@@ -396,6 +448,9 @@ class FleetSim:
             self._retry_or_end(req, now, "failed", "engine/too_long", None, retryable=False)
             return
         req.replica = replica
+        if role != "both":
+            req.stage = role
+            req.decode_replica = decode_replica if role == "prefill" else replica
         req.engine_req = ereq
         req.reached_engine = True
         if self._busy_until[replica] is None:
@@ -412,9 +467,29 @@ class FleetSim:
         self._busy_until[name] = result.end
         self._push(result.end, _STEP, (name, result))
 
+    def _handoff(self, attempt_id: str, now: float) -> None:
+        """Its prompt's KV has reached its decode worker."""
+        req = self._by_attempt.get(attempt_id)
+        if req is None or req.stage != "transfer":
+            return  # that attempt already ended
+        self._send(req, req.decode_replica, now, remote_tokens=req.prompt_len)  # type: ignore[arg-type]
+
+    def _prefilled(self, ereq: EngineRequest, now: float) -> None:
+        """A prefill worker is done with an attempt: its KV goes to the decode worker."""
+        req = self._by_attempt.get(ereq.request_id)
+        if req is None:
+            return
+        req.stage = "transfer"
+        self._push(now + self.cfg.profile.kv_transfer_s(req.prompt_len), _HANDOFF, ereq.request_id)
+        self._apply(self.policy.handed_over(ereq.request_id, now), now)
+
     def _step_end(self, data, now: float) -> None:
         name, result = data
         events: list[PolicyEvent] = []
+        if self.roles[name] == "prefill":  # its first token is not the client's: the decode worker's is
+            for ereq in result.finished:
+                self._prefilled(ereq, now)
+            result.started, result.finished = [], []
         for ereq in result.started:  # (not every token: the batch is hundreds of requests)
             req = self._by_attempt.get(ereq.request_id)
             if req is None:
@@ -456,6 +531,13 @@ class FleetSim:
     def _sample(self, now: float) -> None:
         usage = [e.kv_usage for e in self.engines.values()]
         mean = sum(usage) / len(usage)
+        if self.cfg.decode_replicas:
+            sample = {}
+            for role in ("prefill", "decode"):
+                pool = [e.kv_usage for name, e in self.engines.items() if self.roles[name] == role]
+                sample[f"{role}_kv_usage_mean"] = sum(pool) / len(pool)
+        else:
+            sample = {}
         self.samples.append({"t": round(now, 3), "engine_waiting": sum(e.num_waiting for e in self.engines.values()),
                              "running": sum(e.num_running for e in self.engines.values()),
                              "kv_usage_mean": mean, "kv_usage_max": max(usage),
@@ -464,4 +546,4 @@ class FleetSim:
                              "prefix_queries": sum(e.counters.prefix_cache_queries for e in self.engines.values()),
                              "prefix_hits": sum(e.counters.prefix_cache_hits + e.counters.external_prefix_cache_hits
                                                 for e in self.engines.values()),
-                             "gateway_queued": getattr(self.policy, "queued", 0)})
+                             "gateway_queued": getattr(self.policy, "queued", 0), **sample})

@@ -61,7 +61,7 @@ class CorePolicy:
         out: list[PolicyEvent] = []
         for e in events:
             if isinstance(e, Dispatch):
-                out.append(Dispatched(e.request_id, e.replica))
+                out.append(Dispatched(e.request_id, e.replica, e.decode_replica))
             else:
                 assert isinstance(e, Reject)
                 r = e.refusal
@@ -91,6 +91,9 @@ class CorePolicy:
 
     def started(self, attempt_id, now):
         self.core.started(attempt_id, now)
+
+    def handed_over(self, attempt_id, now):
+        return self._convert(self.core.handed_over(attempt_id, now))
 
     def finished(self, attempt_id, now, completed, completion_tokens):
         terminal = Terminal.COMPLETED if completed else Terminal.CANCELLED
@@ -131,6 +134,9 @@ class _Passthrough:
 
     def started(self, attempt_id, now):
         pass
+
+    def handed_over(self, attempt_id, now):
+        return []
 
     def finished(self, attempt_id, now, completed, completion_tokens):
         self._where.pop(attempt_id, None)
@@ -314,16 +320,21 @@ def tenant_config(name: str, priority: int, weight: float = 1.0, **kw) -> dict:
     return {"name": name, "api_keys_sha256": [key_digest(name)], "priority": priority, "weight": weight, **kw}
 
 
-def core_config(tenants: list[dict], replicas: int, kv_blocks: int, block_size: int, max_model_len: int,
-                policy: dict, offload_blocks: int = 0, step_time: dict | None = None) -> BouncerConfig:
-    """`step_time`: the models' step_time config (a profile's `step_time_config` states it as
-    given; without it, latency prediction is off: the baselines that use the core predict none)."""
+def core_config(tenants: list[dict], replicas: int | dict[str, str], kv_blocks: int, block_size: int,
+                max_model_len: int, policy: dict, offload_blocks: int = 0, step_time: dict | None = None
+                ) -> BouncerConfig:
+    """`replicas`: how many (colocated, named r0...), or each one's name and role
+    (`FleetConfig.roles`); `step_time`: the models' step_time config (a profile's
+    `step_time_config` states it as given; without it, latency prediction is off: the baselines
+    that use the core predict none)."""
+    roles = replicas if isinstance(replicas, dict) else {f"r{i}": "both" for i in range(replicas)}
     return parse_config({
         "tenants": tenants,
         "models": [{"name": SIM_MODEL, "max_model_len": max_model_len, "block_size": block_size,
                     "step_time": step_time or {"mode": "off"},
-                    "backends": [{"url": f"http://sim-{i}", "name": f"r{i}", "kv_blocks": kv_blocks,
-                                  "kv_offload_blocks": offload_blocks} for i in range(replicas)]}],
+                    "backends": [{"url": f"http://sim-{name}", "name": name, "kv_blocks": kv_blocks,
+                                  "kv_offload_blocks": offload_blocks, "role": role}
+                                 for name, role in roles.items()]}],
         "policy": policy,
     }, "simulated gateway")
 

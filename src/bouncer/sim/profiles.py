@@ -30,6 +30,12 @@ Llama-3.1-70B: 80 layers, 8 KV heads, head dim 128; Qwen3-32B: 64 layers, 8 KV h
 is ~6-7 ms, and the 70B on 4xH100 ~15-20 ms, which `a` reproduces within ~15%.
 
 `vllm-cpu-tiny` is measured, not derived: see docs/engine-model.md for the calibration run.
+
+Disaggregated (P/D) fleets: `kv_transfer_s` is a prompt's KV over the link below; how many workers
+should prefill is the traffic's as much as the model's (`prefill_seconds`, `decode_seconds`):
+from the repository's traces, chat and long-context traffic (Azure conversations, Mooncake) want
+0.62-0.77 of the workers prefilling on these pairs, a reasoning model's long answers (ServeGen
+DeepSeek-R1) 0.24-0.35 (table and derivation in docs/engine-model.md, "Disaggregated fleets").
 """
 
 from __future__ import annotations
@@ -74,6 +80,12 @@ class EngineProfile:
     pcie_bytes_per_s: float = 25e9
     gpus: int = 1
     d: float = 0.0  # s per attention pair of a prompt chunk
+    # Disaggregated serving: a prefill worker sends a prompt's KV to a decode worker over RDMA,
+    # one 400 Gb/s NIC per GPU (ConnectX-7, InfiniBand NDR) at 80% of line rate, 40 GB/s; each GPU
+    # of a tensor-parallel group sends its own shard over its own NIC. Plus 2 ms per transfer for
+    # the handshake (NIXL's notification round trip, and the second HTTP hop of the P/D proxy).
+    link_bytes_per_s: float = 40e9
+    transfer_setup_s: float = 0.002
 
     def step_time(self, batched_tokens: int, context_tokens: int, attention_pairs: int = 0) -> float:
         return self.a + self.b * batched_tokens + self.c * context_tokens + self.d * attention_pairs
@@ -91,6 +103,31 @@ class EngineProfile:
         """The `models[].step_time` config section that states this profile to the core's
         latency predictor."""
         return {"a": self.a, "b": self.b, "c": self.c, "d": self.d, "max_batched_tokens": self.max_num_batched_tokens}
+
+    def kv_transfer_s(self, tokens: int) -> float:
+        """Time for `tokens` of a prompt's KV to cross from a prefill to a decode worker."""
+        return self.transfer_setup_s + tokens * self.kv.bytes_per_token / (self.link_bytes_per_s * self.gpus)
+
+    def prefill_seconds(self, prompt_tokens: float) -> float:
+        """A prefill worker's time for one prompt: its compute (`b` and `d` per token) in chunks
+        of max_num_batched_tokens, each a step."""
+        steps = max(1.0, prompt_tokens / self.max_num_batched_tokens)
+        return steps * self.a + self.b * prompt_tokens + self.d * prompt_tokens ** 2 / 2
+
+    def decode_seconds(self, prompt_tokens: float, output_tokens: float) -> float:
+        """A decode worker's time per answer when it is full: as many decode at once as its KV
+        holds (each holding its prompt and, on average, half its output; at most
+        max_num_seqs), one token each per step, the batch reading all of their contexts."""
+        context = prompt_tokens + output_tokens / 2
+        batch = max(1, min(self.max_num_seqs, int(self.kv_tokens // context)))
+        return output_tokens * (self.a + self.b * batch + self.c * batch * context) / batch
+
+    def prefill_share(self, prompt_tokens: float, output_tokens: float) -> float:
+        """The share of a disaggregated fleet's workers that should prefill so that both pools
+        run equally loaded, for requests of these mean lengths. Typical splits in
+        docs/engine-model.md ("Disaggregated fleets")."""
+        prefill_s = self.prefill_seconds(prompt_tokens)
+        return prefill_s / (prefill_s + self.decode_seconds(prompt_tokens, output_tokens))
 
     def offload_blocks(self, gib: float) -> int:
         """Host-memory blocks in `gib` GiB of offloading space (as vLLM sizes it: GiB, not GB)."""

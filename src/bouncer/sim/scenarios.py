@@ -18,6 +18,7 @@ import os
 import pathlib
 from dataclasses import dataclass, field, replace
 
+from bouncer.sim.profiles import EngineProfile
 from bouncer.sim.servegen import client_traces, is_servegen, load_servegen
 from bouncer.sim.traces import TraceRequest, load_trace, trace_file
 from bouncer.sim.workloads import Burst, TenantSpec
@@ -49,6 +50,9 @@ class Scenario:
     contention_window: tuple[float, float] = (0.0, 1.0)  # fraction of the run where fairness is judged
     max_model_len: int = 8192
     cpu_offload_gib: float = 0.0  # host-memory KV tier per replica (vLLM --kv-offloading-size)
+    # separate prefill and decode workers: `--replicas` engines split between the pools so that
+    # both run equally loaded on the scenario's mix (`pd_split`)
+    disaggregated: bool = False
     loaded: dict[str, list[TraceRequest]] = field(default_factory=dict)
 
     def load(self, override: str | None = None) -> dict[str, list[TraceRequest]]:
@@ -61,8 +65,35 @@ class Scenario:
                 self.traces = {}
                 return self.loaded
             for i, (key, path) in enumerate(self.traces.items()):
-                self.loaded[key] = load_trace(override if override and i == 0 else path)
+                path = override if override and i == 0 else path
+                # a ServeGen folder as one tenant's trace: its clients' requests merged
+                self.loaded[key] = merged_clients(path) if is_servegen(path) else load_trace(path)
         return self.loaded
+
+    def pd_split(self, profile: EngineProfile, engines: int) -> tuple[int, int]:
+        """(prefill workers, decode workers) out of `engines`, at least one of each: the share
+        that prefills is the mix's prefill time over its prefill and decode time
+        (`EngineProfile.prefill_seconds`, `decode_seconds`), over each tenant's requests at its
+        share."""
+        if engines < 2:
+            raise ValueError("a disaggregated fleet needs at least 2 engines (--replicas)")
+        traces = self.load()
+        prefill_s = decode_s = 0.0
+        for t in self.tenants:
+            reqs = traces[t.trace]
+            # per request, not of the mean length: a prompt's attention grows with its square
+            prefill_s += t.share * sum(profile.prefill_seconds(max(r.prompt_len, t.min_prompt or 0))
+                                       for r in reqs) / len(reqs)
+            decode_s += t.share * sum(profile.decode_seconds(max(r.prompt_len, t.min_prompt or 0),
+                                                             min(r.output_len, t.max_tokens)) for r in reqs) / len(reqs)
+        prefill = min(engines - 1, max(1, round(engines * prefill_s / (prefill_s + decode_s))))
+        return prefill, engines - prefill
+
+
+def merged_clients(folder: str | pathlib.Path) -> list[TraceRequest]:
+    """A ServeGen folder's clients as one trace, in arrival order."""
+    return sorted((r for reqs in client_traces(load_servegen(folder), seed=0).values() for r in reqs),
+                  key=lambda r: r.t)
 
 
 BULK_CLIENT_SHARE = 0.10  # a ServeGen client with at least this share of the requests is bulk (band 0)
@@ -113,6 +144,19 @@ def get_scenario(name: str, duration_s: float) -> Scenario:
                               max_tokens=1024)]
         return Scenario(name, "the Azure conversation trace replayed at load factors 0.5 to 3", tenants,
                         {"conv": AZURE_CONV})
+    if name == "disaggregated":
+        # Separate prefill and decode pools (vLLM / llm-d / Dynamo P/D) under a prefill-heavy
+        # tenant and a decode-heavy one: Kimi's long-context conversations (Mooncake: 12k-token
+        # prompts on average, 343-token answers) beside a reasoning model's chat (ServeGen's
+        # DeepSeek-R1 clients: 697-token prompts, 830-token answers, p99 5.4k).
+        tenants = [
+            TenantSpec("rag", priority=0, share=0.5, trace="mooncake", ttft_slo=4.0, tpot_slo=0.1, max_tokens=2048),
+            TenantSpec("reasoning", priority=0, share=0.5, trace="r1", ttft_slo=1.0, tpot_slo=0.05,
+                       max_tokens=4096),
+        ]
+        return Scenario(name, "long-prompt RAG next to long-answer reasoning chat, on separate prefill and "
+                              "decode pools", tenants, {"mooncake": MOONCAKE_CONV, "r1": SERVEGEN_DEEPSEEK_R1},
+                        max_model_len=131_072, disaggregated=True)
     if name == "prefix":
         # Kimi's production conversations: 12k-token prompts on average (up to 126k), 37% of
         # their blocks repeat an earlier prompt's prefix. For comparing routers. Their working set
@@ -128,4 +172,4 @@ def get_scenario(name: str, duration_s: float) -> Scenario:
 
 
 # `agents` is closed-loop and lives in bouncer.bench.agents
-SCENARIOS = ("rogue-tenant", "consolidation", "fairness", "surge", "prefix", "agents")
+SCENARIOS = ("rogue-tenant", "consolidation", "fairness", "surge", "prefix", "disaggregated", "agents")

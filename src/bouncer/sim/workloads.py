@@ -117,7 +117,8 @@ def measure_capacity(cfg: FleetConfig, policy_factory, tenants: list[TenantSpec]
     sample = [draw() for _ in range(2000)]
     mean_tokens = sum(max(tr.prompt_len, s.min_prompt or 0) + min(tr.output_len, s.max_tokens)
                       for s, tr in sample) / len(sample)
-    kv_tokens = (cfg.kv_blocks or cfg.profile.num_blocks) * cfg.profile.block_size * cfg.replicas
+    engines = cfg.replicas + cfg.decode_replicas
+    kv_tokens = (cfg.kv_blocks or cfg.profile.num_blocks) * cfg.profile.block_size * engines
     clients = max(8, int(2 * kv_tokens / mean_tokens))
 
     def make_request(rid: str, now: float) -> SimRequest:
