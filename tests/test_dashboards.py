@@ -120,12 +120,19 @@ def test_a_real_prometheus_scraping_the_demo_answers_every_query(tmp_path):
                 {"job_name": "bouncer", "static_configs": [{"targets": [f"127.0.0.1:{port}"]}]},
                 {"job_name": "vllm", "static_configs": [{"targets": [f"127.0.0.1:{p}" for p in engines]}]},
             ]}))
-        prom = subprocess.Popen([_tool("prometheus"), f"--config.file={tmp_path / 'prometheus.yml'}",
-                                 f"--storage.tsdb.path={tmp_path / 'data'}",
-                                 f"--web.listen-address=127.0.0.1:{prom_port}"],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        prom_log = tmp_path / "prometheus.log"
+        with prom_log.open("wb") as log:
+            prom = subprocess.Popen([_tool("prometheus"), f"--config.file={tmp_path / 'prometheus.yml'}",
+                                     f"--storage.tsdb.path={tmp_path / 'data'}",
+                                     f"--web.listen-address=127.0.0.1:{prom_port}"],
+                                    stdout=log, stderr=subprocess.STDOUT)
         prom_url = f"http://127.0.0.1:{prom_port}"
-        wait_http_ok(prom_url + "/-/ready", timeout=30)
+        try:
+            # (once, in CI, it was not ready within 30 s, with nothing to say why: its log is kept)
+            wait_http_ok(prom_url + "/-/ready", timeout=90)
+        except TimeoutError:
+            raise AssertionError(f"Prometheus not ready (exit code {prom.poll()}); its log ends:\n"
+                                 f"{prom_log.read_text(errors='replace')[-3000:]}") from None
 
         def targets_up() -> bool:
             up = _query(prom_url, "up")["data"]["result"]
