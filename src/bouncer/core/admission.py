@@ -130,29 +130,37 @@ class AdmissionCore:
         at, not taken: `offer` takes them), the waiting room's doors; its arrival counted. A
         flood that these refuse costs the gateway no tokenizing. Returns the refusal, or the
         tenant for `offer`, which runs this itself when not given one."""
+        return self._precheck(info, now)[0]
+
+    def _precheck(self, info: RequestInfo, now: float) -> tuple[Reject | Tenant, PoolView | None]:
+        """`precheck`, and the pool view it judged by (None where it did not get that far), which
+        `offer` may use on: nothing between them moves a replica."""
         t = (self._key_to_tenant.get(info.key_digest) if info.key_digest else None) or self._default_tenant
         self.stats.arrive(UNKNOWN_TENANT if t is None else t.name)
         if t is None:
             return self._refuse_new(info, UNKNOWN_TENANT, None, Refusal(
-                Layer.VALIDATION, Reason.UNAUTHENTICATED, "invalid or missing API key"))
+                Layer.VALIDATION, Reason.UNAUTHENTICATED, "invalid or missing API key")), None
         ms = self.models.get(info.model)
         refusal = intake.validate_model(info.model, t, ms.cfg if ms else None) or pressure_refusal(
             self.pressures, t, now)
         if refusal is not None:
-            return self._refuse_new(info, t.name, t.priority, refusal)
+            return self._refuse_new(info, t.name, t.priority, refusal), None
+        view = PoolView(ms.replicas, self.policy, now)  # type: ignore[union-attr]
         refusal = cheap_refusal(ms, t, info, self._gate, self._breakers[t.name], self.saturation, self.policy,
-                                self.policy.refuse_infeasible and self._exemption is None, now)
+                                self.policy.refuse_infeasible and self._exemption is None, view, now)
         if refusal is not None:
             # as offer remembers what the gate or the door refuses
             first_arrival(self.finaliser.retries, t.name, info, now)
-            return self.finaliser.refuse_unadmitted(info.request_id, t.name, t.priority, refusal, info.model, now)
-        return t
+            return self.finaliser.refuse_unadmitted(info.request_id, t.name, t.priority, refusal, info.model,
+                                                    now), None
+        return t, view
 
     def offer(self, info: RequestInfo, now: float, checked: Tenant | None = None) -> list[Event]:
         """A new request, layer by layer; `checked`: its tenant as `precheck` found it, where the
         shell ran that first (else it runs here)."""
+        view: PoolView | None = None
         if checked is None:
-            found = self.precheck(info, now)
+            found, view = self._precheck(info, now)
             if isinstance(found, Reject):
                 return [found]
             checked = found
@@ -187,7 +195,8 @@ class AdmissionCore:
                 return [self.finaliser.refuse(adm, refusal, now)]
             self.stats.note("demoted", Layer.SLO.value, Reason.RETRY_PAST_DEADLINE.value, adm.tenant, adm.priority)
             ttft_left = None
-        view = PoolView(ms.replicas, self.policy, now)
+        if view is None or view.replicas is not ms.replicas:
+            view = PoolView(ms.replicas, self.policy, now)
         best_ttft = self.placement.best_ttft(ms.replicas, adm, view) if ttft_left else None
         if ttft_left and not self._exempt(adm, keeping_queued=True):
             deadlines.queue_budget(adm, ttft_left, best_ttft, ms, self.policy, now)

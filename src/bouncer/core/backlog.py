@@ -92,7 +92,8 @@ def ahead(flow: FlowQueues, priority: int, tenant: str | None) -> float:
         if q is None or not q.count:
             n += band.count
         else:
-            active = sum(other.weight for other in band.queues.values() if other.count)
+            # the tenants with queued work (`Band.active`), not every tenant the band has seen
+            active = sum(band.queues[name].weight for name in band.active)
             n += q.count * active / q.weight
     return n
 

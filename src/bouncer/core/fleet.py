@@ -84,6 +84,9 @@ class ReplicaState:
         self.unseen_since: float | None = None
         self.drift_reported = False  # unseen for longer than the policy's inflight_drift_s
         self.predictor: LatencyPredictor | None = None  # None with step_time off
+        self._floor_key: tuple | None = None  # what `ttft_floor` was computed from, and its value
+        self._floor_model: object = None
+        self._floor = 0.0
         # what it holds in its prefix cache, as far as we know
         self.prefix = ReplicaPrefixIndex(self.capacity_blocks or DEFAULT_INDEX_BLOCKS, block_size,
                                          kv_events_staleness_s)
@@ -215,19 +218,29 @@ class ReplicaState:
     def predict_ttft(self, adm, own_prefill: int, raw: bool = False) -> float | None:
         """TTFT if `adm` is sent here now with `own_prefill` of its prompt tokens uncached (`raw`:
         before the replica's online correction)."""
-        if self.latency is None:
+        lat = self.latency
+        if lat is None:
             return None
-        predict = self.latency.raw_ttft if raw else self.latency.ttft
+        predict = lat.raw_ttft if raw else lat.ttft
         pairs = self.queued_prefill_pairs + prefill_pairs(adm.info.prompt_tokens, own_prefill)
         return predict(self.queued_prefill_tokens, own_prefill, self.decoding, self.decode_context, pairs)
 
     def ttft_floor(self) -> float | None:
         """The least TTFT any request sent here now could have, whatever its prompt: the prefill
         queued ahead of it and one token of its own (`predict_ttft` grows with the prompt)."""
-        if self.latency is None:
+        lat = self.latency
+        if lat is None:
             return None
-        return self.latency.ttft(self.queued_prefill_tokens, 0, self.decoding, self.decode_context,
-                                 self.queued_prefill_pairs)
+        # asked for every replica on every offer (the precheck), and what it depends on moves
+        # far less often: kept until one of them does
+        key = (self.queued_prefill_tokens, self.decoding, self.decode_context, self.queued_prefill_pairs,
+               lat.ttft_factor)
+        model = lat.model
+        if key != self._floor_key or model is not self._floor_model:
+            self._floor_key, self._floor_model = key, model
+            self._floor = lat.ttft(self.queued_prefill_tokens, 0, self.decoding, self.decode_context,
+                                   self.queued_prefill_pairs)
+        return self._floor
 
     def predict_tpot(self, adm, now: float, raw: bool = False) -> float | None:
         """The TPOT of the batch `adm` would join: what decodes here now, what was sent and has

@@ -98,9 +98,15 @@ class LatencyPredictor:
                  pairs: int = 0) -> float:
         """Uncorrected TTFT (s) after dispatch: the prefill work ahead, then its own (`pairs`:
         the attention pairs of both)."""
-        m = self.model
-        steps, batched = prefill_steps(m.max_batched_tokens, prefill_ahead, own_prefill, decoding)
-        return steps * m.step(batched, decode_context) + m.d * pairs + m.e
+        # `prefill_steps` and `StepTimeModel.step` written out: this runs for every replica on
+        # every offer and placement, the core's hottest arithmetic
+        m = self.given if self.learner is None else self.learner.model
+        budget = m.max_batched_tokens  # type: ignore[union-attr]
+        per_step = budget - decoding if budget - decoding > 1 else 1
+        work = prefill_ahead + (own_prefill if own_prefill > 1 else 1)
+        batched = decoding + work if decoding + work < budget else budget
+        return (math.ceil(work / per_step) * (m.a + m.b * batched + m.c * decode_context)  # type: ignore[union-attr]
+                + m.d * pairs + m.e)  # type: ignore[union-attr]
 
     def ttft_terms(self, prefill_ahead: int, own_prefill: int, decoding: int, decode_context: int,
                    pairs: int = 0) -> tuple[float, float, float, float, float]:

@@ -25,10 +25,10 @@ from bouncer.core.waiting_room import door_shut
 
 
 def cheap_refusal(ms: ModelState, tenant: Tenant, info: RequestInfo, gate: TenantGate, breaker: CircuitBreaker,
-                  saturation: SaturationDetector, policy: Policy, refuses_late: bool, now: float) -> Refusal | None:
+                  saturation: SaturationDetector, policy: Policy, refuses_late: bool, view: PoolView,
+                  now: float) -> Refusal | None:
     """Why `info` is refused whatever its prompt, or None. `refuses_late`: requests predicted
-    to miss their deadline are refused (not only flagged)."""
-    view = PoolView(ms.replicas, policy, now)
+    to miss their deadline are refused (not only flagged); `view`: `ms`'s pool at `now`."""
     return (gate.closed(tenant, breaker, now)
             or door_shut(ms, tenant.name, tenant.priority, view, saturation, policy, now, info.min_prompt_tokens)
             or _surely_late(ms, tenant, info, view, policy, refuses_late, now))

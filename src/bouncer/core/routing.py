@@ -37,7 +37,10 @@ class Router(Protocol):
 def cached_tokens(r: ReplicaState, adm: Admission, now: float) -> int:
     """Prompt tokens of `adm` that `r` holds; never the whole prompt (the engine recomputes the
     last token to get logits, as vLLM does)."""
-    return min(r.prefix.match(adm.info.block_digests, now) * r.block_size, adm.info.prompt_tokens - 1)
+    digests = adm.info.block_digests
+    if not digests:  # (a prompt shorter than a block, or one whose blocks were not hashed)
+        return 0
+    return min(r.prefix.match(digests, now) * r.block_size, adm.info.prompt_tokens - 1)
 
 
 class RoundRobinRouter:
