@@ -132,6 +132,36 @@ def test_ledger_overdue_request_runs_as_long_again_and_learns_speed():
     assert ledger.tpot_s == pytest.approx(0.01 + 0.1 * 0.04)
 
 
+def test_ledger_peak_is_the_most_held_at_any_instant_on_random_ledgers():
+    """Against the definition, summed directly: what is held at `start`, just before each end
+    inside the span, and just before `end` (between those instants it only grows)."""
+    import random
+    rng = random.Random(7)
+    for _ in range(200):
+        ledger = DecodeLedger()
+        ledger.tpot_s, ledger.handoff_s = rng.choice([0.01, 0.02, 0.05]), 0.0
+        now = 10.0
+        for i in range(rng.randint(0, 30)):
+            arrive = rng.choice([now - 20, now]) + rng.uniform(0, 15)
+            ledger.bind(f"r{i}", rng.randint(1, 4000), rng.randint(1, 500), arrive)
+        spans = [(b.start, b.end if b.end > now else now + b.output * ledger.tpot_s, b.prompt)
+                 for b in ledger._bound.values()]
+        rate = 1 / ledger.tpot_s
+
+        def at(t, before, spans=spans, rate=rate):
+            return sum(p + (t - s) * rate for s, e, p in spans if (s < t <= e if before else s <= t < e))
+        a = rng.uniform(0, 30)
+        b = a + rng.uniform(0.1, 20)
+        expected = max([at(a, False), at(b, True)] + [at(e, True) for _, e, _ in spans if a < e < b])
+        assert ledger.peak(a, b, now) == pytest.approx(expected, rel=1e-9, abs=1e-6)
+        # with a limit the sweep may stop at a bound: one over the limit says the peak is too
+        limit = rng.uniform(0, 2 * expected + 1)
+        bounded = ledger.peak(a, b, now, limit)
+        assert (bounded > limit) == (expected > limit + 1e-6) or abs(expected - limit) < 1e-6
+        if bounded <= limit:
+            assert bounded >= expected - 1e-6
+
+
 def _decode_worker(name: str, blocks: int) -> ReplicaState:
     r = ReplicaState(name, "m", None, blocks, 16)
     r.role = "decode"

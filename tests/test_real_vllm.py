@@ -14,6 +14,7 @@ import pathlib
 import subprocess
 import sys
 import time
+import urllib.request
 
 import openai
 import pytest
@@ -22,7 +23,7 @@ from bouncer.config import key_digest
 from bouncer.core.blocks import chain_block_hashes
 from bouncer.tokenizer import PromptTokenizer, default_tokenizer_path
 from conftest import start_gateway
-from servers import BackgroundLoop, free_port, poll_until, wait_http_ok
+from servers import BackgroundLoop, free_port, poll_until, wait_answering
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 VLLM_PYTHON = pathlib.Path(os.environ.get("BOUNCER_VLLM_PYTHON", REPO / ".venv-vllm/bin/python"))
@@ -38,12 +39,22 @@ pytestmark = [
 
 
 @pytest.fixture(scope="module")
-def kv_events_port():
-    return free_port()
+def kv_events_endpoint(tmp_path_factory):
+    """An IPC socket, not a TCP port: a free port picked now could be taken (the suite's own
+    client connections use the same range) by the time vLLM binds it, tens of seconds later; in
+    CI it once was, and vLLM's engine core died on it."""
+    return f"ipc://{tmp_path_factory.mktemp('kv-events')}/vllm.kv"
+
+
+def _healthy(url: str, proc: subprocess.Popen) -> bool:
+    if proc.poll() is not None:  # it died starting: say so now, not after the whole timeout
+        raise RuntimeError(f"vLLM exited with {proc.returncode} while starting")
+    with urllib.request.urlopen(url + "/health", timeout=2) as resp:
+        return resp.status == 200
 
 
 @pytest.fixture(scope="module")
-def vllm_url(tmp_path_factory, kv_events_port):
+def vllm_url(tmp_path_factory, kv_events_endpoint):
     if not (MODEL_DIR / "config.json").exists():
         subprocess.run([str(VLLM_PYTHON), str(REPO / "scripts/make_tiny_model.py"), str(MODEL_DIR)], check=True,
                        timeout=600)
@@ -56,13 +67,13 @@ def vllm_url(tmp_path_factory, kv_events_port):
            "--max-model-len", "512", "--max-num-seqs", "4", "--num-gpu-blocks-override", str(KV_BLOCKS),
            "--max-num-queued-reqs", str(MAX_QUEUED),
            "--kv-events-config", json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
-                                             "endpoint": f"tcp://*:{kv_events_port}"})]  # vLLM binds *
+                                             "endpoint": kv_events_endpoint})]  # vLLM binds ipc://
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_http_ok(url + "/health", timeout=420)
-    except TimeoutError:
+        wait_answering(lambda: _healthy(url, proc), 420, f"{url}/health did not answer 200")
+    except (TimeoutError, RuntimeError):
         proc.kill()
         sys.stderr.write(log.read_text()[-5000:])
         raise
@@ -75,7 +86,7 @@ def vllm_url(tmp_path_factory, kv_events_port):
 
 
 @pytest.fixture
-def gateway(vllm_url, kv_events_port):
+def gateway(vllm_url, kv_events_endpoint):
     loop = BackgroundLoop()
     config = {
         "tenants": [{"name": "t", "api_keys_sha256": [key_digest("t")], "max_tokens_default": 64,
@@ -83,7 +94,7 @@ def gateway(vllm_url, kv_events_port):
         "models": [{"name": "tiny", "engine": "vllm", "tokenizer": str(default_tokenizer_path()),
                     "max_model_len": 512, "block_size": 128,
                     "backends": [{"url": vllm_url, "name": "vllm",
-                                  "kv_events": f"tcp://127.0.0.1:{kv_events_port}"}]}],
+                                  "kv_events": kv_events_endpoint}]}],
         "policy": {"telemetry": {"scrape_interval_s": 0.1, "staleness_s": 2.0}, "upstream_refusal_cooldown_s": 0.05},
     }
     url, gw, cleanup = start_gateway(loop, config)
