@@ -24,49 +24,27 @@ from __future__ import annotations
 import itertools
 
 from bouncer.sim.fleet import Dispatched, PolicyEvent, Refused, SimRequest
+from bouncer.sim.policies import _Passthrough
 
 DECODE_BLOCKS_THRESHOLD = 0.85  # Dynamo's threshold in the colocated baseline (policies.DynamoBusy)
 CURRENT_LOAD_THRESHOLD = 0.85
 
 
-class _PdBase:
+class _PdBase(_Passthrough):
+    """A passthrough baseline (no waiting room) on two pools."""
+
     name = "pd"
-    queued = 0
 
     def __init__(self, roles: dict[str, str]) -> None:
-        self.replica_names = list(roles)
+        super().__init__(list(roles))
         self.prefill = [n for n, role in roles.items() if role == "prefill"]
         self.decode = [n for n, role in roles.items() if role == "decode"]
         if not self.prefill or not self.decode:
             raise ValueError(f"{self.name} needs a disaggregated fleet (prefill and decode workers)")
 
-    def tick(self, now):
-        return []
-
-    def next_wakeup(self):
-        return None
-
-    def started(self, attempt_id, now):
-        pass
-
-    def handed_over(self, attempt_id, now):
-        return []
-
-    def finished(self, attempt_id, now, completed, completion_tokens):
-        return []
-
-    def cancel(self, attempt_id, now):
-        return []
-
     def engine_refused(self, attempt_id, now):
-        self.finished(attempt_id, now, False, 0)
-        return [Refused(attempt_id, 503, "engine/queue_full", None)]  # vLLM sends no Retry-After
-
-    def observe(self, replica, telemetry, now):
-        return []
-
-    def kv_events(self, replica, stored, removed, now):
-        pass
+        self.finished(attempt_id, now, False, 0)  # what the baseline counts for it, released
+        return super().engine_refused(attempt_id, now)
 
 
 class PdRoundRobin(_PdBase):
