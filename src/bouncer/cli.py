@@ -213,6 +213,18 @@ def cmd_bench_long_prompts(args) -> None:
     long_prompts(args.sessions, args.steps, args.out)
 
 
+def _gateway_setup(args):
+    from bouncer.sim.gateways import GatewaySetup
+
+    if args.gateways == 1 and (args.state_delay_ms is not None or args.spread != "request"):
+        raise SystemExit("bouncer bench run: --state-delay-ms and --spread need --gateways 2 or more")
+    delay = None if args.state_delay_ms is None else args.state_delay_ms / 1000
+    try:
+        return GatewaySetup(args.gateways, delay, args.spread)
+    except ValueError as exc:
+        raise SystemExit(f"bouncer bench run: {exc}") from None
+
+
 def cmd_bench_run(args) -> None:
     from bouncer.bench.goodput import run, save
     from bouncer.recorder.timeline import Timeline
@@ -228,7 +240,8 @@ def cmd_bench_run(args) -> None:
                      duration_s=args.duration, trace=args.trace, profile=args.profile, routing=args.routing,
                      kv_events=args.kv_events,
                      only_tenants=args.only_tenants.split(",") if args.only_tenants else None,
-                     policy_set=_policy_settings(args.set), step_time=args.step_time, record=timeline)
+                     policy_set=_policy_settings(args.set), step_time=args.step_time, record=timeline,
+                     gateways=_gateway_setup(args))
     except ValueError as exc:
         raise SystemExit(f"bouncer bench run: {exc}") from None
     if timeline is not None:
@@ -428,6 +441,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--step-time", choices=STEP_TIMES, default="given",
                    help="what Bouncer knows of the engines' step time: given (the profile's coefficients in its "
                         "config), learned (fitted online from its requests) or off (no latency prediction)")
+    p.add_argument("--gateways", type=int, default=1, metavar="N",
+                   help="N gateways, each with its own core, clients spread over them (bouncer and "
+                        "llmd-flow-control); they share nothing unless --state-delay-ms is given")
+    p.add_argument("--state-delay-ms", type=float, metavar="D",
+                   help="the gateways share state (rate limits, retries, each replica's load and tenants' "
+                        "service) as on Redis, each seeing the others' part D ms late")
+    p.add_argument("--spread", choices=("request", "tenant"), default="request",
+                   help="how clients reach the gateways: request (each attempt anywhere, an agent's session "
+                        "on one), tenant (each tenant on one gateway)")
     p.add_argument("--out", help="write the result JSON")
     p.add_argument("--record", metavar="FILE", help="write the flight recorder's samples of the run (JSON Lines, "
                    ".gz to compress) for `bouncer recorder FILE`")

@@ -323,6 +323,14 @@ class Policy(_Strict):
     max_inflight_per_replica: int = Field(1024, ge=1)
     fairness: str = Field("wdrr", description="wdrr | round-robin (bouncer.core.registry)")
     wdrr_quantum_tokens: int = Field(4096, ge=1)
+    fleet_shares_window_s: float = Field(10.0, gt=0, description="with several gateways sharing state: tenants' "
+                                                                 "served tokens decay with this time constant, so "
+                                                                 "weighted shares across gateways hold over the "
+                                                                 "recent past")
+    fleet_shares_slack_tokens: float = Field(8192, ge=0, description="with several gateways sharing state: a "
+                                                                     "tenant is held back while its served tokens "
+                                                                     "over weight lead a tenant of its band queued "
+                                                                     "at another gateway by more than this")
     ordering: str = Field("edf", description="edf | fcfs (bouncer.core.registry)")
     default_ttl_s: float = Field(30.0, gt=0)
     band_ceilings: dict[int, float] = Field(default_factory=dict,

@@ -18,9 +18,11 @@ import pathlib
 from bouncer.config import Routing
 from bouncer.core.blocks import leading_run
 from bouncer.core.registry import make_router
+from bouncer.core.stores import Stores
 from bouncer.recorder.sampler import Sampler
 from bouncer.recorder.timeline import Timeline
 from bouncer.sim.fleet import FleetConfig, FleetSim, SimRequest
+from bouncer.sim.gateways import Gateways, GatewaySetup
 from bouncer.sim.pd_policies import PdCurrentLoad, PdDynamoBusy, PdRoundRobin
 from bouncer.sim.policies import (
     BOUNCER_POLICY,
@@ -88,10 +90,11 @@ STEP_TIMES = ("given", "learned", "off")
 
 
 def make_policy(name: str, scenario: Scenario, cfg: FleetConfig, routing: str | None = None,
-                policy_set: dict | None = None, step_time: str = "given"):
+                policy_set: dict | None = None, step_time: str = "given", stores: Stores | None = None):
     """`step_time` (bouncer only): `given`, the profile's coefficients stated in the config as an
     operator who measured them would; `learned`, fitted online from the requests (only the
-    engine's token budget stated, which operators set themselves); `off`, no latency prediction."""
+    engine's token budget stated, which operators set themselves); `off`, no latency prediction.
+    `stores` (bouncer and llmd-flow-control): the core's, where it shares some with other gateways."""
     names = [f"r{i}" for i in range(cfg.replicas)]
     blocks = cfg.kv_blocks or cfg.profile.num_blocks
     if cfg.decode_replicas and name not in ("bouncer", "llmd-flow-control"):
@@ -121,7 +124,7 @@ def make_policy(name: str, scenario: Scenario, cfg: FleetConfig, routing: str | 
             raise ValueError(f"{name} is not modelled on a disaggregated fleet; known there: {', '.join(PD_POLICIES)}")
         return CorePolicy(name, core_config(tenant_configs(scenario), cfg.roles(), blocks, cfg.profile.block_size,
                                            cfg.profile.max_model_len, policy, offload, step),
-                          advises_clients=name == "bouncer")
+                          advises_clients=name == "bouncer", stores=stores)
     raise ValueError(f"unknown policy {name!r}; known: {', '.join(POLICIES)}")
 
 
@@ -244,28 +247,31 @@ def _misses(requests: list[SimRequest]) -> dict[str, int]:
 def run(scenario_name: str, policy: str, load: float, seed: int = 0, replicas: int = 4, duration_s: float = 300.0,
         trace: str | None = None, profile: str | EngineProfile = DEFAULT_PROFILE, routing: str | None = None,
         kv_events: bool = False, only_tenants: list[str] | None = None, policy_set: dict | None = None,
-        step_time: str = "given", record: Timeline | None = None) -> dict:
+        step_time: str = "given", record: Timeline | None = None, gateways: GatewaySetup | None = None) -> dict:
     """One run, summarized. `routing` overrides the policy's router; `kv_events` has the engines
     publish their prefix-cache changes, which Bouncer's core uses to make its prefix index precise;
     `only_tenants` drops the other tenants' requests (capacity and arrivals stay those of the
     whole mix); `policy_set` changes policy settings (nested, as in the config's `policy`);
-    `step_time` is what Bouncer knows of the engine's step time (`make_policy`)."""
+    `step_time` is what Bouncer knows of the engine's step time (`make_policy`); `gateways`: several
+    gateways, each with its own core, sharing state or not (`bouncer.sim.gateways`)."""
     scenario, capacity, requests, result = simulate(scenario_name, policy, load, seed, replicas, duration_s, trace,
                                                     profile, routing, kv_events, only_tenants, policy_set, step_time,
-                                                    record)
+                                                    record, gateways)
     out = summarize(scenario, policy, load, seed, replicas, duration_s, capacity, requests, result, routing)
     out["kv_events"] = kv_events
     out["only_tenants"] = only_tenants
     out["policy_set"] = policy_set or {}
     if step_time != "given":  # recorded where it differs from every published run's
         out["step_time"] = step_time
+    if gateways is not None and gateways.count > 1:
+        out["gateways"] = gateways.describe()
     return out
 
 
 def simulate(scenario_name: str, policy: str, load: float, seed: int, replicas: int, duration_s: float,
              trace: str | None = None, profile: str | EngineProfile = DEFAULT_PROFILE, routing: str | None = None,
              kv_events: bool = False, only_tenants: list[str] | None = None, policy_set: dict | None = None,
-             step_time: str = "given", record: Timeline | None = None):
+             step_time: str = "given", record: Timeline | None = None, gateways: GatewaySetup | None = None):
     """The run itself, as `run` describes it: (scenario, capacity in req/s, requests with their
     outcomes, the fleet's result). With `record`, Bouncer's core is sampled into it every
     `record.step_s` of simulated time, as the gateway's flight recorder samples it."""
@@ -282,10 +288,17 @@ def simulate(scenario_name: str, policy: str, load: float, seed: int, replicas: 
         scenario.tenants = [t for t in scenario.tenants if t.name in only_tenants]
         requests = [r for r in requests if r.tenant in only_tenants]
     cfg = fleet_config(policy, replicas, profile, seed, scenario, kv_events)
-    gw = make_policy(policy, scenario, cfg, routing, policy_set, step_time)
+    if gateways is not None and gateways.count > 1:
+        if policy not in ("bouncer", "llmd-flow-control"):
+            raise ValueError(f"--gateways runs several admission cores: {policy!r} has none "
+                             "(bouncer and llmd-flow-control do)")
+        gw = Gateways(gateways, lambda stores: make_policy(policy, scenario, cfg, routing, policy_set, step_time,
+                                                           stores))
+    else:
+        gw = make_policy(policy, scenario, cfg, routing, policy_set, step_time)
     fleet = FleetSim(cfg, gw, gw.replica_names)
     if record is not None:
-        if not isinstance(gw, CorePolicy):
+        if not isinstance(gw, CorePolicy | Gateways):
             raise ValueError(f"--record samples an admission core: {policy!r} has none "
                              "(bouncer and llmd-flow-control do)")
         sampler = Sampler()

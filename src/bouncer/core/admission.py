@@ -16,6 +16,8 @@ Entry points (those that decide return `list[Event]`):
   `kv_events` / `kv_digests`: an engine's prefix-cache changes. `renew(ids, now)`: the shell still
   serves these. `drain(model)` / `undrain(model)`: model swaps. `reload(config, now)`.
   `observe_pressure(name, value, at)`: an outside signal's value (`bouncer.core.pressure`).
+- `own_share(now)` / `peers(others, now)`: with several gateways, this one's part of the state
+  they share, and the others' as last seen (`bouncer.core.peers`).
 - `view`: what the shells may read (`bouncer.core.view`).
 
 This class holds only the entry points and the glue between the parts; each layer lives in its
@@ -42,6 +44,7 @@ from bouncer.core.kv_events import KVEvent
 from bouncer.core.model_state import ModelState, next_wakeup
 from bouncer.core.outcomes import Dispatch, Event, Layer, Reason, Refusal, Reject, Terminal
 from bouncer.core.output_length import OutputLengthModel
+from bouncer.core.peers import NO_LOAD, FleetShares, GatewayShare, ReplicaLoad, urgency
 from bouncer.core.placement import Placement, nowhere_to_go, rest
 from bouncer.core.pool import PoolView
 from bouncer.core.precheck import cheap_refusal
@@ -83,6 +86,7 @@ class AdmissionCore:
         self._exemption = exemption
         self._next_lease_check = now
         self._routing_cfg = None
+        self.shares = FleetShares(config.policy.fleet_shares_window_s, config.policy.fleet_shares_slack_tokens)
         self.view = CoreView(self)
         self.reload(config, now)
 
@@ -99,6 +103,7 @@ class AdmissionCore:
         ordering = make_ordering(p.ordering)
         self.saturation = make_saturation(p.saturation.detector, p)
         self.config, self.policy, self._routing_cfg = config, p, p.routing
+        self.shares.window_s, self.shares.slack = p.fleet_shares_window_s, p.fleet_shares_slack_tokens
         self._key_to_tenant = config.tenant_by_key()
         self._default_tenant = next((t for t in config.tenants if t.name == config.default_tenant), None)
         self.finaliser.retries = self.stores.retries if p.retries.deadline == "first-attempt" else None
@@ -115,7 +120,8 @@ class AdmissionCore:
                 self._breakers[t.name] = CircuitBreaker(b.failures, b.window_s, b.open_s)
             self._output_models.setdefault(t.name, {})
         self.placement = Placement(p, router, self._tenants, self.permits)
-        self._dispatcher = Dispatcher(self.placement, self.saturation, self._grant, self._late, self._acts_on_late)
+        self._dispatcher = Dispatcher(self.placement, self.saturation, self._grant, self._late, self._acts_on_late,
+                                      self.shares)
         for m in config.models:
             ms = self.models.get(m.name)
             if ms is None:
@@ -259,6 +265,10 @@ class AdmissionCore:
                                      self.stats, self.finaliser, late_by, now)
 
     def _grant(self, adm: Admission, replica: ReplicaState, cached: dict[str, int], now: float) -> Dispatch:
+        if self.shares.enabled:
+            tenant = self._tenants.get(adm.tenant)
+            weight = tenant.weight if tenant else 1.0
+            self.shares.served((adm.info.model, adm.priority, adm.tenant), adm.cost_tokens / weight, now)
         return grant(adm, replica, cached, self.models[adm.info.model], self.finaliser, self.permits, self.policy,
                      self.stats, now)
 
@@ -376,6 +386,27 @@ class AdmissionCore:
         r = self.replicas.get(replica)
         if r is not None:
             r.prefix.apply_digests(stored, removed, now)
+
+    # -- several gateways --------------------------------------------------------------------------
+    def own_share(self, now: float) -> GatewayShare:
+        """This gateway's part of what the gateways share (`bouncer.core.peers`): its load on
+        each replica, what it served per tenant and band, which tenants queue here."""
+        queued = {(m, band.priority, tenant): urgency(band.queues[tenant].head()) - now  # type: ignore[arg-type]
+                  for m, ms in self.models.items() for band in ms.flow.bands.values() for tenant in band.active}
+        return GatewayShare({name: r.own_load() for name, r in self.replicas.items()}, self.shares.own(now), queued)
+
+    def peers(self, others: list[GatewayShare], now: float) -> list[Event]:
+        """The other gateways' parts, as last seen: from now on replicas count their load, and
+        tenants are held back while served ahead of one queued there. Room they freed is used."""
+        self.shares.enabled = True
+        loads: dict[str, ReplicaLoad] = {}
+        for share in others:
+            for name, load in share.replicas.items():
+                loads[name] = loads[name] + load if name in loads else load
+        for name, r in self.replicas.items():
+            r.set_peers(loads.get(name, NO_LOAD), now)
+        self.shares.seen(others, now)
+        return [e for ms in self.models.values() for e in self._dispatcher.run(ms, now)]
 
     # -- time --------------------------------------------------------------------------------------
     def tick(self, now: float) -> list[Event]:

@@ -20,6 +20,7 @@ from bouncer.core.fleet import ReplicaState
 from bouncer.core.flow import FlowQueues, TenantQueue
 from bouncer.core.model_state import ModelState
 from bouncer.core.outcomes import Dispatch, Event
+from bouncer.core.peers import FleetShares, urgency
 from bouncer.core.permits import PermitStore
 from bouncer.core.placement import Late, Placement
 from bouncer.core.pool import PoolView
@@ -41,8 +42,9 @@ class Dispatcher:
     def __init__(self, placement: Placement, saturation: SaturationDetector,
                  grant: Callable[[Admission, ReplicaState, dict[str, int], float], Dispatch],
                  on_late: Callable[[Admission, float, float], list[Event]],
-                 acts_on_late: Callable[[Admission], bool]) -> None:
+                 acts_on_late: Callable[[Admission], bool], shares: FleetShares) -> None:
         self.placement = placement
+        self.shares = shares
         self.saturation = saturation
         self.grant = grant
         self.on_late = on_late
@@ -66,6 +68,7 @@ class Dispatcher:
             limit = ceiling(self.placement.policy, band.priority)
             protected = ms.band_slos.protected(band.priority, now)  # the same for every request of the band
             skip: set[str] = set()
+            shared = self.shares.enabled
             while band.count:
                 if self.saturation.saturation(view) >= limit:
                     break
@@ -73,6 +76,9 @@ class Dispatcher:
                 if q is None:
                     break
                 adm = q.head()
+                if shared and self.shares.holds((band.model, band.priority, q.tenant), urgency(adm), now):
+                    skip.add(q.tenant)
+                    continue
                 if windowed and adm.session is not None:
                     # the head is an agent's step: if the window or its replica holds it, another
                     # agent's may go (agents of one tenant do not wait behind each other)

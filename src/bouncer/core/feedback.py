@@ -128,7 +128,7 @@ def adapt_inflight_limit(policy: Policy, model_tpot_target: float | None, r: Rep
     if guarded and (now - adm.first_token_at) / (tokens - 1) > target:  # type: ignore[operator]
         if now - r.last_cut >= 1.0:
             r.concurrency_limit = max(p.min_inflight_per_replica,
-                                      min(r.concurrency_limit, len(r.inflight) + 1) * 0.8)
+                                      min(r.concurrency_limit, r.requests_in_flight + 1) * 0.8)
             r.last_cut = now
     elif (guarded or r.refusals_cut_limit) and r.concurrency_limit < p.max_inflight_per_replica:
         r.concurrency_limit += p.tpot_guard_increase

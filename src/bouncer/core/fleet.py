@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from bouncer.core.decode_room import DecodeLedger
 from bouncer.core.latency import LatencyPredictor, prefill_pairs
+from bouncer.core.peers import NO_LOAD, ReplicaLoad
 from bouncer.core.prefix_index import ReplicaPrefixIndex
 
 DEFAULT_INDEX_BLOCKS = 100_000  # prefix-index bound while a replica's KV size is not known yet
@@ -78,6 +79,10 @@ class ReplicaState:
         self.decoding = 0  # dispatched and past their first token
         self.decode_context = 0  # context tokens their steps read (prompt + half the expected output)
         self.tpot_slos: Counter = Counter()  # TPOT SLOs of the requests in flight here
+        # what other gateways hold here, as last seen: counted in the figures above (except
+        # `inflight`, which holds this gateway's own requests), so every reader sees the sum
+        self.peers: ReplicaLoad = NO_LOAD
+        self.peers_at = float("-inf")
         # requests we count in flight here that the engine does not (a permit the shell lost, or an
         # engine that restarted): how many at the last scrape, and since when, continuously
         self.unseen_by_engine = 0
@@ -90,6 +95,39 @@ class ReplicaState:
         # what it holds in its prefix cache, as far as we know
         self.prefix = ReplicaPrefixIndex(self.capacity_blocks or DEFAULT_INDEX_BLOCKS, block_size,
                                          kv_events_staleness_s)
+
+    @property
+    def requests_in_flight(self) -> int:
+        """Requests running or queued here from every gateway (others' as last seen)."""
+        return len(self.inflight) + self.peers.requests
+
+    def set_peers(self, load: ReplicaLoad, now: float) -> None:
+        """What the other gateways hold here now: the figures move from the last view to this one."""
+        old, self.peers, self.peers_at = self.peers, load, now
+        self.inflight_blocks += load.blocks - old.blocks
+        self.unstarted += load.unstarted - old.unstarted
+        by_band = self.unstarted_by_band
+        for band, n in old.unstarted_by_band:
+            by_band[band] -= n
+        for band, n in load.unstarted_by_band:
+            by_band[band] = by_band.get(band, 0) + n
+        self.queued_prefill_tokens += load.queued_prefill_tokens - old.queued_prefill_tokens
+        self.queued_prefill_pairs += load.queued_prefill_pairs - old.queued_prefill_pairs
+        self.pending_context += load.pending_context - old.pending_context
+        self.decoding += load.decoding - old.decoding
+        self.decode_context += load.decode_context - old.decode_context
+
+    def own_load(self) -> ReplicaLoad:
+        """This gateway's own part of the figures, for the others."""
+        p = self.peers
+        by_band = dict(self.unstarted_by_band)
+        for band, n in p.unstarted_by_band:
+            by_band[band] -= n
+        return ReplicaLoad(len(self.inflight), self.inflight_blocks - p.blocks, self.blocks_since_sample,
+                           self.unstarted - p.unstarted, tuple(sorted((b, n) for b, n in by_band.items() if n)),
+                           self.queued_prefill_tokens - p.queued_prefill_tokens,
+                           self.queued_prefill_pairs - p.queued_prefill_pairs, self.pending_context - p.pending_context,
+                           self.decoding - p.decoding, self.decode_context - p.decode_context)
 
     @property
     def latency(self) -> LatencyPredictor | None:
@@ -124,7 +162,10 @@ class ReplicaState:
         t = self.telemetry
         if t is None or not fresh:
             return own
-        scraped = t.kv_usage + (self.blocks_since_sample / cap if cap and project else 0.0)
+        recent = self.blocks_since_sample
+        if self.peers_at > t.at:  # the others' sent since their sample, unless this sample is newer
+            recent += self.peers.recent_blocks
+        scraped = t.kv_usage + (recent / cap if cap and project else 0.0)
         return max(own, scraped) if reserve else scraped
 
     def observe(self, telemetry: Telemetry) -> None:

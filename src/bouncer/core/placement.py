@@ -68,11 +68,11 @@ def room(r: ReplicaState, adm: Admission, cached: int, usage: float, protected: 
     # coarse brakes (the busy mark's hysteresis, the TPOT guard's in-flight limit) would only
     # send it to a cold replica to compute its whole prompt again.
     warm = cached > 0 and r.latency is not None
-    if (r.busy and not warm) or len(r.inflight) >= p.max_inflight_per_replica:
+    if (r.busy and not warm) or r.requests_in_flight >= p.max_inflight_per_replica:
         return Room.NO
-    if len(r.inflight) >= r.concurrency_limit and not warm:
+    if r.requests_in_flight >= r.concurrency_limit and not warm:
         return Room.NO
-    if p.tpot_hold and r.inflight and r.latency is not None and r.role != "prefill":
+    if p.tpot_hold and r.requests_in_flight and r.latency is not None and r.role != "prefill":
         # the batch it would join must stay within the strictest TPOT promised there, and
         # while a higher band sends, leave room in it for that band's next requests
         limit = min(min(r.tpot_slos, default=INF), adm.tpot_slo or INF) * p.tpot_guard_margin
@@ -94,7 +94,7 @@ def room(r: ReplicaState, adm: Admission, cached: int, usage: float, protected: 
     # a prefill worker holds the prompt only: the answer is generated on a decode worker
     output = 0 if r.role == "prefill" else adm.expected_output
     need = num_blocks(adm.info.prompt_tokens - cached + output, r.block_size) / cap if cap else 0.0
-    if r.inflight and usage + need > p.kv_busy_threshold:
+    if r.requests_in_flight and usage + need > p.kv_busy_threshold:
         return Room.LATER
     # its prefill queue is full (what it holds cached adds no prefill work there). Sheddable
     # work queued there does not make others wait: it was let in to use spare capacity, and a
@@ -112,13 +112,13 @@ def rest(r: ReplicaState, policy: Policy, now: float, retry_after: float | None)
     as long as its own Retry-After asked (both bounded); and no more in flight than it holds
     now, until completions let it grow."""
     p = policy
-    if not r.inflight:
+    if not r.requests_in_flight:
         r.idle_refusals += 1
     span = p.upstream_refusal_cooldown_s * 2 ** min(20, max(0, r.idle_refusals - 1))
     if retry_after is not None:
         span = max(span, retry_after)
     r.cooldown_until = now + min(p.upstream_refusal_cooldown_max_s, span)
-    r.concurrency_limit = max(1.0, min(r.concurrency_limit, len(r.inflight)))
+    r.concurrency_limit = max(1.0, min(r.concurrency_limit, r.requests_in_flight))
     r.refusals_cut_limit = True
 
 

@@ -120,7 +120,7 @@ class SglangCacheAwareRouter:
         return tree
 
     def choose(self, adm, candidates, view, prefill_busy_tokens, backlogged, cached):
-        loads = [len(r.inflight) for r in candidates]
+        loads = [r.requests_in_flight for r in candidates]
         lo, hi = min(loads), max(loads)
         digests = adm.info.block_digests
         if hi - lo > self.balance_abs and hi > lo * self.balance_rel:

@@ -17,11 +17,13 @@ from bouncer.core.admission import AdmissionCore, Exemption
 from bouncer.core.dispatch import blocks_and_prefill
 from bouncer.core.fleet import ReplicaState, Telemetry
 from bouncer.core.outcomes import Dispatch, Reject, Terminal
+from bouncer.core.peers import GatewayShare
 from bouncer.core.permits import LocalPermits
 from bouncer.core.pool import PoolView
 from bouncer.core.prefix_index import ApproxPrefixIndex
 from bouncer.core.requests import Admission, RequestInfo
 from bouncer.core.routing import RoundRobinRouter, Router, cached_tokens
+from bouncer.core.stores import Stores
 from bouncer.sim.fleet import Dispatched, PolicyEvent, Refused, SimRequest
 
 SIM_MODEL = "sim-llm"
@@ -41,10 +43,11 @@ class CorePolicy:
     fall back on their own backoff."""
 
     def __init__(self, name: str, config: BouncerConfig, exemption: Exemption | None = None,
-                 advises_clients: bool = True) -> None:
+                 advises_clients: bool = True, stores: Stores | None = None) -> None:
         self.name = name
         self.advises_clients = advises_clients
-        self.core = AdmissionCore(config, 0.0, exemption=exemption)  # routes as config.policy.routing says
+        # routes as config.policy.routing says; `stores`: what it shares with other gateways
+        self.core = AdmissionCore(config, 0.0, stores, exemption=exemption)
         self._keys = {t.name: t.api_keys_sha256[0] for t in config.tenants}
         self._renew_every = config.policy.permit_lease_s / 4
         self._next_renew = 0.0
@@ -114,6 +117,10 @@ class CorePolicy:
     def kv_events(self, replica: str, stored: list[tuple[str, int]], removed: list[tuple[str, int]],
                   now: float) -> None:
         self.core.kv_digests(replica, stored, removed, now)
+
+    def peers(self, others: list[GatewayShare], now: float) -> list[PolicyEvent]:
+        """Several gateways (`bouncer.sim.gateways`): the others' parts of the shared state."""
+        return self._convert(self.core.peers(others, now))
 
 
 class _Passthrough:

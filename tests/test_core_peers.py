@@ -1,0 +1,132 @@
+"""Several gateways' cores sharing their parts (`bouncer.core.peers`), with explicit time."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from tests.core_helpers import dispatched, info, make_core, tenant
+
+from bouncer.core.outcomes import Dispatch, Terminal
+from bouncer.core.peers import HEAD_ORDER_SLACK_S, FleetShares, GatewayShare, ReplicaLoad
+
+FIGURES = ("inflight_blocks", "unstarted", "queued_prefill_tokens", "queued_prefill_pairs", "pending_context",
+           "decoding", "decode_context")
+
+
+def exchange(cores, now):
+    """One sync: every core sees the others' parts as they are now."""
+    shares = [c.own_share(now) for c in cores]
+    events = []
+    for i, c in enumerate(cores):
+        events.append(c.peers(shares[:i] + shares[i + 1:], now))
+    return events
+
+
+def test_each_replica_counts_the_other_gateways_load_and_gives_back_only_its_own():
+    a, b = make_core(replicas=1), make_core(replicas=1)
+    sent = dispatched(a.offer(info(prompt=800), 0.0)) + dispatched(a.offer(info(prompt=300), 0.0))
+    assert len(sent) == 2
+    a.started(sent[0].request_id, 0.5)  # one decodes, one still waits for its prefill
+    (name,) = a.replicas
+    ra, rb = a.replicas[name], b.replicas[name]
+    alone = {f: getattr(ra, f) for f in FIGURES}
+    exchange([a, b], 1.0)
+    assert {f: getattr(rb, f) for f in FIGURES} == alone  # b counts a's requests as its own figures
+    assert rb.requests_in_flight == 2 and not rb.inflight  # but holds none of them
+    assert rb.own_load() == ReplicaLoad()  # and gives back nothing of them
+    assert a.own_share(1.0).replicas[name].requests == 2
+    # a's requests end: the next sync takes them out of b's figures again
+    for d in sent:
+        a.finished(d.request_id, 2.0, Terminal.COMPLETED, 10)
+    exchange([a, b], 2.0)
+    assert {f: getattr(rb, f) for f in FIGURES} == {f: 0 for f in FIGURES}
+    assert rb.requests_in_flight == 0
+
+
+def test_two_gateways_fill_a_replica_once_when_they_share_and_twice_when_they_do_not():
+    def fill(share: bool) -> int:
+        policy = {"max_inflight_per_replica": 4}
+        cores = [make_core(replicas=1, policy=policy), make_core(replicas=1, policy=policy)]
+        sent = 0
+        for step in range(10):
+            now = step * 0.1
+            for c in cores:
+                sent += len(dispatched(c.offer(info(prompt=50, max_tokens=20), now)))
+            if share:
+                sent += sum(len(dispatched(e)) for e in exchange(cores, now))
+        return sent
+
+    assert fill(share=True) == 4
+    assert fill(share=False) == 8
+
+
+def test_a_head_waits_for_a_sooner_one_of_its_tenant_at_another_gateway():
+    shares = FleetShares(window_s=10.0, slack_tokens=8192)
+    key = ("m", 0, "a")
+    other = GatewayShare(queued={key: 1.0})  # its head must go within a second
+    shares.seen([other], now=100.0)
+    assert shares.holds(key, head_urgency=101.0 + HEAD_ORDER_SLACK_S + 0.1, now=100.0)
+    assert not shares.holds(key, head_urgency=101.0 + HEAD_ORDER_SLACK_S - 0.1, now=100.0)  # a near-tie goes
+    assert not shares.holds(("m", 1, "a"), head_urgency=200.0, now=100.0)  # another band is not ordered with it
+
+
+def test_a_tenant_served_ahead_of_one_queued_elsewhere_is_held_until_that_one_catches_up():
+    shares = FleetShares(window_s=10.0, slack_tokens=1000)
+    ahead, behind = ("m", 0, "bursty"), ("m", 0, "steady")
+    shares.served(ahead, 5000, now=0.0)
+    shares.seen([GatewayShare(served={behind: 3000.0}, queued={behind: 5.0})], now=0.0)
+    assert shares.holds(ahead, head_urgency=1.0, now=0.0)  # leads by 2000 > 1000
+    shares.seen([GatewayShare(served={behind: 4500.0}, queued={behind: 5.0})], now=0.0)
+    assert not shares.holds(ahead, head_urgency=1.0, now=0.0)  # within the slack
+    # nobody queued elsewhere: nothing to give way to, however far ahead
+    shares.seen([GatewayShare(served={behind: 0.0})], now=0.0)
+    assert not shares.holds(ahead, head_urgency=1.0, now=0.0)
+
+
+def test_served_tokens_decay_with_the_window_and_fade_out_of_the_share():
+    shares = FleetShares(window_s=10.0, slack_tokens=0)
+    key = ("m", 0, "a")
+    shares.served(key, 1000.0, now=0.0)
+    assert shares.fleet_served(key, 10.0) == pytest.approx(1000.0 / 2.718281828, rel=1e-6)
+    assert shares.own(10.0)[key] == pytest.approx(367.88, rel=1e-3)
+    assert key not in shares.own(100.0)  # decayed below a token: dropped
+
+
+@pytest.mark.parametrize("slack, heavy_share", [(200, 0.75), (1e12, 0.5)])
+def test_weighted_shares_follow_weights_across_gateways(slack, heavy_share):
+    """A weight-3 tenant on one gateway and a weight-1 tenant on another, both always queued on
+    one replica that takes one request at a time: served tokens split 3:1 (each gateway also
+    seeing its own completions first: without the shares, a slack no lead reaches, 1:1)."""
+    policy = {"max_inflight_per_replica": 1, "fleet_shares_slack_tokens": slack}
+    tenants = [tenant("heavy", weight=3.0), tenant("light", weight=1.0)]
+    cores = [make_core(replicas=1, policy=policy, tenants=tenants),
+             make_core(replicas=1, policy=policy, tenants=tenants)]
+    served = {"heavy": 0, "light": 0}
+    running: dict[str, tuple[int, str]] = {}  # request id -> (its core, its tenant)
+    now = 0.0
+    for name, c in (("heavy", cores[0]), ("light", cores[1])):
+        for _ in range(1000):  # more than 300 steps serve: both stay queued
+            for e in c.offer(info(name, prompt=90, max_tokens=10), now):
+                if isinstance(e, Dispatch):
+                    running[e.request_id] = (cores.index(c), name)
+    for step in range(300):
+        now = 0.01 * (step + 1)
+        events = []
+        for rid, (i, name) in list(running.items()):
+            del running[rid]
+            served[name] += 100
+            events.append((i, cores[i].finished(rid, now, Terminal.COMPLETED, 10)))
+        events += list(enumerate(exchange(cores, now)))
+        for i, evs in events:
+            for e in evs:
+                if isinstance(e, Dispatch):
+                    running[e.request_id] = (i, e.tenant)
+    total = served["heavy"] + served["light"]
+    assert served["heavy"] / total == pytest.approx(heavy_share, abs=0.05)
+
+
+def test_a_gateways_share_crosses_the_wire_unchanged():
+    share = GatewayShare({"r0": ReplicaLoad(3, 40, 5, 1, ((0, 1), (2, 0)), 700, 9000, 1200, 2, 800)},
+                         {("m", 0, "a"): 123.5}, {("m", 0, "a"): 0.75, ("m", 1, "b"): 2.0})
+    assert GatewayShare.from_wire(json.loads(json.dumps(share.to_wire()))) == share
