@@ -64,7 +64,7 @@ def test_two_gateways_fill_a_replica_once_when_they_share_and_twice_when_they_do
 def test_a_head_waits_for_a_sooner_one_of_its_tenant_at_another_gateway():
     shares = FleetShares(window_s=10.0, slack_tokens=8192)
     key = ("m", 0, "a")
-    other = GatewayShare(queued={key: 1.0})  # its head must go within a second
+    other = GatewayShare(queued={key: (1.0, 1)})  # its head must go within a second
     shares.seen([other], now=100.0)
     assert shares.holds(key, head_urgency=101.0 + HEAD_ORDER_SLACK_S + 0.1, now=100.0)
     assert not shares.holds(key, head_urgency=101.0 + HEAD_ORDER_SLACK_S - 0.1, now=100.0)  # a near-tie goes
@@ -75,9 +75,9 @@ def test_a_tenant_served_ahead_of_one_queued_elsewhere_is_held_until_that_one_ca
     shares = FleetShares(window_s=10.0, slack_tokens=1000)
     ahead, behind = ("m", 0, "bursty"), ("m", 0, "steady")
     shares.served(ahead, 5000, now=0.0)
-    shares.seen([GatewayShare(served={behind: 3000.0}, queued={behind: 5.0})], now=0.0)
+    shares.seen([GatewayShare(served={behind: 3000.0}, queued={behind: (5.0, 1)})], now=0.0)
     assert shares.holds(ahead, head_urgency=1.0, now=0.0)  # leads by 2000 > 1000
-    shares.seen([GatewayShare(served={behind: 4500.0}, queued={behind: 5.0})], now=0.0)
+    shares.seen([GatewayShare(served={behind: 4500.0}, queued={behind: (5.0, 1)})], now=0.0)
     assert not shares.holds(ahead, head_urgency=1.0, now=0.0)  # within the slack
     # nobody queued elsewhere: nothing to give way to, however far ahead
     shares.seen([GatewayShare(served={behind: 0.0})], now=0.0)
@@ -128,5 +128,5 @@ def test_weighted_shares_follow_weights_across_gateways(slack, heavy_share):
 
 def test_a_gateways_share_crosses_the_wire_unchanged():
     share = GatewayShare({"r0": ReplicaLoad(3, 40, 5, 1, ((0, 1), (2, 0)), 700, 9000, 1200, 2, 800)},
-                         {("m", 0, "a"): 123.5}, {("m", 0, "a"): 0.75, ("m", 1, "b"): 2.0})
+                         {("m", 0, "a"): 123.5}, {("m", 0, "a"): (0.75, 3), ("m", 1, "b"): (2.0, 1)}, {"m": (12.5, None, 3.0)})
     assert GatewayShare.from_wire(json.loads(json.dumps(share.to_wire()))) == share

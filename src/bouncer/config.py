@@ -562,13 +562,17 @@ class Pressure(_Strict):
 
 class SharedState(_Strict):
     """State several gateways share, in Redis: with it set, N gateways behind one load balancer
-    enforce each tenant's rate limits once for all of them, not once each."""
+    enforce each tenant's rate limits once for all of them, not once each, count each other's
+    requests on every replica, and keep tenants' weighted shares across them."""
 
     url: str = Field(description="redis://[user:password@]host:port/db (rediss:// for TLS)")
     key_prefix: str = Field("bouncer:", min_length=1, description="every key Bouncer writes starts with it")
     lease_s: float = Field(10.0, gt=0.5, le=600.0, description="a gateway that has not renewed its presence in "
                                                                "this long is no longer counted")
     timeout_ms: float = Field(50.0, gt=0.0, le=10_000.0, description="a Redis call slower than this is a failure")
+    sync_ms: float = Field(20.0, ge=1.0, le=5_000.0, description="how often this gateway publishes its part of "
+                                                                "the fleet's load and tenants' service and reads "
+                                                                "the others' (one Redis call, off the request path)")
     on_unavailable: Literal["fail-open", "fail-closed"] = Field(
         "fail-open", description="with Redis unreachable: fail-open decides locally, each gateway with its share "
                                  "of every limit (limit / gateways last seen); fail-closed refuses rate-limited "
@@ -693,11 +697,13 @@ access:
 recorder: {enabled: true, step_s: 0.25, horizon_s: 900}
 
 # Several gateways behind one load balancer: tenants' rate limits are kept in Redis, so together
-# they let through each limit once, not once per gateway. One Redis call per rate-limited
-# request. on_unavailable: fail-open (each gateway its share of each limit while Redis is away)
+# they let through each limit once, not once per gateway (one Redis call per rate-limited
+# request); and every sync_ms each gateway publishes its requests on each replica and its
+# tenants' service, and counts the others' (a killed gateway's stop counting within lease_s).
+# on_unavailable: fail-open (each gateway its share of each limit while Redis is away)
 # or fail-closed (503 with Retry-After for rate-limited tenants); both recover by themselves.
 # shared_state: {url: "redis://127.0.0.1:6379/0", key_prefix: "bouncer:", lease_s: 10,
-#                timeout_ms: 50, on_unavailable: fail-open}
+#                timeout_ms: 50, sync_ms: 20, on_unavailable: fail-open}
 
 # Pressure from outside the cluster: while a polled value is above shed_above, the listed bands
 # and tenants are refused (503 outside_pressure), until it falls below resume_below. Sources:

@@ -125,7 +125,8 @@ class AdmissionCore:
         for m in config.models:
             ms = self.models.get(m.name)
             if ms is None:
-                ms = self.models[m.name] = ModelState(m, FlowQueues(m.name, fairness, ordering), self.stores.backlog)
+                ms = self.models[m.name] = ModelState(m, FlowQueues(m.name, fairness, ordering), self.stores.backlog,
+                                                      self.shares)
             ms.reconfigure(m, config, fairness, ordering, self.stores.credit, make_gate(p, ms.agents), self.replicas)
         return self.tick(now)
 
@@ -391,9 +392,13 @@ class AdmissionCore:
     def own_share(self, now: float) -> GatewayShare:
         """This gateway's part of what the gateways share (`bouncer.core.peers`): its load on
         each replica, what it served per tenant and band, which tenants queue here."""
-        queued = {(m, band.priority, tenant): urgency(band.queues[tenant].head()) - now  # type: ignore[arg-type]
-                  for m, ms in self.models.items() for band in ms.flow.bands.values() for tenant in band.active}
-        return GatewayShare({name: r.own_load() for name, r in self.replicas.items()}, self.shares.own(now), queued)
+        queued = {(m, band.priority, t): (urgency(band.queues[t].head()) - now, band.queues[t].count)  # type: ignore[arg-type]
+                  for m, ms in self.models.items() for band in ms.flow.bands.values() for t in band.active}
+        backlog = self.stores.backlog
+        rates = {m: (backlog.dispatch_rate(m, now), backlog.departure_rate(m, now), backlog.completion_rate(m, now))
+                 for m in self.models}
+        return GatewayShare({name: r.own_load() for name, r in self.replicas.items()}, self.shares.own(now), queued,
+                            rates)
 
     def peers(self, others: list[GatewayShare], now: float) -> list[Event]:
         """The other gateways' parts, as last seen: from now on replicas count their load, and

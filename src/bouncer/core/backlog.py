@@ -17,6 +17,7 @@ from typing import Protocol
 
 from bouncer.core.fleet import ReplicaState
 from bouncer.core.flow import FlowQueues
+from bouncer.core.peers import FleetShares
 
 DISPATCH_WINDOW_S = 10.0  # dispatches and departures the waiting room's rates are measured over
 MIN_DISPATCHES_FOR_RATE = 10  # fewer in the window: no estimate
@@ -98,14 +99,53 @@ def ahead(flow: FlowQueues, priority: int, tenant: str | None) -> float:
     return n
 
 
+def fleet_ahead(flow: FlowQueues, priority: int, tenant: str | None, peers: FleetShares) -> float:
+    """`ahead`, counting what the other gateways queue too: across gateways the fleet is served in
+    one order (`bouncer.core.peers`), so a newcomer waits behind their backlog as well as this
+    gateway's. A tenant queued only elsewhere, never here, counts with weight 1."""
+    model = flow.model
+    n: float = flow.count_ahead(priority + 1) + peers.queued_above_elsewhere(model, priority)
+    band = flow.bands.get(priority)
+    weights = {name: band.queues[name].weight for name in band.active} if band is not None else {}
+    count = band.count if band is not None else 0
+    q = band.queues.get(tenant) if band is not None and tenant is not None else None
+    mine = q.count if q is not None else 0
+    for other, queued in peers.queued_elsewhere(model, priority):
+        count += queued
+        if other == tenant:
+            mine += queued
+        if other not in weights:
+            known = band.queues.get(other) if band is not None else None
+            weights[other] = known.weight if known is not None else 1.0
+    if count:
+        n += mine * sum(weights.values()) / weights.get(tenant, 1.0) if mine else count  # type: ignore[arg-type]
+    return n
+
+
 class Backlog:
     """The wait estimates of one model's waiting room."""
 
-    def __init__(self, model: str, flow: FlowQueues, replicas: dict[str, ReplicaState], store: BacklogStore) -> None:
+    def __init__(self, model: str, flow: FlowQueues, replicas: dict[str, ReplicaState], store: BacklogStore,
+                 peers: FleetShares | None = None) -> None:
         self.model = model
         self.flow = flow
         self.replicas = replicas
         self.store = store
+        self.peers = peers  # with several gateways: their queues and rates count too
+
+    def _ahead(self, priority: int, tenant: str | None) -> float:
+        peers = self.peers
+        if peers is None or not peers.enabled:
+            return ahead(self.flow, priority, tenant)
+        return fleet_ahead(self.flow, priority, tenant, peers)
+
+    def _rate(self, own: float | None, which: int) -> float | None:
+        """This gateway's rate, plus the other gateways' where they share theirs."""
+        peers = self.peers
+        if peers is None or not peers.enabled:
+            return own
+        total = (own or 0.0) + peers.rates_elsewhere(self.model)[which]
+        return total or None
 
     def queue_wait(self, priority: int, now: float, tenant: str) -> float | None:
         """How long a newcomer would wait in the gateway's queue before its dispatch: the
@@ -116,26 +156,26 @@ class Backlog:
         (median 0.87x in `surge` at load 2). Learning that admits more requests, more of which
         then expire after waiting out their budget, instead of being refused at once: measured,
         goodput in `surge` at load 3 fell from 41.4 to 34.7 req/s."""
-        rate = self.store.dispatch_rate(self.model, now)
-        return None if rate is None else ahead(self.flow, priority, tenant) / rate
+        rate = self._rate(self.store.dispatch_rate(self.model, now), 0)
+        return None if rate is None else self._ahead(priority, tenant) / rate
 
     def turnover_wait(self, priority: int, now: float, tenant: str | None) -> float | None:
         """How long until the backlog ahead of a newcomer has left the waiting room, by any way:
         when a request sent again would reach the head. Shorter than `queue_wait` under
         overload, where much of the backlog leaves without being served."""
-        rate = self.store.departure_rate(self.model, now)
-        return None if rate is None else ahead(self.flow, priority, tenant) / rate
+        rate = self._rate(self.store.departure_rate(self.model, now), 1)
+        return None if rate is None else self._ahead(priority, tenant) / rate
 
     def estimated_wait(self, priority: int, now: float, tenant: str | None = None) -> float | None:
         """How long a new request of this priority would wait to start, over the rate the
         model's replicas have been completing requests (None until there is a rate). Ahead of
         it: the gateway's backlog, and what was dispatched but has not started in its band and
         above (lower bands go after it)."""
-        rate = self.store.completion_rate(self.model, now)
+        rate = self._rate(self.store.completion_rate(self.model, now), 2)
         if rate is None:
             return None
         unstarted = sum(r.unstarted_at_or_above(priority) for r in self.replicas.values())
-        return (ahead(self.flow, priority, tenant) + unstarted) / rate
+        return (self._ahead(priority, tenant) + unstarted) / rate
 
     def retry_after(self, priority: int, now: float, tenant: str | None = None) -> float:
         """When a request of this priority and tenant, sent again, would be let through: once

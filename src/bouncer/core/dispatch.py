@@ -69,6 +69,8 @@ class Dispatcher:
             protected = ms.band_slos.protected(band.priority, now)  # the same for every request of the band
             skip: set[str] = set()
             shared = self.shares.enabled
+            if shared and self.shares.outranked(band.model, band.priority):
+                break  # a higher band waits at another gateway: this one and those below leave it the room
             while band.count:
                 if self.saturation.saturation(view) >= limit:
                     break

@@ -12,6 +12,7 @@ from bouncer.core.fleet import ReplicaState
 from bouncer.core.flow import FlowQueues
 from bouncer.core.latency import LatencyPredictor, StepTimeModel
 from bouncer.core.ordering import OrderingPolicy
+from bouncer.core.peers import FleetShares
 from bouncer.core.standing_queue import StandingQueues
 from bouncer.core.step_time_learner import GENERIC_PRIOR, StepTimeLearner
 from bouncer.core.ttft_margin import TtftMargins
@@ -21,7 +22,8 @@ class ModelState:
     __slots__ = ("cfg", "flow", "draining", "replicas", "agents", "tpot_target", "band_slos", "backlog",
                  "step_time", "learner", "ttft_margins", "standing")
 
-    def __init__(self, cfg: ModelConfig, flow: FlowQueues, backlog: BacklogStore) -> None:
+    def __init__(self, cfg: ModelConfig, flow: FlowQueues, backlog: BacklogStore,
+                 shares: FleetShares | None = None) -> None:
         self.cfg = cfg
         self.flow = flow
         self.draining = False
@@ -29,7 +31,7 @@ class ModelState:
         self.agents: AgentGate = NoAgents()
         self.tpot_target: float | None = None  # strictest TPOT SLO of its tenants, with margin
         self.band_slos = BandSLOs()
-        self.backlog = Backlog(cfg.name, flow, self.replicas, backlog)
+        self.backlog = Backlog(cfg.name, flow, self.replicas, backlog, shares)
         self.step_time: StepTimeConfig | None = None  # the config the predictors below were built from
         self.learner: StepTimeLearner | None = None  # the step-time fit its replicas share, when learned
         self.ttft_margins = TtftMargins()  # how far its TTFT predictions are off, per band

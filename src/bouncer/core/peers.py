@@ -85,28 +85,36 @@ def urgency(adm) -> float:
 @dataclass(frozen=True, slots=True)
 class GatewayShare:
     """One gateway's part: its load on each replica; what it served per (model, band, tenant),
-    in tokens over the tenant's weight, decayed to the moment it was taken; and the tenants
-    queued there, with how long their head request had until its `urgency` then (seconds,
-    so that gateways' clocks need not agree)."""
+    in tokens over the tenant's weight, decayed to the moment it was taken; the tenants queued
+    there, each with how long its head request had until its `urgency` then (seconds, so that
+    gateways' clocks need not agree) and how many it queued; and per model the rates its waiting
+    room dispatched, saw leave, and completed (per second, None with too few to tell)."""
 
     replicas: dict[str, ReplicaLoad] = field(default_factory=dict)
     served: dict[ShareKey, float] = field(default_factory=dict)
-    queued: dict[ShareKey, float] = field(default_factory=dict)
+    queued: dict[ShareKey, tuple[float, int]] = field(default_factory=dict)
+    rates: dict[str, tuple[float | None, float | None, float | None]] = field(default_factory=dict)
 
     def to_wire(self) -> dict:
         return {"replicas": {name: load.to_wire() for name, load in self.replicas.items()},
                 "served": [[m, b, t, v] for (m, b, t), v in self.served.items()],
-                "queued": [[m, b, t, v] for (m, b, t), v in self.queued.items()]}
+                "queued": [[m, b, t, left, n] for (m, b, t), (left, n) in self.queued.items()],
+                "rates": {m: list(r) for m, r in self.rates.items()}}
 
     @classmethod
     def from_wire(cls, raw: dict) -> GatewayShare:
+        def rate(v):
+            return None if v is None else float(v)
+
         return cls({name: ReplicaLoad.from_wire(v) for name, v in raw["replicas"].items()},
                    {(str(m), int(b), str(t)): float(v) for m, b, t, v in raw["served"]},
-                   {(str(m), int(b), str(t)): float(v) for m, b, t, v in raw["queued"]})
+                   {(str(m), int(b), str(t)): (float(left), int(n)) for m, b, t, left, n in raw["queued"]},
+                   {str(m): (rate(d), rate(dep), rate(c)) for m, (d, dep, c) in raw["rates"].items()})
 
 
 class FleetShares:
-    """Fleet-wide order across gateways. A tenant's head request is held back (`holds`):
+    """Fleet-wide order across gateways. A band waits while a higher one has requests queued at
+    another gateway (`outranked`), as in one gateway. A tenant's head request is held back (`holds`):
     - while the same tenant, in the same band, has a head queued at another gateway that must go
       sooner (`urgency`, by more than HEAD_ORDER_SLACK_S): otherwise the gateway whose own request
       just finished sees the room first and fills it again, and a gateway with less in flight is
@@ -124,6 +132,9 @@ class FleetShares:
         self._peers: dict[ShareKey, tuple[float, float]] = {}  # the others' sum, as last seen
         self._heads: dict[ShareKey, float] = {}  # the others' most urgent head per tenant, on this clock
         self._waiting_elsewhere: dict[tuple[str, int], list[str]] = {}  # (model, band) -> tenants queued at others
+        self._top_band_elsewhere: dict[str, int] = {}  # model -> the highest band queued at another gateway
+        self._counts: dict[tuple[str, int], list[tuple[str, int]]] = {}  # (model, band) -> (tenant, queued) elsewhere
+        self._rates: dict[str, tuple[float, float, float]] = {}  # model -> the others' summed rates
 
     def _decayed(self, entry: tuple[float, float] | None, now: float) -> float:
         if entry is None:
@@ -136,6 +147,12 @@ class FleetShares:
 
     def fleet_served(self, key: ShareKey, now: float) -> float:
         return self._decayed(self._own.get(key), now) + self._decayed(self._peers.get(key), now)
+
+    def outranked(self, model: str, band: int) -> bool:
+        """A higher band has requests queued at another gateway: this band waits, as a lower band
+        waits behind a higher one's queue in one gateway (strict priority, across gateways)."""
+        top = self._top_band_elsewhere.get(model)
+        return top is not None and top > band
 
     def holds(self, key: ShareKey, head_urgency: float, now: float) -> bool:
         model, band, tenant = key
@@ -164,17 +181,39 @@ class FleetShares:
         old at most, against a window of seconds and deadlines of a second or more)."""
         peers: dict[ShareKey, float] = {}
         heads: dict[ShareKey, float] = {}
-        waiting: dict[tuple[str, int], list[str]] = {}
+        counts: dict[ShareKey, int] = {}
+        rates: dict[str, list[float]] = {}
         for share in others:
             for key, value in share.served.items():
                 peers[key] = peers.get(key, 0.0) + value
-            for key, left in share.queued.items():
+            for key, (left, n) in share.queued.items():
                 at = now + left
-                if key not in heads:
-                    waiting.setdefault(key[:2], []).append(key[2])  # type: ignore[arg-type]
-                    heads[key] = at
-                elif at < heads[key]:
-                    heads[key] = at
+                heads[key] = min(at, heads.get(key, at))
+                counts[key] = counts.get(key, 0) + n
+            for model, triple in share.rates.items():
+                summed = rates.setdefault(model, [0.0, 0.0, 0.0])
+                for i, r in enumerate(triple):
+                    summed[i] += r or 0.0
         self._peers = {key: (value, now) for key, value in peers.items()}
         self._heads = heads
-        self._waiting_elsewhere = waiting
+        waiting: dict[tuple[str, int], list[str]] = {}
+        by_band: dict[tuple[str, int], list[tuple[str, int]]] = {}
+        top: dict[str, int] = {}
+        for (model, band, tenant), n in counts.items():
+            waiting.setdefault((model, band), []).append(tenant)
+            by_band.setdefault((model, band), []).append((tenant, n))
+            top[model] = max(band, top.get(model, band))
+        self._waiting_elsewhere, self._counts, self._top_band_elsewhere = waiting, by_band, top
+        self._rates = {model: (d, dep, c) for model, (d, dep, c) in rates.items()}
+
+    # -- for the wait estimates (`bouncer.core.backlog`) --------------------------------------------
+    def queued_elsewhere(self, model: str, band: int) -> list[tuple[str, int]]:
+        """(tenant, requests queued) at the other gateways, in one band."""
+        return self._counts.get((model, band), [])
+
+    def queued_above_elsewhere(self, model: str, band: int) -> int:
+        return sum(n for (m, b), queued in self._counts.items() if m == model and b > band for _, n in queued)
+
+    def rates_elsewhere(self, model: str) -> tuple[float, float, float]:
+        """The others' dispatch, departure and completion rates, summed (0 where none said)."""
+        return self._rates.get(model, (0.0, 0.0, 0.0))

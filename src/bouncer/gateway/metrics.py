@@ -209,6 +209,10 @@ class _SharedStateCollector:
                                   value=link.calls_failed)
         yield CounterMetricFamily("bouncer_shared_state_refunds_lost", "Rate-limit charges that could not be given "
                                   "back to Redis (it went away meanwhile).", value=link.refunds_lost)
+        yield CounterMetricFamily("bouncer_shared_state_syncs", "Times this gateway published its part of the "
+                                  "fleet's load and read the others'.", value=link.syncs)
+        yield GaugeMetricFamily("bouncer_shared_state_peers", "Other gateways whose part of the fleet's load this "
+                                "gateway counted at the last sync.", value=link.peers_seen)
 
 
 class GatewayMetrics:

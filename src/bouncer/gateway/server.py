@@ -106,7 +106,9 @@ class Gateway:
         if config.shared_state is not None:
             shared_limits = SharedRateLimits()
             self.core = AdmissionCore(config, clock(), dataclasses.replace(Stores.local(), rate_limits=shared_limits))
-            self.shared = SharedState(config.shared_state, shared_limits, clock)
+            self.shared = SharedState(config.shared_state, shared_limits, clock,
+                                      own_part=lambda: self.core.own_share(self.clock()),
+                                      seen=lambda others: self._apply(self.core.peers(others, self.clock())))
         else:
             self.core = AdmissionCore(config, clock())
         self._install(prepared)

@@ -1,4 +1,5 @@
-"""What several gateways share, in Redis: tenants' rate-limit buckets, and who is alive.
+"""What several gateways share, in Redis: tenants' rate-limit buckets, each gateway's part of the
+fleet's load and tenants' service, and who is alive.
 
 Each gateway behind one load balancer runs its own core; without this, each enforces every
 tenant's limit on its own and together they let through the limit times their number (what
@@ -9,7 +10,12 @@ LiteLLM's users report of its multi-instance rate limits). With `shared_state` s
   gives back are sent back in the background (`REFUND`);
 - every gateway renews its presence every lease_s / 3 (`HEARTBEAT`: a sorted set scored by
   Redis's time); the ones seen within lease_s are counted, and that count is each gateway's share
-  of every limit if Redis goes away.
+  of every limit if Redis goes away;
+- every sync_ms, off the request path, each gateway writes its part (`AdmissionCore.own_share`:
+  its requests on each replica, its tenants' decayed service, its queued heads) and reads the
+  others' in the same call (`SYNC`); a part not rewritten within lease_s is dropped, so a killed
+  gateway's requests stop counting within lease_s. While no sync succeeds, the last view holds for
+  lease_s, then this gateway counts only its own (`bouncer.core.peers`).
 
 Redis unreachable, slower than timeout_ms, or answering an error: the gateway degrades at once and
 stops asking Redis on the request path. fail-open decides locally with its share of each limit;
@@ -21,6 +27,7 @@ Redis restarted empty has every bucket full again: one burst each, as after a fr
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import secrets
@@ -32,6 +39,7 @@ from redis.exceptions import NoScriptError, RedisError
 
 from bouncer.config import SharedState as SharedStateConfig
 from bouncer.core.outcomes import Reason
+from bouncer.core.peers import GatewayShare
 from bouncer.core.rate_limit import Bucket
 from bouncer.core.shared_rate_limits import SharedRateLimits, Verdict
 
@@ -85,6 +93,26 @@ redis.call('PEXPIRE', KEYS[1], math.ceil(tonumber(ARGV[2]) * 2000))
 return redis.call('ZCARD', KEYS[1])
 """
 
+SYNC = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local lease = tonumber(ARGV[3])
+redis.call('HSET', KEYS[1], ARGV[1], string.format('%.6f', now) .. ' ' .. ARGV[2])
+local all = redis.call('HGETALL', KEYS[1])
+local others = {}
+for i = 1, #all, 2 do
+  local id, v = all[i], all[i + 1]
+  local sp = string.find(v, ' ', 1, true)
+  if sp == nil or now - tonumber(string.sub(v, 1, sp - 1)) > lease then
+    redis.call('HDEL', KEYS[1], id)
+  elseif id ~= ARGV[1] then
+    table.insert(others, string.sub(v, sp + 1))
+  end
+end
+redis.call('PEXPIRE', KEYS[1], math.ceil(lease * 2000))
+return others
+"""
+
 REASONS = {1: Reason.RATE_LIMITED_REQUESTS, 2: Reason.RATE_LIMITED_TOKENS}
 
 
@@ -102,10 +130,17 @@ class SharedState:
     """This gateway's link to the shared Redis: the rate verdicts, the refunds, its presence."""
 
     def __init__(self, cfg: SharedStateConfig, store: SharedRateLimits, clock: Callable[[], float],
-                 gateway_id: str | None = None) -> None:
+                 gateway_id: str | None = None, own_part: Callable[[], GatewayShare] | None = None,
+                 seen: Callable[[list[GatewayShare]], None] | None = None) -> None:
+        """`own_part` and `seen`: this gateway's part of the fleet's state, and where the
+        others' go (the core's `own_share` and `peers`); without them only rate limits are shared."""
         self.cfg = cfg
         self.store = store
         self.clock = clock
+        self.own_part, self.seen = own_part, seen
+        self.syncs = 0
+        self.peers_seen = 0  # other gateways' parts in the last sync
+        self._synced_at: float | None = None
         # unique per gateway, even for two in one process
         self.gateway_id = gateway_id or f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
         self.available = False
@@ -116,7 +151,9 @@ class SharedState:
         self._take = self._redis.register_script(TAKE)
         self._refund = self._redis.register_script(REFUND)
         self._heartbeat = self._redis.register_script(HEARTBEAT)
+        self._sync = self._redis.register_script(SYNC)
         self._task: asyncio.Task | None = None
+        self._sync_task: asyncio.Task | None = None
         self._background: set[asyncio.Task] = set()
         self._pending: list[tuple[str, int, asyncio.Future]] = []  # takes asked in this turn of the loop
         store.degraded = True  # until Redis first answers
@@ -129,17 +166,22 @@ class SharedState:
     # -- lifecycle --------------------------------------------------------------------------------
     async def start(self) -> None:
         await self._beat()
-        self._task = asyncio.get_running_loop().create_task(self._presence())
+        loop = asyncio.get_running_loop()
+        self._task = loop.create_task(self._presence())
+        if self.own_part is not None:
+            self._sync_task = loop.create_task(self._syncing())
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        for task in (self._task, self._sync_task):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         if self._background:
             await asyncio.gather(*self._background, return_exceptions=True)
-        if self.available:  # leave the count at once, not after lease_s
+        if self.available:  # leave the count, and the others' view, at once, not after lease_s
             try:
                 await self._redis.zrem(self.cfg.key_prefix + "gateways", self.gateway_id)
+                await self._redis.hdel(self.cfg.key_prefix + "parts", self.gateway_id)
             except (RedisError, OSError):
                 pass
         await self._redis.aclose()
@@ -162,6 +204,31 @@ class SharedState:
                      extra={"event": "shared_state_up", "gateways": int(live)})
         self.available = True
         self.store.degraded = False
+
+    async def _syncing(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.sync_ms / 1000 if self.available else PROBE_S)
+            await self.sync()
+
+    async def sync(self) -> None:
+        """Publish this gateway's part and take the others' (one call). Failing, the last view
+        holds for lease_s, then is dropped: this gateway then counts only its own."""
+        assert self.own_part is not None and self.seen is not None
+        part = json.dumps(self.own_part().to_wire(), separators=(",", ":"))
+        try:
+            raw = await self._sync(keys=[self.cfg.key_prefix + "parts"], args=[self.gateway_id, part, self.cfg.lease_s])
+        except (RedisError, OSError) as exc:
+            self._failed(exc)
+            if self._synced_at is not None and self.clock() - self._synced_at > self.cfg.lease_s:
+                self._synced_at = None
+                self.peers_seen = 0
+                self.seen([])
+            return
+        others = [GatewayShare.from_wire(json.loads(blob)) for blob in raw]
+        self.syncs += 1
+        self.peers_seen = len(others)
+        self._synced_at = self.clock()
+        self.seen(others)
 
     def _failed(self, exc: BaseException) -> None:
         self.calls_failed += 1

@@ -139,6 +139,18 @@ def get_scenario(name: str, duration_s: float) -> Scenario:
         return Scenario(name, "two tenants of equal weight in one band; one bursts 10x through the middle third",
                         _bursting(tenants, "bursty", duration_s, 10.0), {"conv": AZURE_CONV},
                         contention_window=(1 / 3, 2 / 3))
+    if name == "gateways":
+        # What several gateways must keep as one would (issue #19): with each tenant on its own
+        # gateway (`--spread tenant`: top, steady, bursty on gateways 0, 1, 2), the burst arrives
+        # at one gateway while the tenant it must not crowd out waits at another.
+        tenants = [
+            TenantSpec("top", priority=10, share=0.2, trace="conv", ttft_slo=1.0, tpot_slo=0.1, max_tokens=1024),
+            TenantSpec("steady", priority=0, share=0.4, trace="conv", ttft_slo=5.0, tpot_slo=0.15, max_tokens=1024),
+            TenantSpec("bursty", priority=0, share=0.4, trace="conv", ttft_slo=5.0, tpot_slo=0.15, max_tokens=1024),
+        ]
+        return Scenario(name, "a top-band tenant beside two tenants of equal weight in one band; one bursts 10x "
+                              "through the middle third", _bursting(tenants, "bursty", duration_s, 10.0),
+                        {"conv": AZURE_CONV}, contention_window=(1 / 3, 2 / 3))
     if name == "surge":
         tenants = [TenantSpec("standard", priority=0, share=1.0, trace="conv", ttft_slo=2.0, tpot_slo=0.1,
                               max_tokens=1024)]
@@ -172,4 +184,4 @@ def get_scenario(name: str, duration_s: float) -> Scenario:
 
 
 # `agents` is closed-loop and lives in bouncer.bench.agents
-SCENARIOS = ("rogue-tenant", "consolidation", "fairness", "surge", "prefix", "disaggregated", "agents")
+SCENARIOS = ("rogue-tenant", "consolidation", "fairness", "gateways", "surge", "prefix", "disaggregated", "agents")
