@@ -3,8 +3,9 @@
 # scenario of the main matrix at loads 1-3 with one gateway, three independent gateways (each
 # counting only its own requests and enforcing every limit alone, as llm-d's active-active mode
 # does), and three sharing state as on Redis, seen 2 ms and 20 ms late; clients spread per request
-# (a Kubernetes Service), and for fairness also per tenant (each tenant on its own gateway).
-# About 10 minutes on this project's 2-core machine (two runs at a time).
+# (a Kubernetes Service); for fairness, and the gateways scenario (a top band beside two same-band
+# tenants, one bursting), also per tenant: each tenant on its own gateway.
+# About 12 minutes on this project's 2-core machine (two runs at a time).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=docs/bench/gateways-sim
@@ -21,8 +22,13 @@ for sc in rogue-tenant consolidation surge fairness; do
   done
 done
 for load in 1 2 3; do
-  jobs+=("fairness $load bouncer 3-independent-by-tenant --gateways 3 --spread tenant")
-  jobs+=("fairness $load bouncer 3-shared-2ms-by-tenant --gateways 3 --state-delay-ms 2 --spread tenant")
+  for sc in fairness gateways; do
+    jobs+=("$sc $load bouncer 3-independent-by-tenant --gateways 3 --spread tenant")
+    jobs+=("$sc $load bouncer 3-shared-2ms-by-tenant --gateways 3 --state-delay-ms 2 --spread tenant")
+  done
+  jobs+=("gateways $load bouncer 1-gateway")
+  jobs+=("gateways $load llmd-flow-control 1-gateway")
+  jobs+=("gateways $load llmd-flow-control 3-independent-by-tenant --gateways 3 --spread tenant")
 done
 printf '%s\n' "${jobs[@]}" | xargs -P 2 -L 1 bash -c \
   '.venv/bin/bouncer bench run --scenario "$0" --load "$1" --policy "$2" "${@:4}" --duration 120 --replicas 2 \

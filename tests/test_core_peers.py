@@ -128,5 +128,18 @@ def test_weighted_shares_follow_weights_across_gateways(slack, heavy_share):
 
 def test_a_gateways_share_crosses_the_wire_unchanged():
     share = GatewayShare({"r0": ReplicaLoad(3, 40, 5, 1, ((0, 1), (2, 0)), 700, 9000, 1200, 2, 800)},
-                         {("m", 0, "a"): 123.5}, {("m", 0, "a"): (0.75, 3), ("m", 1, "b"): (2.0, 1)}, {"m": (12.5, None, 3.0)})
+                         {("m", 0, "a"): 123.5}, {("m", 0, "a"): (0.75, 3), ("m", 1, "b"): (2.0, 1)},
+                         {"m": (12.5, None, 3.0)}, {"m": [[10, 1.0, 0.5, None, None, 2.0]]})
     assert GatewayShare.from_wire(json.loads(json.dumps(share.to_wire()))) == share
+
+
+def test_a_gateway_keeps_room_for_a_top_band_whose_requests_all_arrive_at_another():
+    """The top band's requests reach gateway a only; b, serving band 0, leaves the prefill room
+    a top-band request needs once it has seen a's part, as one gateway does for both."""
+    tenants = [tenant("top", priority=10, slo={"ttft_s": 1.0}), tenant("low", priority=0, slo={"ttft_s": 30.0})]
+    a, b = make_core(tenants=tenants, replicas=1), make_core(tenants=tenants, replicas=1)
+    dispatched(a.offer(info("top", prompt=100), 0.0))
+    assert b.models["m"].band_slos.protected(0, 0.1) == (float("inf"), float("inf"))
+    exchange([a, b], 0.1)
+    assert b.models["m"].band_slos.protected(0, 0.2)[0] == pytest.approx(1.0)
+    assert b.models["m"].band_slos.protected(10, 0.2)[0] == float("inf")  # nothing above the top band

@@ -21,6 +21,7 @@ from bouncer.config import SharedState as SharedStateConfig
 from bouncer.config import key_digest
 from bouncer.core.peers import GatewayShare, ReplicaLoad
 from bouncer.core.shared_rate_limits import SharedRateLimits
+from bouncer.core.shared_retries import SharedRetries
 from bouncer.gateway.shared_state import SharedState
 from bouncer.tokenizer import default_tokenizer_path
 from conftest import start_engine, start_gateway
@@ -89,7 +90,7 @@ def test_redis_gone_the_last_view_lasts_one_lease_then_each_gateway_counts_its_o
         await asyncio.sleep(LEASE_S + 1.2)  # failing syncs are retried every PROBE_S while degraded
         dropped = [at - stopped for at, others in seen_a if at > stopped and not others]
         redis_server.start()
-        await asyncio.sleep(1.0)
+        await asyncio.sleep(2.0)  # the presence probe (every 0.5 s) finds it, then the next sync reads
         after = seen_a[-1][1]
         await a.close()
         await b.close()
@@ -98,7 +99,7 @@ def test_redis_gone_the_last_view_lasts_one_lease_then_each_gateway_counts_its_o
     before, dropped, after, available = asyncio.run(scenario())
     assert before == [part]
     assert len(dropped) == 1 and LEASE_S <= dropped[0] <= LEASE_S + 1.0, dropped
-    assert after == [part] and available  # back by itself, the other's part read again
+    assert after == [part] and available, (after, available)  # back by itself, the other's part read again
 
 
 def test_a_request_one_gateway_sent_is_counted_by_the_other_on_its_replica(redis_server):
@@ -143,3 +144,39 @@ def test_a_request_one_gateway_sent_is_counted_by_the_other_on_its_replica(redis
             cleanup()
         engine_cleanup()
         bg.close()
+
+
+def test_a_retry_at_another_gateway_keeps_the_first_attempts_arrival(redis_server):
+    """The first attempt reaches gateway a; its retry, 3 s later, reaches b: b offers it with the
+    first attempt's arrival (so its deadline is its user's), which b alone could not know."""
+    key = ("t", "demo-llm", 12345, 64)
+
+    async def scenario():
+        links = []
+        for name in ("a", "b"):
+            cfg = SharedStateConfig(url=redis_server.url, key_prefix="retries:", lease_s=LEASE_S)
+            retries = SharedRetries(remember_s=120, max_entries=100)
+            links.append(SharedState(cfg, SharedRateLimits(), time.monotonic, gateway_id=name, retries=retries))
+        a, b = links
+        await a.start()
+        await b.start()
+        first = time.monotonic()
+        assert a.retries.arrived(key, retry=False, now=first) == first
+        a.settle()  # written back in the background
+        await asyncio.sleep(0.2)
+        await b.first_attempt(key)
+        seen_by_b = b.retries.arrived(key, retry=True, now=first + 3.0)
+        stored = await b._redis.get(b._retry_key(key))
+        b.retries.completed(key)  # answered at b: forgotten in Redis too
+        b.settle()
+        await asyncio.sleep(0.2)
+        after = await b._redis.get(b._retry_key(key))
+        alone = SharedRetries(remember_s=120, max_entries=100).arrived(key, retry=True, now=first + 3.0)
+        await a.close()
+        await b.close()
+        return first, seen_by_b, stored, after, alone
+
+    first, seen_by_b, stored, after, alone = asyncio.run(scenario())
+    assert seen_by_b == pytest.approx(first, abs=0.01)
+    assert alone == pytest.approx(first + 3.0)  # what b would have said alone: a fresh deadline
+    assert stored is not None and after is None

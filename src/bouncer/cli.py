@@ -204,7 +204,7 @@ def cmd_bench_flood(args) -> None:
 def cmd_bench_gateways(args) -> None:
     from bouncer.bench.gateways import main as gateways
 
-    gateways(args.gateways, args.engines, args.seconds, args.out)
+    gateways(args.gateways, args.engines, args.seconds, args.out, args.contention_seconds)
 
 
 def cmd_bench_long_prompts(args) -> None:
@@ -527,6 +527,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gateways", type=int, default=3)
     p.add_argument("--engines", type=int, default=4)
     p.add_argument("--seconds", type=float, default=20.0, help="per run (two runs)")
+    p.add_argument("--contention-seconds", type=float, default=60.0,
+                   help="then the gateways scenario through 1, 3 independent and 3 sharing gateways, each tenant "
+                        "on its own, for this long each (0: skip)")
     p.add_argument("--out", help="write the result as JSON")
     p.set_defaults(func=cmd_bench_gateways)
 

@@ -263,10 +263,15 @@ def report(result: dict) -> str:
     return "\n".join(lines)
 
 
-def main(gateways: int, engines: int, seconds: float, out: str | None) -> None:
+def main(gateways: int, engines: int, seconds: float, out: str | None, contention_s: float = 60.0) -> None:
+    from bouncer.bench import gateways_contention
+
     result = run(gateways, engines, seconds)
     result["cost"] = cost()
     print(report(result))
+    if contention_s > 0:
+        result["contention"] = gateways_contention.run(duration_s=contention_s)
+        print("\n" + gateways_contention.report(result["contention"]))
     if out:
         pathlib.Path(out).write_text(json.dumps(result, indent=2))
         print(f"saved {out}")

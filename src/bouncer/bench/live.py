@@ -110,11 +110,11 @@ class Processes:
             wait_ok(url + "/health")
         return urls
 
-    def gateway(self, config: dict) -> str:
-        path = self.work / "gateway.yaml"
+    def gateway(self, config: dict, name: str = "gateway") -> str:
+        path = self.work / f"{name}.yaml"
         path.write_text(yaml.safe_dump(config))
         port = config["listen"]["port"]
-        self.start("gateway", ["serve", "--config", str(path), "--log-level", "warning"])
+        self.start(name, ["serve", "--config", str(path), "--log-level", "warning"])
         url = f"http://127.0.0.1:{port}"
         wait_ok(url + "/ready", timeout=60)
         return url

@@ -397,8 +397,9 @@ class AdmissionCore:
         backlog = self.stores.backlog
         rates = {m: (backlog.dispatch_rate(m, now), backlog.departure_rate(m, now), backlog.completion_rate(m, now))
                  for m in self.models}
+        bands = {m: ms.band_slos.own(now) for m, ms in self.models.items()}
         return GatewayShare({name: r.own_load() for name, r in self.replicas.items()}, self.shares.own(now), queued,
-                            rates)
+                            rates, bands)
 
     def peers(self, others: list[GatewayShare], now: float) -> list[Event]:
         """The other gateways' parts, as last seen: from now on replicas count their load, and
@@ -411,6 +412,8 @@ class AdmissionCore:
         for name, r in self.replicas.items():
             r.set_peers(loads.get(name, NO_LOAD), now)
         self.shares.seen(others, now)
+        for m, ms in self.models.items():
+            ms.band_slos.seen_elsewhere([b for share in others for b in share.bands.get(m, ())], now)
         return [e for ms in self.models.values() for e in self._dispatcher.run(ms, now)]
 
     # -- time --------------------------------------------------------------------------------------

@@ -162,14 +162,18 @@ def demote(adm: Admission, tenant: Tenant, policy: Policy) -> None:
 
 class BandSLOs:
     """Per band, the strictest TTFT and TPOT SLO it asked for recently, and when it last missed
-    its TTFT."""
+    its TTFT; with several gateways, the same as the others last said (`seen_elsewhere`), so
+    that a gateway keeps room for a top band whose requests all arrive at another."""
 
-    __slots__ = ("ttft", "tpot", "last_miss")
+    __slots__ = ("ttft", "tpot", "last_miss", "peer_ttft", "peer_tpot", "peer_miss")
 
     def __init__(self) -> None:
         self.ttft: dict[int, tuple[float, float]] = {}  # band -> (strictest recent SLO, last arrival)
         self.tpot: dict[int, tuple[float, float]] = {}
         self.last_miss: dict[int, float] = {}
+        self.peer_ttft: dict[int, tuple[float, float]] = {}  # the same, at the other gateways
+        self.peer_tpot: dict[int, tuple[float, float]] = {}
+        self.peer_miss: dict[int, float] = {}
 
     def missed(self, band: int, now: float) -> None:
         """A request of `band` missed its TTFT SLO: refused or expired as late (the finaliser),
@@ -177,7 +181,8 @@ class BandSLOs:
         self.last_miss[band] = now
 
     def strained(self, band: int, now: float) -> bool:
-        return now - self.last_miss.get(band, -INF) <= STRAINED_S
+        last = max(self.last_miss.get(band, -INF), self.peer_miss.get(band, -INF))
+        return now - last <= STRAINED_S
 
     def note(self, adm: Admission, now: float) -> None:
         if adm.ttft_slo:
@@ -196,15 +201,41 @@ class BandSLOs:
         recently (inf where none); the highest one's TTFT SLO counted as `STRAINED_SLO_SHARE` of
         it while that band is `strained` (the top band's only: it is the one whose promise the
         reserves are for; every band that misses holding the ones below it would stack up)."""
-        if not self.ttft and not self.tpot:
+        if not self.ttft and not self.tpot and not self.peer_ttft and not self.peer_tpot:
             return INF, INF
-        active = [(band, slo) for band, (slo, seen) in self.ttft.items()
+        active = [(band, slo) for slos in (self.ttft, self.peer_ttft) for band, (slo, seen) in slos.items()
                   if band > priority and now - seen <= BAND_ACTIVE_S]
         top = max((band for band, _ in active), default=None)
         ttft = min((slo * (STRAINED_SLO_SHARE if band == top and self.strained(band, now) else 1.0)
                     for band, slo in active), default=INF)
-        return ttft, min((slo for band, (slo, seen) in self.tpot.items()
+        return ttft, min((slo for slos in (self.tpot, self.peer_tpot) for band, (slo, seen) in slos.items()
                           if band > priority and now - seen <= BAND_ACTIVE_S), default=INF)
+
+    # -- several gateways ------------------------------------------------------------------------
+    def own(self, now: float) -> list[list]:
+        """This gateway's recent bands, for the others: [band, TTFT SLO, its age, TPOT SLO, its
+        age, age of its last miss] (None where there is none; ages in seconds, so that gateways'
+        clocks need not agree)."""
+        out = []
+        for band in set(self.ttft) | set(self.tpot) | set(self.last_miss):
+            ttft, tpot, miss = self.ttft.get(band), self.tpot.get(band), self.last_miss.get(band)
+            out.append([band, ttft and ttft[0], ttft and now - ttft[1], tpot and tpot[0], tpot and now - tpot[1],
+                        None if miss is None else now - miss])
+        return out
+
+    def seen_elsewhere(self, bands: list[list], now: float) -> None:
+        """The other gateways' `own`, all of them together."""
+        ttft: dict[int, tuple[float, float]] = {}
+        tpot: dict[int, tuple[float, float]] = {}
+        miss: dict[int, float] = {}
+        for band, ttft_slo, ttft_age, tpot_slo, tpot_age, miss_age in bands:
+            for slos, slo, age in ((ttft, ttft_slo, ttft_age), (tpot, tpot_slo, tpot_age)):
+                if slo is not None:
+                    prev = slos.get(band)
+                    slos[band] = (min(prev[0], slo), max(prev[1], now - age)) if prev else (slo, now - age)
+            if miss_age is not None:
+                miss[band] = max(miss.get(band, -INF), now - miss_age)
+        self.peer_ttft, self.peer_tpot, self.peer_miss = ttft, tpot, miss
 
 
 def act_on_late(adm: Admission, tenant: Tenant | None, ms: ModelState, policy: Policy, stats: CoreStats,

@@ -94,12 +94,13 @@ class GatewayShare:
     served: dict[ShareKey, float] = field(default_factory=dict)
     queued: dict[ShareKey, tuple[float, int]] = field(default_factory=dict)
     rates: dict[str, tuple[float | None, float | None, float | None]] = field(default_factory=dict)
+    bands: dict[str, list[list]] = field(default_factory=dict)  # model -> its recent bands (`BandSLOs.own`)
 
     def to_wire(self) -> dict:
         return {"replicas": {name: load.to_wire() for name, load in self.replicas.items()},
                 "served": [[m, b, t, v] for (m, b, t), v in self.served.items()],
                 "queued": [[m, b, t, left, n] for (m, b, t), (left, n) in self.queued.items()],
-                "rates": {m: list(r) for m, r in self.rates.items()}}
+                "rates": {m: list(r) for m, r in self.rates.items()}, "bands": self.bands}
 
     @classmethod
     def from_wire(cls, raw: dict) -> GatewayShare:
@@ -109,7 +110,8 @@ class GatewayShare:
         return cls({name: ReplicaLoad.from_wire(v) for name, v in raw["replicas"].items()},
                    {(str(m), int(b), str(t)): float(v) for m, b, t, v in raw["served"]},
                    {(str(m), int(b), str(t)): (float(left), int(n)) for m, b, t, left, n in raw["queued"]},
-                   {str(m): (rate(d), rate(dep), rate(c)) for m, (d, dep, c) in raw["rates"].items()})
+                   {str(m): (rate(d), rate(dep), rate(c)) for m, (d, dep, c) in raw["rates"].items()},
+                   {str(m): [list(b) for b in bands] for m, bands in raw["bands"].items()})
 
 
 class FleetShares:

@@ -32,10 +32,15 @@ def first_arrival(retries: RetryStore | None, tenant: str, info: RequestInfo,
                   now: float) -> tuple[RetryKey | None, float | None]:
     """(its key in the ledger, when its first attempt came) for a request whose client numbers
     its attempts (else None, None, as with the ledger off)."""
-    if retries is None or info.prompt_digest is None:
+    key = retry_key(tenant, info)
+    if retries is None or key is None:
         return None, None
-    key = (tenant, info.model, info.prompt_digest, info.max_tokens)
     return key, retries.arrived(key, bool(info.retry_count), now)
+
+
+def retry_key(tenant: str, info: RequestInfo) -> RetryKey | None:
+    """How the ledger knows a request again; None when its client does not number its attempts."""
+    return None if info.prompt_digest is None else (tenant, info.model, info.prompt_digest, info.max_tokens)
 
 
 class RetryStore(Protocol):

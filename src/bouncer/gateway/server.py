@@ -40,7 +40,9 @@ from bouncer.core.admission import AdmissionCore
 from bouncer.core.fleet import Telemetry
 from bouncer.core.model_state import backend_name
 from bouncer.core.outcomes import Dispatch, Event, Layer, Reason, Reclaimed, Refusal, Reject, Terminal
+from bouncer.core.retries import retry_key
 from bouncer.core.shared_rate_limits import SharedRateLimits
+from bouncer.core.shared_retries import SharedRetries
 from bouncer.core.stores import Stores
 from bouncer.gateway import kv_events, pressure_feeds
 from bouncer.gateway.connections import GuardedSite, Limits
@@ -105,10 +107,14 @@ class Gateway:
         self.shared: SharedState | None = None  # several gateways: what they share, in Redis
         if config.shared_state is not None:
             shared_limits = SharedRateLimits()
-            self.core = AdmissionCore(config, clock(), dataclasses.replace(Stores.local(), rate_limits=shared_limits))
+            r = config.policy.retries
+            shared_retries = SharedRetries(r.remember_s, r.max_remembered)
+            self.core = AdmissionCore(config, clock(), dataclasses.replace(Stores.local(), rate_limits=shared_limits,
+                                                                           retries=shared_retries))
             self.shared = SharedState(config.shared_state, shared_limits, clock,
                                       own_part=lambda: self.core.own_share(self.clock()),
-                                      seen=lambda others: self._apply(self.core.peers(others, self.clock())))
+                                      seen=lambda others: self._apply(self.core.peers(others, self.clock())),
+                                      retries=shared_retries)
         else:
             self.core = AdmissionCore(config, clock())
         self._install(prepared)
@@ -406,6 +412,8 @@ class Gateway:
         else:
             info = with_prompt(head, kind, body, tokenizer, block_size)
         line.update(prompt_tokens=info.prompt_tokens)
+        if self.shared is not None and info.retry_count and (key := retry_key(checked.name, info)) is not None:
+            await self.shared.first_attempt(key)  # a retry: when its first attempt came, at any gateway
         if self.shared is not None and (charge := intake.rate_charge(
                 info, checked, model, self.config.limits)) is not None:
             await self.shared.charge(checked.name, charge)  # the rate verdict, from the gateways' Redis

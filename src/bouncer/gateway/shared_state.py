@@ -11,6 +11,9 @@ LiteLLM's users report of its multi-instance rate limits). With `shared_state` s
 - every gateway renews its presence every lease_s / 3 (`HEARTBEAT`: a sorted set scored by
   Redis's time); the ones seen within lease_s are counted, and that count is each gateway's share
   of every limit if Redis goes away;
+- a retry (its client says so) costs one Redis call before the offer: its first attempt's
+  arrival, wherever it came (`SharedRetries`); first attempts and completions are written back in
+  the background, one pipelined call per turn of the loop;
 - every sync_ms, off the request path, each gateway writes its part (`AdmissionCore.own_share`:
   its requests on each replica, its tenants' decayed service, its queued heads) and reads the
   others' in the same call (`SYNC`); a part not rewritten within lease_s is dropped, so a killed
@@ -32,6 +35,7 @@ import logging
 import os
 import secrets
 import socket
+import time
 from collections.abc import Callable
 
 import redis.asyncio as aioredis
@@ -41,7 +45,9 @@ from bouncer.config import SharedState as SharedStateConfig
 from bouncer.core.outcomes import Reason
 from bouncer.core.peers import GatewayShare
 from bouncer.core.rate_limit import Bucket
+from bouncer.core.retries import RetryKey
 from bouncer.core.shared_rate_limits import SharedRateLimits, Verdict
+from bouncer.core.shared_retries import SharedRetries
 
 log = logging.getLogger("bouncer.gateway")
 
@@ -131,11 +137,15 @@ class SharedState:
 
     def __init__(self, cfg: SharedStateConfig, store: SharedRateLimits, clock: Callable[[], float],
                  gateway_id: str | None = None, own_part: Callable[[], GatewayShare] | None = None,
-                 seen: Callable[[list[GatewayShare]], None] | None = None) -> None:
+                 seen: Callable[[list[GatewayShare]], None] | None = None,
+                 retries: SharedRetries | None = None) -> None:
         """`own_part` and `seen`: this gateway's part of the fleet's state, and where the
-        others' go (the core's `own_share` and `peers`); without them only rate limits are shared."""
+        others' go (the core's `own_share` and `peers`); `retries`: the core's retry ledger,
+        whose first attempts are shared. Without them only rate limits are shared."""
         self.cfg = cfg
         self.store = store
+        self.retries = retries
+        self._wall_offset = time.time() - clock()  # first attempts go to Redis in wall-clock time
         self.clock = clock
         self.own_part, self.seen = own_part, seen
         self.syncs = 0
@@ -298,8 +308,43 @@ class SharedState:
             answers = await pipeline().execute(raise_on_error=False)
         return answers
 
+    # -- retries ----------------------------------------------------------------------------------
+    def _retry_key(self, key: RetryKey) -> str:
+        tenant, model, digest, max_tokens = key
+        return f"{self.cfg.key_prefix}retry:{len(tenant)}:{tenant}:{model}:{digest}:{max_tokens}"
+
+    async def first_attempt(self, key: RetryKey) -> None:
+        """Before a retry is offered: when its first attempt came, as any gateway recorded it."""
+        if self.retries is None or not self.available:
+            return
+        try:
+            raw = await self._redis.get(self._retry_key(key))
+        except (TimeoutError, RedisError, OSError) as exc:
+            self._failed(exc)
+            return
+        self.retries.prefetch(key, None if raw is None else float(raw) - self._wall_offset)
+
+    async def _publish_retries(self, recorded: list[tuple[RetryKey, float]], completed: list[RetryKey]) -> None:
+        pipe = self._redis.pipeline(transaction=False)
+        keep_ms = int(self.retries.remember_s * 1000)  # type: ignore[union-attr]
+        for key, at in recorded:  # the earliest gateway to see it wins (NX)
+            pipe.set(self._retry_key(key), repr(at + self._wall_offset), nx=True, px=keep_ms)
+        for key in completed:
+            pipe.delete(self._retry_key(key))
+        try:
+            await pipe.execute()
+        except (TimeoutError, RedisError, OSError) as exc:
+            self._failed(exc)
+
     def settle(self) -> None:
-        """After a core call: send back what the core did not take, and what it refunded."""
+        """After a core call: send back what the core did not take, and what it refunded; and
+        the first attempts recorded and requests completed here."""
+        if self.retries is not None:
+            recorded, completed = self.retries.drain()
+            if (recorded or completed) and self.available:
+                task = asyncio.get_running_loop().create_task(self._publish_retries(recorded, completed))
+                self._background.add(task)
+                task.add_done_callback(self._background.discard)
         back = self.store.unconsumed() + self.store.drain_refunds()
         if back and not self.available:
             self.refunds_lost += len(back)
