@@ -143,3 +143,29 @@ def test_a_gateway_keeps_room_for_a_top_band_whose_requests_all_arrive_at_anothe
     exchange([a, b], 0.1)
     assert b.models["m"].band_slos.protected(0, 0.2)[0] == pytest.approx(1.0)
     assert b.models["m"].band_slos.protected(10, 0.2)[0] == float("inf")  # nothing above the top band
+
+
+def test_a_band_waits_while_a_higher_band_queues_at_another_gateway():
+    shares = FleetShares(window_s=10.0, slack_tokens=0)
+    shares.seen([GatewayShare(queued={("m", 10, "top"): (0.5, 2)})], now=0.0)
+    assert shares.outranked("m", 0) and shares.outranked("m", -1)
+    assert not shares.outranked("m", 10) and not shares.outranked("other-model", 0)
+
+
+def test_a_newcomers_wait_counts_what_the_other_gateways_queue_and_their_dispatch_rates():
+    from bouncer.core.backlog import ahead, fleet_ahead
+
+    core = make_core(tenants=[tenant("a"), tenant("b")], replicas=1, policy={"max_inflight_per_replica": 1})
+    dispatched(core.offer(info("a"), 0.0))  # the replica's one slot
+    for _ in range(4):
+        core.offer(info("a"), 0.0)
+    flow = core.models["m"].flow
+    shares = FleetShares(window_s=10.0, slack_tokens=0)
+    shares.enabled = True
+    shares.seen([GatewayShare(queued={("m", 0, "a"): (1.0, 6), ("m", 0, "b"): (1.0, 2), ("m", 10, "x"): (1.0, 3)},
+                              rates={"m": (4.0, 5.0, 6.0)})], now=0.0)
+    assert ahead(flow, 0, "a") == 4  # alone: its own four, the band's only tenant
+    # fleet-wide: 3 of a higher band, then a's 10 queued, draining at its half of the band's two
+    assert fleet_ahead(flow, 0, "a", shares) == 3 + 10 * 2
+    assert fleet_ahead(flow, 0, "c", shares) == 3 + 12  # a tenant queued nowhere: behind the whole band
+    assert shares.rates_elsewhere("m") == (4.0, 5.0, 6.0)

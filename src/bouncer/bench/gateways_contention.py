@@ -36,7 +36,11 @@ from bouncer.sim.workloads import make_requests
 
 SETUPS = (("one gateway", 1, False), ("3 independent", 3, False), ("3 sharing Redis", 3, True))
 PLACEMENT = ("top", "steady", "bursty")  # tenant i on gateway i mod N
-FLEET = LiveFleet(engines=4)
+# Two engines, at twice their capacity: on this project's 2-core machine, four engines at that load
+# (the burst alone some 70 req/s) saturate the client and the gateways themselves, and the run
+# then measures the machine (one gateway kept 46% of the top band's SLO).
+FLEET = LiveFleet(engines=2)
+LOAD = 2.0
 
 
 def band_shares(requests: list[SimRequest], tenants: tuple[str, ...], lo: float, hi: float) -> dict[str, float]:
@@ -63,7 +67,7 @@ def _gateways(procs: Processes, n: int, config: dict, redis: RedisServer | None)
     return urls
 
 
-def run(load: float = 1.0, duration_s: float = 60.0, fleet: LiveFleet = FLEET, seed: int = 0,
+def run(load: float = LOAD, duration_s: float = 60.0, fleet: LiveFleet = FLEET, seed: int = 0,
         step_time: str = "given") -> dict:
     scenario = get_scenario("gateways", duration_s)
     traces = scenario.load(None)
