@@ -59,3 +59,17 @@ def test_the_cli_refuses_what_it_cannot_run():
     assert out.returncode != 0 and "need --gateways 2 or more" in out.stderr
     out = bench("--policy", "vllm-queue-cap", "--gateways", "3")
     assert out.returncode != 0 and "has none" in out.stderr
+
+
+def test_the_live_benchmarks_shares_count_tokens_of_requests_completed_in_the_window():
+    from bouncer.bench.gateways_contention import band_shares
+    from bouncer.sim.fleet import SimRequest
+
+    def req(tenant, prompt, output, finished, outcome="completed"):
+        return SimRequest(rid=f"{tenant}{finished}", tenant=tenant, priority=0, arrival=0.0, prompt_len=prompt,
+                          output_len=output, max_tokens=output, block_digests=[], ttft_slo=None, tpot_slo=None,
+                          timeout_s=60, max_retries=0, finished_at=finished, outcome=outcome)
+
+    requests = [req("steady", 90, 10, 25.0), req("bursty", 250, 50, 30.0), req("bursty", 1000, 0, 5.0),
+                req("bursty", 1000, 0, 30.0, outcome="refused"), req("top", 1000, 0, 30.0)]
+    assert band_shares(requests, ("steady", "bursty"), 20.0, 40.0) == {"steady": 0.25, "bursty": 0.75}
