@@ -33,7 +33,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from bouncer.config import BouncerConfig, Tenant
-from bouncer.core import deadlines, feedback, intake
+from bouncer.core import deadlines, feedback, intake, sharing
 from bouncer.core.agent_gate import WindowGate, make_gate
 from bouncer.core.breaker import CircuitBreaker
 from bouncer.core.dispatch import Dispatcher, grant
@@ -44,7 +44,7 @@ from bouncer.core.kv_events import KVEvent
 from bouncer.core.model_state import ModelState, next_wakeup
 from bouncer.core.outcomes import Dispatch, Event, Layer, Reason, Refusal, Reject, Terminal
 from bouncer.core.output_length import OutputLengthModel
-from bouncer.core.peers import NO_LOAD, FleetShares, GatewayShare, ReplicaLoad, urgency
+from bouncer.core.peers import FleetShares, GatewayShare
 from bouncer.core.placement import Placement, nowhere_to_go, rest
 from bouncer.core.pool import PoolView
 from bouncer.core.precheck import cheap_refusal
@@ -390,30 +390,12 @@ class AdmissionCore:
 
     # -- several gateways --------------------------------------------------------------------------
     def own_share(self, now: float) -> GatewayShare:
-        """This gateway's part of what the gateways share (`bouncer.core.peers`): its load on
-        each replica, what it served per tenant and band, which tenants queue here."""
-        queued = {(m, band.priority, t): (urgency(band.queues[t].head()) - now, band.queues[t].count)  # type: ignore[arg-type]
-                  for m, ms in self.models.items() for band in ms.flow.bands.values() for t in band.active}
-        backlog = self.stores.backlog
-        rates = {m: (backlog.dispatch_rate(m, now), backlog.departure_rate(m, now), backlog.completion_rate(m, now))
-                 for m in self.models}
-        bands = {m: ms.band_slos.own(now) for m, ms in self.models.items()}
-        return GatewayShare({name: r.own_load() for name, r in self.replicas.items()}, self.shares.own(now), queued,
-                            rates, bands)
+        """This gateway's part of what the gateways share (`bouncer.core.sharing`)."""
+        return sharing.own_share(self.models, self.replicas, self.shares, self.stores.backlog, now)
 
     def peers(self, others: list[GatewayShare], now: float) -> list[Event]:
-        """The other gateways' parts, as last seen: from now on replicas count their load, and
-        tenants are held back while served ahead of one queued there. Room they freed is used."""
-        self.shares.enabled = True
-        loads: dict[str, ReplicaLoad] = {}
-        for share in others:
-            for name, load in share.replicas.items():
-                loads[name] = loads[name] + load if name in loads else load
-        for name, r in self.replicas.items():
-            r.set_peers(loads.get(name, NO_LOAD), now)
-        self.shares.seen(others, now)
-        for m, ms in self.models.items():
-            ms.band_slos.seen_elsewhere([b for share in others for b in share.bands.get(m, ())], now)
+        """The other gateways' parts, as last seen (`bouncer.core.sharing`); room they freed is used."""
+        sharing.take_peers(self.models, self.replicas, self.shares, others, now)
         return [e for ms in self.models.values() for e in self._dispatcher.run(ms, now)]
 
     # -- time --------------------------------------------------------------------------------------

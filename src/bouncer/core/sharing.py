@@ -1,0 +1,38 @@
+"""What this gateway hands the others and takes from them (`bouncer.core.peers` holds the parts
+and the fleet-wide order): its part gathered from the models and replicas, and the others'
+spread back over them. The core's `own_share` and `peers` are these, on its own state."""
+
+from __future__ import annotations
+
+from bouncer.core.backlog import BacklogStore
+from bouncer.core.fleet import ReplicaState
+from bouncer.core.model_state import ModelState
+from bouncer.core.peers import NO_LOAD, FleetShares, GatewayShare, ReplicaLoad, urgency
+
+
+def own_share(models: dict[str, ModelState], replicas: dict[str, ReplicaState], shares: FleetShares,
+              backlog: BacklogStore, now: float) -> GatewayShare:
+    """Its load on each replica, what it served per tenant and band, the heads and counts it
+    queues, its waiting room's rates and its bands' recent SLOs."""
+    queued = {(m, band.priority, t): (urgency(band.queues[t].head()) - now, band.queues[t].count)  # type: ignore[arg-type]
+              for m, ms in models.items() for band in ms.flow.bands.values() for t in band.active}
+    rates = {m: (backlog.dispatch_rate(m, now), backlog.departure_rate(m, now), backlog.completion_rate(m, now))
+             for m in models}
+    bands = {m: ms.band_slos.own(now) for m, ms in models.items()}
+    return GatewayShare({name: r.own_load() for name, r in replicas.items()}, shares.own(now), queued, rates, bands)
+
+
+def take_peers(models: dict[str, ModelState], replicas: dict[str, ReplicaState], shares: FleetShares,
+               others: list[GatewayShare], now: float) -> None:
+    """The others' parts, as last seen, in every replica's figures, the fleet-wide order and the
+    bands' SLOs; from now on the dispatch loop follows them (`FleetShares.enabled`)."""
+    shares.enabled = True
+    loads: dict[str, ReplicaLoad] = {}
+    for share in others:
+        for name, load in share.replicas.items():
+            loads[name] = loads[name] + load if name in loads else load
+    for name, r in replicas.items():
+        r.set_peers(loads.get(name, NO_LOAD), now)
+    shares.seen(others, now)
+    for m, ms in models.items():
+        ms.band_slos.seen_elsewhere([b for share in others for b in share.bands.get(m, ())], now)
