@@ -204,7 +204,7 @@ def cmd_bench_flood(args) -> None:
 def cmd_bench_gateways(args) -> None:
     from bouncer.bench.gateways import main as gateways
 
-    gateways(args.gateways, args.engines, args.seconds, args.out, args.contention_seconds)
+    gateways(args.gateways, args.engines, args.seconds, args.out, args.contention_seconds, args.faults)
 
 
 def cmd_bench_long_prompts(args) -> None:
@@ -530,6 +530,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--contention-seconds", type=float, default=60.0,
                    help="then the gateways scenario through 1, 3 independent and 3 sharing gateways, each tenant "
                         "on its own, for this long each (0: skip)")
+    p.add_argument("--faults", action=argparse.BooleanOptionalAction, default=True,
+                   help="then three gateways sharing Redis through a Redis killed for 10 s and a gateway killed "
+                        "mid-stream, fail-open and fail-closed (about 2 minutes)")
     p.add_argument("--out", help="write the result as JSON")
     p.set_defaults(func=cmd_bench_gateways)
 

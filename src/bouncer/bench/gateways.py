@@ -263,8 +263,9 @@ def report(result: dict) -> str:
     return "\n".join(lines)
 
 
-def main(gateways: int, engines: int, seconds: float, out: str | None, contention_s: float = 60.0) -> None:
-    from bouncer.bench import gateways_contention
+def main(gateways: int, engines: int, seconds: float, out: str | None, contention_s: float = 60.0,
+         faults: bool = True) -> None:
+    from bouncer.bench import gateways_contention, gateways_faults
 
     result = run(gateways, engines, seconds)
     result["cost"] = cost()
@@ -272,6 +273,9 @@ def main(gateways: int, engines: int, seconds: float, out: str | None, contentio
     if contention_s > 0:
         result["contention"] = gateways_contention.run(duration_s=contention_s)
         print("\n" + gateways_contention.report(result["contention"]))
+    if faults:
+        result["faults"] = [gateways_faults.run(mode) for mode in ("fail-open", "fail-closed")]
+        print("\n" + gateways_faults.report(result["faults"]))
     if out:
         pathlib.Path(out).write_text(json.dumps(result, indent=2))
         print(f"saved {out}")

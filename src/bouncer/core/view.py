@@ -140,7 +140,8 @@ def _replica_snapshot(r: ReplicaState, view: PoolView, now: float) -> dict:
         index.update(precise_blocks=len(p.precise), kv_events=p.precise.events, unplaced_blocks=p.precise.unplaced)
     return {"url": r.url, "healthy": r.healthy, "fresh": fresh, "answering": view.answering(r),
             "busy": r.busy, "removed": r.removed,
-            "inflight": len(r.inflight), "inflight_unseen_by_engine": r.unseen_by_engine,
+            "inflight": len(r.inflight), "inflight_elsewhere": r.peers.requests,
+            "inflight_unseen_by_engine": r.unseen_by_engine,
             "inflight_drift": r.drift_reported, "capacity_blocks": r.capacity_blocks,
             "projected_kv_usage": round(r.projected_usage(now, fresh), 4),
             "telemetry_age_s": None if r.telemetry is None else round(r.telemetry_age(now), 3),

@@ -131,6 +131,9 @@ class _CoreCollector:
         busy = GaugeMetricFamily("bouncer_replica_busy", "1 while a replica is marked busy.", labels=["replica"])
         inflight = GaugeMetricFamily("bouncer_replica_inflight_requests", "Requests in flight per replica.",
                                      labels=["replica"])
+        elsewhere = GaugeMetricFamily("bouncer_replica_inflight_elsewhere_requests",
+                                      "Requests the other gateways sharing state have in flight per replica, as "
+                                      "last seen (their part ends with their lease).", labels=["replica"])
         unseen = GaugeMetricFamily("bouncer_replica_inflight_unseen", "Requests the gateway has in flight on a "
                                    "replica that its engine did not count at the last scrape.", labels=["replica"])
         precise = GaugeMetricFamily("bouncer_replica_prefix_index_precise",
@@ -146,6 +149,7 @@ class _CoreCollector:
                 kv.add_metric([rname], r["projected_kv_usage"])
                 busy.add_metric([rname], 1.0 if r["busy"] else 0.0)
                 inflight.add_metric([rname], r["inflight"])
+                elsewhere.add_metric([rname], r["inflight_elsewhere"])
                 unseen.add_metric([rname], r["inflight_unseen_by_engine"])
                 idx = r["prefix_index"]
                 precise.add_metric([rname], 1.0 if idx["mode"] == "precise" else 0.0)
@@ -159,6 +163,7 @@ class _CoreCollector:
         yield kv
         yield busy
         yield inflight
+        yield elsewhere
         yield unseen
         yield precise
         yield blocks

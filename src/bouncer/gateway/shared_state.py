@@ -51,7 +51,9 @@ from bouncer.core.shared_retries import SharedRetries
 
 log = logging.getLogger("bouncer.gateway")
 
-PROBE_S = 0.5  # while degraded, how often Redis is tried again
+# While degraded, how often Redis is tried again: a refused connection costs next to nothing, and
+# a Redis that came back is shared again within about this (bench gateways' faults run).
+PROBE_S = 0.25
 FAIL_CLOSED_RETRY_S = 1.0  # the Retry-After of a fail-closed refusal
 
 # A bucket is a hash {level, at}; absent means full. The request bucket's unit is one request,
@@ -132,6 +134,16 @@ def _level(raw: bytes) -> float | None:
     return None if value < 0 else value
 
 
+async def _until(event: asyncio.Event, timeout_s: float) -> None:
+    """Wait for `event` (then clear it), or `timeout_s`, whichever comes first."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            await event.wait()
+    except TimeoutError:
+        pass
+    event.clear()
+
+
 class SharedState:
     """This gateway's link to the shared Redis: the rate verdicts, the refunds, its presence."""
 
@@ -164,6 +176,9 @@ class SharedState:
         self._sync = self._redis.register_script(SYNC)
         self._task: asyncio.Task | None = None
         self._sync_task: asyncio.Task | None = None
+        # Redis answering again, or failing: the sync and the presence probe go at once (not after
+        # their period: a lease_s / 3 wait kept a Redis back for seconds unshared)
+        self._back, self._down = asyncio.Event(), asyncio.Event()
         self._background: set[asyncio.Task] = set()
         self._pending: list[tuple[str, int, asyncio.Future]] = []  # takes asked in this turn of the loop
         store.degraded = True  # until Redis first answers
@@ -198,7 +213,10 @@ class SharedState:
 
     async def _presence(self) -> None:
         while True:
-            await asyncio.sleep(PROBE_S if not self.available else self.cfg.lease_s / 3)
+            if self.available:
+                await _until(self._down, self.cfg.lease_s / 3)
+            else:
+                await asyncio.sleep(PROBE_S)
             await self._beat()
 
     async def _beat(self) -> None:
@@ -212,12 +230,16 @@ class SharedState:
         if not self.available:
             log.info("shared state reachable: rate limits shared by %d gateways", live,
                      extra={"event": "shared_state_up", "gateways": int(live)})
+            self._back.set()
         self.available = True
         self.store.degraded = False
 
     async def _syncing(self) -> None:
         while True:
-            await asyncio.sleep(self.cfg.sync_ms / 1000 if self.available else PROBE_S)
+            if self.available:
+                await asyncio.sleep(self.cfg.sync_ms / 1000)
+            else:  # until the presence probe finds Redis again; a sync then publishes this part at once
+                await _until(self._back, PROBE_S)
             await self.sync()
 
     async def sync(self) -> None:
@@ -248,6 +270,7 @@ class SharedState:
                                "gateways_share": self.store.gateways})
         self.available = False
         self.store.degraded = True
+        self._down.set()
 
     # -- the request path -------------------------------------------------------------------------
     async def charge(self, tenant: str, tokens: int) -> None:
