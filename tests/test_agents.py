@@ -115,7 +115,7 @@ def test_core_holds_a_new_agent_until_the_window_has_room():
     events = observe_idle(core, 6.5)  # a fresh scrape; the idle agent has timed out by now
     assert [admission_of(core, d).session for d in dispatched(events)] == ["agent-2"]
     snap = core.snapshot(6.5)["models"]["m"]["agents"]
-    assert snap == {"window": 1.0, "active": 1, "subagents": 0}
+    assert snap == {"window": 1.0, "active": 1, "active_elsewhere": 0, "subagents": 0}
 
 
 def test_requests_without_a_session_are_not_held_by_the_window():
@@ -300,4 +300,4 @@ def test_the_core_admits_a_subagents_step_by_its_header_as_a_branch_of_its_paren
     second = core.offer(info(session_id="agent-1/task-2", parent_session_id="agent-1"), 0.3)
     assert not dispatched(second) and core.view.queued == 2
     snap = core.snapshot(0.3)["models"]["m"]["agents"]
-    assert snap == {"window": 1.0, "active": 1, "subagents": 1}
+    assert snap == {"window": 1.0, "active": 1, "active_elsewhere": 0, "subagents": 1}

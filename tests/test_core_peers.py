@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from tests.core_helpers import dispatched, info, make_core, tenant
+from tests.core_helpers import admission_of, dispatched, info, make_core, observe_idle, tenant
 
 from bouncer.core.outcomes import Dispatch, Terminal
 from bouncer.core.peers import HEAD_ORDER_SLACK_S, FleetShares, GatewayShare, ReplicaLoad
@@ -129,8 +129,73 @@ def test_weighted_shares_follow_weights_across_gateways(slack, heavy_share):
 def test_a_gateways_share_crosses_the_wire_unchanged():
     share = GatewayShare({"r0": ReplicaLoad(3, 40, 5, 1, ((0, 1), (2, 0)), 700, 9000, 1200, 2, 800)},
                          {("m", 0, "a"): 123.5}, {("m", 0, "a"): (0.75, 3), ("m", 1, "b"): (2.0, 1)},
-                         {"m": (12.5, None, 3.0)}, {"m": [[10, 1.0, 0.5, None, None, 2.0]]})
+                         {"m": (12.5, None, 3.0)}, {"m": [[10, 1.0, 0.5, None, None, 2.0]]},
+                         {"a": (4.5, 0), "b": (None, 2)}, {"m": [("s1", "r0", 12), ("s2", None, 0)]})
     assert GatewayShare.from_wire(json.loads(json.dumps(share.to_wire()))) == share
+
+
+def test_a_part_from_a_gateway_that_shares_no_breakers_or_agents_still_reads():
+    wire = GatewayShare({"r0": ReplicaLoad(1)}).to_wire()
+    del wire["breakers"], wire["agents"]  # as a gateway of the version before them writes it
+    assert GatewayShare.from_wire(wire) == GatewayShare({"r0": ReplicaLoad(1)})
+
+
+BREAKER = {"breaker": {"failures": 2, "window_s": 10, "open_s": 5}}
+
+
+def _fail(core, now):
+    (d,) = dispatched(core.offer(info(), now))
+    core.finished(d.request_id, now + 0.1, Terminal.FAILED, reason="upstream_timeout")
+
+
+def test_a_breaker_open_at_one_gateway_refuses_the_tenant_at_every_gateway_until_it_half_opens():
+    two = [tenant("a"), tenant("other")]
+    a, b = make_core(policy=BREAKER, tenants=two), make_core(policy=BREAKER, tenants=two)
+    _fail(a, 0.0)
+    _fail(a, 1.0)  # a's breaker opens at 1.1, for 5 s
+    exchange([a, b], 2.0)
+    r = b.offer(info(), 2.0)
+    assert [(e.refusal.reason, round(e.refusal.retry_after, 2)) for e in r] == [("circuit_open", 4.1)]
+    assert b.precheck(info(), 2.0).refusal.reason == "circuit_open"  # before its prompt is even tokenized
+    assert dispatched(b.offer(info(tenant_name="other"), 2.0))  # other tenants untouched
+    observe_idle(b, 6.5)
+    exchange([a, b], 6.5)  # a's breaker lets a probe through now: b may send again
+    assert dispatched(b.offer(info(), 6.5))
+
+
+def test_failures_count_over_every_gateway_toward_the_threshold():
+    a, b = make_core(policy=BREAKER), make_core(policy=BREAKER)
+    _fail(a, 0.0)  # one failure each: alone neither gateway would trip
+    exchange([a, b], 0.5)
+    _fail(b, 1.0)
+    assert b.offer(info(), 1.5)[0].refusal.reason == "circuit_open"
+    exchange([a, b], 2.0)
+    assert a.offer(info(), 2.0)[0].refusal.reason == "circuit_open"
+
+
+AGENTS = {"agents": {"initial": 2, "max": 2, "idle_timeout_s": 5}}
+
+
+def test_the_agent_window_bounds_the_fleets_agents_and_an_agent_keeps_its_slot_and_home_at_another_gateway():
+    a, b = make_core(policy=AGENTS), make_core(policy=AGENTS)
+    first = dispatched(a.offer(info(session_id="s1"), 0.0)) + dispatched(a.offer(info(session_id="s2"), 0.0))
+    assert len(first) == 2
+    homes = {d.request_id: d.replica for d in first}
+    exchange([a, b], 0.1)
+    assert b.snapshot(0.1)["models"]["m"]["agents"] == {"window": 2.0, "active": 2, "active_elsewhere": 2,
+                                                         "subagents": 0}
+    assert not dispatched(b.offer(info(session_id="s3"), 0.2))  # the window is full fleet-wide: s3 waits
+    (step,) = dispatched(b.offer(info(session_id="s1"), 0.3))  # s1 holds its slot: its next step goes
+    assert step.replica == homes[first[0].request_id]  # to where its context lives
+    alone = make_core(policy=AGENTS)  # without sharing, b would have let s3 in beside a's two
+    assert dispatched(alone.offer(info(session_id="s3"), 0.2))
+    # a's agents idle out and its part says so: b's waiting agent takes the slot
+    for d in first:
+        a.finished(d.request_id, 1.0, Terminal.COMPLETED, 10)
+    b.finished(step.request_id, 1.0, Terminal.COMPLETED, 10)
+    observe_idle(a, 7.0)
+    events = exchange([a, b], 7.0)[1] + observe_idle(b, 7.0)
+    assert [admission_of(b, d).session for d in dispatched(events)] == ["s3"]
 
 
 def test_a_gateway_keeps_room_for_a_top_band_whose_requests_all_arrive_at_another():

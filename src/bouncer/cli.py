@@ -204,7 +204,8 @@ def cmd_bench_flood(args) -> None:
 def cmd_bench_gateways(args) -> None:
     from bouncer.bench.gateways import main as gateways
 
-    gateways(args.gateways, args.engines, args.seconds, args.out, args.contention_seconds, args.faults)
+    gateways(args.gateways, args.engines, args.seconds, args.out, args.contention_seconds, args.faults,
+             args.faults_only)
 
 
 def cmd_bench_long_prompts(args) -> None:
@@ -292,7 +293,7 @@ def _bench_agents(args) -> None:
     if args.policy not in agents.AGENT_POLICIES:
         raise SystemExit(f"bouncer: the agents scenario compares {', '.join(agents.AGENT_POLICIES)}")
     result = agents.run(args.policy, args.sessions, duration_s=args.duration, replicas=args.replicas,
-                        seed=args.seed, trace=args.trace, profile=args.profile)
+                        seed=args.seed, trace=args.trace, profile=args.profile, gateways=_gateway_setup(args))
     if args.out:
         save(result, args.out)
     print(f"agents / {result['policy']} with {result['sessions']} concurrent sessions on {result['replicas']} "
@@ -533,6 +534,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--faults", action=argparse.BooleanOptionalAction, default=True,
                    help="then three gateways sharing Redis through a Redis killed for 10 s and a gateway killed "
                         "mid-stream, fail-open and fail-closed (about 2 minutes)")
+    p.add_argument("--faults-only", action="store_true", help="only that last part (--out gets its runs)")
     p.add_argument("--out", help="write the result as JSON")
     p.set_defaults(func=cmd_bench_gateways)
 

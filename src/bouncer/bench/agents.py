@@ -23,7 +23,9 @@ import pathlib
 import random
 import time
 
+from bouncer.core.stores import Stores
 from bouncer.sim.fleet import FleetConfig, FleetSim, SimRequest
+from bouncer.sim.gateways import Gateways, GatewaySetup
 from bouncer.sim.policies import BOUNCER_POLICY, CorePolicy, NoAdmission, core_config, tenant_config
 from bouncer.sim.profiles import get_profile
 from bouncer.sim.scenarios import WEKA_SESSIONS
@@ -194,7 +196,8 @@ def _steps(session: AgentSession) -> list[AgentStep]:
     return [*session.steps, *(s for sub in session.subagents for s in _steps(sub.session))]
 
 
-def _policy(name: str, replicas: int, blocks: int, block_size: int, cap: int, step_time: dict):
+def _policy(name: str, replicas: int, blocks: int, block_size: int, cap: int, step_time: dict,
+            stores: Stores | None = None):
     names = [f"r{i}" for i in range(replicas)]
     if name == "none":
         return NoAdmission(names)
@@ -206,20 +209,29 @@ def _policy(name: str, replicas: int, blocks: int, block_size: int, cap: int, st
     elif name != "bouncer":
         raise ValueError(f"unknown policy {name!r} for the agents scenario; known: {', '.join(AGENT_POLICIES)}")
     return CorePolicy(name, core_config(tenants, replicas, blocks, block_size, MAX_MODEL_LEN, policy,
-                                        step_time=step_time))
+                                        step_time=step_time), stores=stores)
 
 
 def run(policy: str, sessions: int, duration_s: float = 3600.0, replicas: int = 2, seed: int = 0,
-        trace: str | None = None, profile: str = "llama-3.1-8b-h100", name_parents: bool = True) -> dict:
+        trace: str | None = None, profile: str = "llama-3.1-8b-h100", name_parents: bool = True,
+        gateways: GatewaySetup | None = None) -> dict:
     """One closed-loop run. `name_parents=False` sends subagents' steps without
-    `x-parent-session-id`, so the window sees each subagent as an agent of its own."""
+    `x-parent-session-id`, so the window sees each subagent as an agent of its own. `gateways`:
+    several gateways (bouncer and request-cap), each agent's steps through one of them (its
+    session's, as a load balancer hashing the session header keeps them)."""
     pool = load_weka(trace or WEKA_SESSIONS)
     prof = dataclasses.replace(get_profile(profile), max_model_len=MAX_MODEL_LEN)
     steps = [s for a in pool for s in _steps(a)]
     mean_context = sum(min(s.prompt_len, MAX_PROMPT) + min(s.output_len, MAX_OUTPUT) for s in steps) / len(steps)
     cap = max(1, int(prof.kv_tokens / mean_context))
     cfg = FleetConfig(replicas=replicas, profile=prof, seed=seed)
-    gw = _policy(policy, replicas, prof.num_blocks, prof.block_size, cap, prof.step_time_config)
+    if gateways is not None and gateways.count > 1:
+        if policy == "none":
+            raise ValueError("--gateways runs several admission cores: none has none")
+        gw = Gateways(gateways, lambda stores: _policy(policy, replicas, prof.num_blocks, prof.block_size, cap,
+                                                       prof.step_time_config, stores))
+    else:
+        gw = _policy(policy, replicas, prof.num_blocks, prof.block_size, cap, prof.step_time_config)
     sim = FleetSim(cfg, gw, gw.replica_names)
     replay = SessionReplay(pool, prof.block_size, seed, name_parents)
     wall0 = time.perf_counter()
@@ -242,6 +254,7 @@ def run(policy: str, sessions: int, duration_s: float = 3600.0, replicas: int = 
     return {
         "scenario": "agents", "trace": pathlib.Path(trace or WEKA_SESSIONS).name,
         "policy": policy, "sessions": sessions, "replicas": replicas, "seed": seed,
+        "gateways": (gateways or GatewaySetup()).describe(),
         "duration_s": duration_s, "sim_seconds": reached, "wall_seconds": wall,
         "request_cap_per_replica": cap if policy == "request-cap" else None,
         "sessions_completed": done["sessions"], "sessions_failed": done["failed_sessions"],

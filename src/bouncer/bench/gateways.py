@@ -264,9 +264,16 @@ def report(result: dict) -> str:
 
 
 def main(gateways: int, engines: int, seconds: float, out: str | None, contention_s: float = 60.0,
-         faults: bool = True) -> None:
+         faults: bool = True, faults_only: bool = False) -> None:
     from bouncer.bench import gateways_contention, gateways_faults
 
+    if faults_only:
+        runs = [gateways_faults.run(mode) for mode in ("fail-open", "fail-closed")]
+        print(gateways_faults.report(runs))
+        if out:
+            pathlib.Path(out).write_text(json.dumps(runs, indent=2))
+            print(f"saved {out}")
+        return
     result = run(gateways, engines, seconds)
     result["cost"] = cost()
     print(report(result))

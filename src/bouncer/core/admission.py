@@ -391,11 +391,11 @@ class AdmissionCore:
     # -- several gateways --------------------------------------------------------------------------
     def own_share(self, now: float) -> GatewayShare:
         """This gateway's part of what the gateways share (`bouncer.core.sharing`)."""
-        return sharing.own_share(self.models, self.replicas, self.shares, self.stores.backlog, now)
+        return sharing.own_share(self.models, self.replicas, self.shares, self.stores.backlog, self._breakers, now)
 
     def peers(self, others: list[GatewayShare], now: float) -> list[Event]:
         """The other gateways' parts, as last seen (`bouncer.core.sharing`); room they freed is used."""
-        sharing.take_peers(self.models, self.replicas, self.shares, others, now)
+        sharing.take_peers(self.models, self.replicas, self.shares, self._breakers, others, now)
         return [e for ms in self.models.values() for e in self._dispatcher.run(ms, now)]
 
     # -- time --------------------------------------------------------------------------------------

@@ -44,6 +44,12 @@ recomputes it, and throughput collapses (thrashing). So a window W bounds the *a
 - a new agent that would wait longer than its queue TTL for a slot is told so at once, with the
   expected wait (`wait_for_slot`: the agents ahead of it over the rate at which agents recently
   took a slot), instead of sitting in the queue until it expires.
+- with several gateways sharing state, each tells the others the agents holding a slot there,
+  with their homes and contexts (`own_agents`), and counts theirs (`seen_elsewhere`): the window
+  bounds the fleet's agents, not each gateway's (N gateways alone let N windows of agents in,
+  and the pool thrashes again); an agent active at another gateway keeps its slot and its home
+  when a step of it comes here; and the agents living on a replica leave room for a new one
+  counted over every gateway.
 
 Pure: every method takes `now`. One instance per model.
 """
@@ -84,14 +90,26 @@ class AgentWindow:
         self._starts: deque[float] = deque()  # when agents took a slot, recently
         self._subagents = 0  # of `active`, the subagents: they hold no slot
         self.kv_usage = 0.0  # the pool's, as last observed: the slack extra branches need
+        # the agents holding a slot at other gateways: session -> (home, blocks), as last seen
+        self._elsewhere: dict[str, tuple[str | None, int]] = {}
+        self._living_elsewhere: Counter[str] = Counter()  # replica -> KV blocks of those not active here
+        self._both = 0  # sessions holding a slot here and at another gateway (counted once)
 
     # -- queries from the dispatch loop ---------------------------------------------------------
     def is_active(self, session: str) -> bool:
-        return session in self.active
+        return session in self.active or session in self._elsewhere
 
     def holders(self) -> int:
-        """Agents holding a slot of the window."""
-        return len(self.active) - self._subagents
+        """Agents holding a slot of the window, at every gateway."""
+        return len(self.active) - self._subagents + self.holders_elsewhere()
+
+    def holders_elsewhere(self) -> int:
+        """Of `holders`, those that hold their slot only at other gateways."""
+        return len(self._elsewhere) - self._both
+
+    def subagents(self) -> int:
+        """Subagents active here (they run in their parents' slots)."""
+        return self._subagents
 
     def is_returning(self, session: str) -> bool:
         """An agent that idled out within `memory_s`: its session is under way."""
@@ -100,19 +118,27 @@ class AgentWindow:
     def home(self, session: str) -> str | None:
         """The replica holding the context of an active agent."""
         agent = self.active.get(session)
-        return agent.home if agent is not None else None
+        if agent is not None:
+            return agent.home
+        elsewhere = self._elsewhere.get(session)
+        return elsewhere[0] if elsewhere is not None else None
 
     def room(self, replica: str, capacity_blocks: int | None) -> float:
         """KV blocks of `replica` (of `capacity_blocks`, None where unknown: no limit) that the
-        contexts of the agents living there leave for another."""
-        return float("inf") if not capacity_blocks else capacity_blocks - self.living[replica]
+        contexts of the agents living there, at every gateway, leave for another."""
+        if not capacity_blocks:
+            return float("inf")
+        return capacity_blocks - self.living[replica] - self._living_elsewhere[replica]
 
     def may_dispatch(self, session: str, now: float, waiting: Container[str] = (), parent: str | None = None) -> bool:
         """Whether a step of `session` (a subagent of `parent`, if given) may be dispatched now;
         `waiting`: the sessions with a step queued at the gateway."""
         self.expire(now, waiting)
         limit = max(self.cfg.min, int(self.window))
-        agent = self.active.get(session if parent is None else parent)
+        family = session if parent is None else parent
+        agent = self.active.get(family)
+        if agent is None and family in self._elsewhere:  # its slot is held at another gateway
+            return True
         if agent is None:  # a new agent (or a subagent whose parent holds no slot: it takes one for it)
             return self.holders() < limit
         busy = agent.inflight + agent.branches
@@ -151,7 +177,10 @@ class AgentWindow:
         if agent is None:
             self.ended.pop(session, None)
             agent = self.active[session] = _Agent(now, now)
-            self._starts.append(now)
+            if session in self._elsewhere:
+                self._both += 1
+            else:
+                self._starts.append(now)
         agent.last_seen = now
         return agent
 
@@ -183,6 +212,8 @@ class AgentWindow:
             self._unhome(agent)
             if agent.parent is None:
                 self.ended[s] = now
+                if s in self._elsewhere:
+                    self._both -= 1
             else:
                 self._subagents -= 1
         ended = self.ended
@@ -191,6 +222,25 @@ class AgentWindow:
             if ended[oldest] + self.cfg.memory_s > now:
                 break
             del ended[oldest]
+
+    # -- several gateways ---------------------------------------------------------------------------
+    def own_agents(self) -> list[tuple[str, str | None, int]]:
+        """The agents holding a slot here, for the others: (session, home, KV blocks)."""
+        return [(s, a.home, a.blocks) for s, a in self.active.items() if a.parent is None]
+
+    def seen_elsewhere(self, agents: list[tuple[str, str | None, int]]) -> None:
+        """The agents holding a slot at the other gateways, as last seen (replacing the view
+        before: an agent idled out there, or a gateway gone, no longer counts)."""
+        self._elsewhere = {session: (home, blocks) for session, home, blocks in agents}
+        living: Counter[str] = Counter()
+        both = 0
+        for session, (home, blocks) in self._elsewhere.items():
+            agent = self.active.get(session)
+            if agent is not None and agent.parent is None:
+                both += 1  # counted here: its context lives where this gateway last sent it
+            elif home is not None:
+                living[home] += blocks
+        self._living_elsewhere, self._both = living, both
 
     def wait_for_slot(self, ahead: int, now: float) -> float | None:
         """Expected seconds until an agent with `ahead` others waiting before it takes a slot, at

@@ -88,19 +88,25 @@ class GatewayShare:
     in tokens over the tenant's weight, decayed to the moment it was taken; the tenants queued
     there, each with how long its head request had until its `urgency` then (seconds, so that
     gateways' clocks need not agree) and how many it queued; and per model the rates its waiting
-    room dispatched, saw leave, and completed (per second, None with too few to tell)."""
+    room dispatched, saw leave, and completed (per second, None with too few to tell); per tenant
+    its circuit breaker here (seconds it refuses the tenant or None, failures in its window); and
+    per model the agents holding a slot here (session, home replica, KV blocks)."""
 
     replicas: dict[str, ReplicaLoad] = field(default_factory=dict)
     served: dict[ShareKey, float] = field(default_factory=dict)
     queued: dict[ShareKey, tuple[float, int]] = field(default_factory=dict)
     rates: dict[str, tuple[float | None, float | None, float | None]] = field(default_factory=dict)
     bands: dict[str, list[list]] = field(default_factory=dict)  # model -> its recent bands (`BandSLOs.own`)
+    breakers: dict[str, tuple[float | None, int]] = field(default_factory=dict)
+    agents: dict[str, list[tuple[str, str | None, int]]] = field(default_factory=dict)
 
     def to_wire(self) -> dict:
         return {"replicas": {name: load.to_wire() for name, load in self.replicas.items()},
                 "served": [[m, b, t, v] for (m, b, t), v in self.served.items()],
                 "queued": [[m, b, t, left, n] for (m, b, t), (left, n) in self.queued.items()],
-                "rates": {m: list(r) for m, r in self.rates.items()}, "bands": self.bands}
+                "rates": {m: list(r) for m, r in self.rates.items()}, "bands": self.bands,
+                "breakers": [[t, wait, n] for t, (wait, n) in self.breakers.items()],
+                "agents": {m: [list(a) for a in agents] for m, agents in self.agents.items()}}
 
     @classmethod
     def from_wire(cls, raw: dict) -> GatewayShare:
@@ -111,7 +117,11 @@ class GatewayShare:
                    {(str(m), int(b), str(t)): float(v) for m, b, t, v in raw["served"]},
                    {(str(m), int(b), str(t)): (float(left), int(n)) for m, b, t, left, n in raw["queued"]},
                    {str(m): (rate(d), rate(dep), rate(c)) for m, (d, dep, c) in raw["rates"].items()},
-                   {str(m): [list(b) for b in bands] for m, bands in raw["bands"].items()})
+                   {str(m): [list(b) for b in bands] for m, bands in raw["bands"].items()},
+                   # absent from a gateway of a version before they were shared: none
+                   {str(t): (rate(wait), int(n)) for t, wait, n in raw.get("breakers", ())},
+                   {str(m): [(str(s), None if home is None else str(home), int(blocks)) for s, home, blocks in agents]
+                    for m, agents in raw.get("agents", {}).items()})
 
 
 class FleetShares:

@@ -5,27 +5,37 @@ spread back over them. The core's `own_share` and `peers` are these, on its own 
 from __future__ import annotations
 
 from bouncer.core.backlog import BacklogStore
+from bouncer.core.breaker import CircuitBreaker
 from bouncer.core.fleet import ReplicaState
 from bouncer.core.model_state import ModelState
 from bouncer.core.peers import NO_LOAD, FleetShares, GatewayShare, ReplicaLoad, urgency
 
 
 def own_share(models: dict[str, ModelState], replicas: dict[str, ReplicaState], shares: FleetShares,
-              backlog: BacklogStore, now: float) -> GatewayShare:
+              backlog: BacklogStore, breakers: dict[str, CircuitBreaker], now: float) -> GatewayShare:
     """Its load on each replica, what it served per tenant and band, the heads and counts it
-    queues, its waiting room's rates and its bands' recent SLOs."""
+    queues, its waiting room's rates, its bands' recent SLOs, its tenants' breakers (those
+    refusing or counting failures) and the agents holding a slot here."""
     queued = {(m, band.priority, t): (urgency(band.queues[t].head()) - now, band.queues[t].count)  # type: ignore[arg-type]
               for m, ms in models.items() for band in ms.flow.bands.values() for t in band.active}
     rates = {m: (backlog.dispatch_rate(m, now), backlog.departure_rate(m, now), backlog.completion_rate(m, now))
              for m in models}
     bands = {m: ms.band_slos.own(now) for m, ms in models.items()}
-    return GatewayShare({name: r.own_load() for name, r in replicas.items()}, shares.own(now), queued, rates, bands)
+    tripped = {t: state for t, b in breakers.items() if (state := b.share(now)) != (None, 0)}
+    agents = {}
+    for m, ms in models.items():
+        if ms.agents.window is not None:
+            ms.agents.expire(now, ms.flow.waiting_sessions)  # an agent idled out here no longer holds a slot
+            agents[m] = ms.agents.window.own_agents()
+    return GatewayShare({name: r.own_load() for name, r in replicas.items()}, shares.own(now), queued, rates, bands,
+                        tripped, agents)
 
 
 def take_peers(models: dict[str, ModelState], replicas: dict[str, ReplicaState], shares: FleetShares,
-               others: list[GatewayShare], now: float) -> None:
-    """The others' parts, as last seen, in every replica's figures, the fleet-wide order and the
-    bands' SLOs; from now on the dispatch loop follows them (`FleetShares.enabled`)."""
+               breakers: dict[str, CircuitBreaker], others: list[GatewayShare], now: float) -> None:
+    """The others' parts, as last seen, in every replica's figures, the fleet-wide order, the
+    bands' SLOs, the tenants' breakers and the agent windows; from now on the dispatch loop
+    follows them (`FleetShares.enabled`)."""
     shares.enabled = True
     loads: dict[str, ReplicaLoad] = {}
     for share in others:
@@ -36,3 +46,9 @@ def take_peers(models: dict[str, ModelState], replicas: dict[str, ReplicaState],
     shares.seen(others, now)
     for m, ms in models.items():
         ms.band_slos.seen_elsewhere([b for share in others for b in share.bands.get(m, ())], now)
+        if ms.agents.window is not None:
+            ms.agents.window.seen_elsewhere([a for share in others for a in share.agents.get(m, ())])
+    for tenant, breaker in breakers.items():  # the longest any other refuses it for; their failures summed
+        states = [share.breakers[tenant] for share in others if tenant in share.breakers]
+        waits = [w for w, _ in states if w is not None]
+        breaker.seen_elsewhere(max(waits) if waits else None, sum(n for _, n in states), now)

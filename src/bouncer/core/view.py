@@ -93,7 +93,8 @@ class CoreView:
             out["models"][name] = {
                 "draining": ms.draining,
                 "agents": None if window is None else {"window": window.window, "active": window.holders(),
-                                                        "subagents": len(window.active) - window.holders()},
+                                                        "active_elsewhere": window.holders_elsewhere(),
+                                                        "subagents": window.subagents()},
                 "saturation": round(core.saturation.saturation(view), 4),
                 "queued": len(ms.flow),
                 "bands": {b.priority: {"queued": b.count, "tokens": b.tokens,

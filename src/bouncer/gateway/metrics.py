@@ -85,7 +85,9 @@ class _CoreCollector:
         agent_window = GaugeMetricFamily("bouncer_agent_window", "Active agents allowed (AIMD window).",
                                          labels=["model"])
         active_agents = GaugeMetricFamily("bouncer_active_agents", "Agents (sessions) active now, each holding a slot "
-                                          "of the window.", labels=["model"])
+                                          "of the window (at every gateway sharing state).", labels=["model"])
+        agents_elsewhere = GaugeMetricFamily("bouncer_active_agents_elsewhere", "Of bouncer_active_agents, those "
+                                             "holding their slot only at other gateways.", labels=["model"])
         active_subagents = GaugeMetricFamily("bouncer_active_subagents", "Subagents (x-parent-session-id) active now, "
                                              "in their parents' slots.", labels=["model"])
         for name, ms in snap["models"].items():
@@ -98,6 +100,7 @@ class _CoreCollector:
             if ms["agents"] is not None:
                 agent_window.add_metric([name], ms["agents"]["window"])
                 active_agents.add_metric([name], ms["agents"]["active"])
+                agents_elsewhere.add_metric([name], ms["agents"]["active_elsewhere"])
                 active_subagents.add_metric([name], ms["agents"]["subagents"])
         yield depth
         yield queued_tokens
@@ -106,6 +109,7 @@ class _CoreCollector:
         yield draining
         yield agent_window
         yield active_agents
+        yield agents_elsewhere
         yield active_subagents
         step = GaugeMetricFamily("bouncer_model_step_time_coefficient",
                                  "The engine step-time model the core predicts with (a: s per step, b: s per batched "
