@@ -78,10 +78,12 @@ class Dispatcher:
                 if q is None:
                     break
                 adm = q.head()
-                if shared and self.shares.holds((band.model, band.priority, q.tenant), urgency(adm), now):
+                agent_step = windowed and adm.session is not None
+                if shared and self.shares.holds((band.model, band.priority, q.tenant),
+                                                None if agent_step else urgency(adm), now):
                     skip.add(q.tenant)
                     continue
-                if windowed and adm.session is not None:
+                if agent_step:
                     # the head is an agent's step: if the window or its replica holds it, another
                     # agent's may go (agents of one tenant do not wait behind each other)
                     step = self.next_agent_step(ms, q, agents, view, protected)

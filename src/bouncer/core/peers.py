@@ -134,7 +134,12 @@ class FleetShares:
     - or while its fleet-wide served tokens over weight lead those of a tenant of its band queued
       at another gateway by more than `slack_tokens`: weighted shares across gateways.
     The request that must go soonest, of the tenant furthest behind, is never held, so some gateway
-    may always go. Inside one gateway the fairness policy (WDRR) orders tenants as before."""
+    may always go. An agent's step is not held for a sooner head of its tenant elsewhere: in one
+    gateway too, agents of one tenant do not wait behind each other (the agent window, shared,
+    orders them); held so, a gateway's active agents waited behind another's new agent that was
+    itself waiting for room, and the `agents` scenario through three gateways sharing state
+    kept 8% fewer steps an hour than one gateway. Inside one gateway the fairness policy (WDRR)
+    orders tenants as before."""
 
     def __init__(self, window_s: float, slack_tokens: float) -> None:
         self.window_s = window_s
@@ -166,13 +171,15 @@ class FleetShares:
         top = self._top_band_elsewhere.get(model)
         return top is not None and top > band
 
-    def holds(self, key: ShareKey, head_urgency: float, now: float) -> bool:
+    def holds(self, key: ShareKey, head_urgency: float | None, now: float) -> bool:
+        """`head_urgency` None: the head is not ordered against the tenant's heads elsewhere
+        (an agent's step, which the agent window orders)."""
         model, band, tenant = key
         others = self._waiting_elsewhere.get((model, band))
         if not others:
             return False
         sooner = self._heads.get(key)
-        if sooner is not None and sooner < head_urgency - HEAD_ORDER_SLACK_S:
+        if sooner is not None and head_urgency is not None and sooner < head_urgency - HEAD_ORDER_SLACK_S:
             return True
         behind = min((self.fleet_served((model, band, t), now) for t in others if t != tenant), default=None)
         return behind is not None and self.fleet_served(key, now) - behind > self.slack
