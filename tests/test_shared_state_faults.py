@@ -45,9 +45,11 @@ def test_fail_open_serves_each_gateways_share_while_redis_is_away_and_survives_a
     down = result["phases"]["redis down"]
     limited = down["tenants"]["limited"]
     assert "refused shared_state_unavailable" not in limited["outcomes"]
-    # each gateway its third of the limit, plus the local buckets' bursts it starts with
+    # each gateway its third of the limit (three gateways each alone would admit three times it),
+    # plus a burst each: the local buckets' (a third each) start full, so does the Redis started
+    # again empty, and requests sent near the phase's ends are answered on retries across them
     seconds = down["to_s"] - down["from_s"]
-    assert 0 < limited["admitted_per_s"] <= (gf.LIMIT_RPS * seconds + 2 * gf.LIMIT_RPS) / seconds
+    assert 0 < limited["admitted_per_s"] <= (gf.LIMIT_RPS * seconds + 3 * gf.LIMIT_RPS) / seconds
     top = _tenant(result, "redis down", "top")
     assert top["outcomes"] == {"completed": top["offered"]}
 

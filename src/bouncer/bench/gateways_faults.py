@@ -5,13 +5,14 @@ Real processes and time: a `redis-server` of its own, `bouncer engine` replicas,
 serve` gateways sharing the Redis (`on_unavailable` as asked), and the official openai SDK with
 its retries as the client. The client reaches the gateways as a Kubernetes Service spreads them:
 each request to the next gateway in turn, and a gateway that refused a connection left out for a
-few seconds (its endpoint leaves the Service when its readiness probe fails; a proxy's passive
-health check does the same on a reset connection). Two tenants:
+while (its endpoint leaves the Service when its readiness probe fails; a proxy's passive health
+check does the same on a reset connection). Two tenants:
 `limited` (a shared rate limit, offered twice it, plain requests) and `top` (priority, no limit,
 streaming long answers, so that some are mid-stream when a gateway dies).
 
 The run, in phases: shared; Redis killed (SIGKILL) for `outage_s`; Redis started again, empty;
-one gateway killed (SIGKILL). Every 0.05 s each live gateway's /metrics is read: whether it
+one gateway killed (SIGKILL). Every 0.05 s, from a process of its own, each live gateway's
+/metrics is read: whether it
 reaches Redis, how many other gateways' parts it holds, and how many requests the others have
 in flight on the replicas as it sees them. What it reports:
 - per phase and tenant, what became of every request: completed, refused (by code), a stream
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import multiprocessing
 import pathlib
 import signal
 import tempfile
@@ -49,9 +51,16 @@ LEASE_S = 3.0
 LIMIT_RPS = 10.0  # the limited tenant's shared limit (requests/s, burst as many)
 LIMITED_OFFERED_RPS = 2 * LIMIT_RPS
 TOP_RPS = 4.0
-TOP_TOKENS = 1000  # each answer this long (about 2 s): a few streams run through the gateway it kills
+# Each answer this long, about 2 s on engines at speed 1: a few streams run through the gateway
+# when it is killed. (1,000 tokens at speed 4 made the client parse 4,000 chunks a second and fall
+# seconds behind its schedule on this 2-core machine.)
+TOP_TOKENS = 250
+ENGINE_SPEED = 1.0
 CLIENT_TIMEOUT_S = 30.0
-EJECT_S = 5.0  # how long the client's spreading leaves out a gateway that refused a connection
+# A gateway that refused or reset a connection is left out this long: as a Service keeps an
+# endpoint out while its readiness probe fails (the killed one never returns in this run). With 5 s
+# it was tried again after, and a request whose SDK retries had gone on 429s failed there.
+EJECT_S = 60.0
 RID = "x-bouncer-faults-request"
 PHASES = ("shared", "redis down", "redis back", "gateway killed")
 
@@ -88,7 +97,8 @@ class Sent:
 
     rid: str
     tenant: str
-    at: float  # seconds from the run's start
+    at: float  # seconds from the run's start, when it was sent
+    late: float = 0.0  # how far behind its schedule the client sent it
     outcome: str = "lost"  # completed, refused, failed or lost (no answer by the client's timeout)
     code: str = ""
     cut: bool = False  # a stream cut by the gateway's death, then retried
@@ -100,7 +110,7 @@ class Watch:
     """What each gateway's /metrics said, every 0.05 s: (t, gateway, Redis reached, peers held,
     requests it holds in flight, requests the others have in flight on the replicas)."""
 
-    rows: list[tuple[float, int, int, int, int, int]] = field(default_factory=list)
+    rows: list[tuple] = field(default_factory=list)
 
 
 def _config(port: int, engines: list[str], redis_url: str, on_unavailable: str) -> dict:
@@ -156,23 +166,33 @@ def _metric(text: str, name: str) -> float:
     return total
 
 
-async def _watch(urls: list[str], alive: list[bool], watch: Watch, t0: float, end: float) -> None:
+async def _watch(urls: list[str], t0: float, end: float) -> list[tuple]:
     import httpx2
+
+    rows: list[tuple] = []
 
     async def poll(http, i: int) -> None:
         try:
             text = (await http.get(urls[i] + "/metrics")).text
-        except httpx2.HTTPError:
+        except httpx2.HTTPError:  # a killed gateway refuses at once
             return
-        watch.rows.append((round(time.monotonic() - t0, 2), i, int(_metric(text, "bouncer_shared_state_up")),
-                           int(_metric(text, "bouncer_shared_state_peers")),
-                           int(_metric(text, "bouncer_inflight_requests")),
-                           int(_metric(text, "bouncer_replica_inflight_elsewhere_requests"))))
+        rows.append((round(time.monotonic() - t0, 2), i, int(_metric(text, "bouncer_shared_state_up")),
+                     int(_metric(text, "bouncer_shared_state_peers")),
+                     int(_metric(text, "bouncer_inflight_requests")),
+                     int(_metric(text, "bouncer_replica_inflight_elsewhere_requests"))))
 
     async with httpx2.AsyncClient(timeout=1.0) as http:
         while time.monotonic() - t0 < end:
-            await asyncio.gather(*(poll(http, i) for i in range(len(urls)) if alive[i]))
+            await asyncio.gather(*(poll(http, i) for i in range(len(urls))))
             await asyncio.sleep(0.05)
+    return rows
+
+
+def watch_process(urls: list[str], t0: float, end: float, out: str) -> None:
+    """The watch, in a process of its own: the client's process parses thousands of streamed
+    chunks a second, and polls made there ran up to half a second late (CLOCK_MONOTONIC is one
+    clock for every process, so `t0` holds across)."""
+    pathlib.Path(out).write_text(json.dumps(asyncio.run(_watch(urls, t0, end))))
 
 
 async def _one(client, sent: Sent, stream: bool, retried: bool = False) -> None:
@@ -209,7 +229,7 @@ async def _one(client, sent: Sent, stream: bool, retried: bool = False) -> None:
 
 
 async def _drive(ports: list[int], urls: list[str], faults: Faults, redis: RedisServer,
-                 gateways: list, watch: Watch) -> tuple[list[Sent], Counter, dict]:
+                 gateways: list, watch: Watch, work: str) -> tuple[list[Sent], Counter, dict]:
     import openai
 
     attempts: Counter = Counter()  # (tenant, phase, status) of every attempt, the SDK's retries included
@@ -228,7 +248,6 @@ async def _drive(ports: list[int], urls: list[str], faults: Faults, redis: Redis
         http_client=openai.DefaultAsyncHttpx2Client(transport=_spread(ports), timeout=CLIENT_TIMEOUT_S,
                                                     event_hooks={"response": [note]}))
         for tenant in ("limited", "top")}
-    alive = [True] * len(urls)
     sent: list[Sent] = []
     tasks: list[asyncio.Task] = []
 
@@ -236,7 +255,8 @@ async def _drive(ports: list[int], urls: list[str], faults: Faults, redis: Redis
         n = 0
         while (at := n / rate) < faults.end_at:
             await asyncio.sleep(max(0.0, t0 + at - time.monotonic()))
-            s = Sent(f"{tenant}-{n}", tenant, at)
+            now = time.monotonic() - t0
+            s = Sent(f"{tenant}-{n}", tenant, now, max(0.0, now - at))
             by_rid[s.rid] = s
             sent.append(s)
             tasks.append(asyncio.create_task(_one(clients[tenant], s, stream)))
@@ -244,18 +264,22 @@ async def _drive(ports: list[int], urls: list[str], faults: Faults, redis: Redis
 
     async def faults_in_turn() -> None:
         await asyncio.sleep(max(0.0, t0 + faults.redis_down_at - time.monotonic()))
+        events["redis_down"] = time.monotonic() - t0  # SIGKILL goes at once; the wait for its end follows
         await asyncio.to_thread(redis.stop)
-        events["redis_down"] = time.monotonic() - t0
         await asyncio.sleep(max(0.0, t0 + faults.redis_back_at - time.monotonic()))
+        events["redis_back"] = time.monotonic() - t0  # started: counted from before it even answers
         await asyncio.to_thread(redis.start)  # the same port, empty
-        events["redis_back"] = time.monotonic() - t0
         await asyncio.sleep(max(0.0, t0 + faults.kill_at - time.monotonic()))
-        alive[-1] = False
         gateways[-1].send_signal(signal.SIGKILL)
         events["killed"] = time.monotonic() - t0
 
-    await asyncio.gather(load("limited", LIMITED_OFFERED_RPS, False), load("top", TOP_RPS, True), faults_in_turn(),
-                         _watch(urls, alive, watch, t0, faults.end_at + 2.0))
+    rows = pathlib.Path(work) / "watch.json"
+    watcher = multiprocessing.get_context("spawn").Process(target=watch_process,
+                                                           args=(urls, t0, faults.end_at + 2.0, str(rows)))
+    watcher.start()
+    await asyncio.gather(load("limited", LIMITED_OFFERED_RPS, False), load("top", TOP_RPS, True), faults_in_turn())
+    await asyncio.to_thread(watcher.join, 30)
+    watch.rows = [tuple(r) for r in json.loads(rows.read_text())]
     _, pending = await asyncio.wait(tasks, timeout=CLIENT_TIMEOUT_S + 5.0) if tasks else (set(), set())
     for task in pending:  # their Sent stays "lost"
         task.cancel()
@@ -309,6 +333,7 @@ def _summary(sent: list[Sent], attempts: Counter, events: dict, watch: Watch, fa
     return {"events_s": {k: round(v, 2) for k, v in events.items()}, "phases": phases,
             "attempts_5xx_not_503": errors_5xx,
             "lost": sum(s.outcome == "lost" for s in sent),
+            "client_late_s_max": round(max((s.late for s in sent), default=0.0), 3),
             # what each request that failed was answered before (the SDK's retries spent on 429s, say)
             "failed": [{"rid": s.rid, "sent_s": round(s.at, 2), "error": s.code, "answered_attempts": s.attempts}
                        for s in sent if s.outcome == "failed"],
@@ -328,7 +353,8 @@ def run(on_unavailable: str = "fail-open", faults: Faults = Faults()) -> dict:
             engines = []
             for i in range(ENGINES):
                 port = free_port()
-                procs.start(f"engine-{i}", ["engine", "--port", str(port), "--model", MODEL, "--speed", "4"])
+                procs.start(f"engine-{i}", ["engine", "--port", str(port), "--model", MODEL, "--speed",
+                                                     str(ENGINE_SPEED)])
                 engines.append(f"http://127.0.0.1:{port}")
             for url in engines:
                 wait_ok(url + "/health")
@@ -343,7 +369,7 @@ def run(on_unavailable: str = "fail-open", faults: Faults = Faults()) -> dict:
                 wait_ok(url + "/ready", timeout=60)
             time.sleep(1.0)  # they have counted each other and read each other's parts
             watch = Watch()
-            sent, attempts, events = asyncio.run(_drive(ports, urls, faults, redis, gateways, watch))
+            sent, attempts, events = asyncio.run(_drive(ports, urls, faults, redis, gateways, watch, work))
         finally:
             procs.stop()
             redis.stop()
@@ -367,7 +393,8 @@ def report(runs: list[dict]) -> str:
                 lines.append(f"| {phase} ({p['from_s']:g}-{p['to_s']:g} s) | {tenant} | {t['offered']} | {outcomes} | "
                              f"{t['streams_cut_then_retried']} | {t.get('admitted_per_s', '-')} |")
         lines += ["", f"5xx attempts other than 503: {r['attempts_5xx_not_503']}; requests lost: {r['lost']}; "
-                  f"every gateway sharing again {r['shared_again_s_after_redis_back']} s after Redis came back; "
+                  f"the client at most {r['client_late_s_max']} s behind its schedule; "
+                  f"every gateway sharing again {r['shared_again_s_after_redis_back']} s after Redis was started; "
                   f"the killed gateway's part dropped by both survivors {r['dead_gateway_dropped_s_after_kill']} s "
                   f"after the kill (lease {r['lease_s']:g} s), which held {r['killed_gateway_inflight_at_last_poll']} "
                   "requests in flight at its last poll",
