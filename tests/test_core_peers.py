@@ -130,13 +130,14 @@ def test_a_gateways_share_crosses_the_wire_unchanged():
     share = GatewayShare({"r0": ReplicaLoad(3, 40, 5, 1, ((0, 1), (2, 0)), 700, 9000, 1200, 2, 800)},
                          {("m", 0, "a"): 123.5}, {("m", 0, "a"): (0.75, 3), ("m", 1, "b"): (2.0, 1)},
                          {"m": (12.5, None, 3.0)}, {"m": [[10, 1.0, 0.5, None, None, 2.0]]},
-                         {"a": (4.5, 0), "b": (None, 2)}, {"m": [("s1", "r0", 12), ("s2", None, 0)]})
+                         {"a": (4.5, 0), "b": (None, 2)}, {"m": [("s1", "r0", 12), ("s2", None, 0)]},
+                         [(7, "r0", [2**63 + 5, 12, 13])])
     assert GatewayShare.from_wire(json.loads(json.dumps(share.to_wire()))) == share
 
 
-def test_a_part_from_a_gateway_that_shares_no_breakers_or_agents_still_reads():
+def test_a_part_from_a_gateway_that_shares_no_breakers_agents_or_prefixes_still_reads():
     wire = GatewayShare({"r0": ReplicaLoad(1)}).to_wire()
-    del wire["breakers"], wire["agents"]  # as a gateway of the version before them writes it
+    del wire["breakers"], wire["agents"], wire["prefixes"]  # as a gateway of the version before them writes it
     assert GatewayShare.from_wire(wire) == GatewayShare({"r0": ReplicaLoad(1)})
 
 
@@ -234,3 +235,26 @@ def test_a_newcomers_wait_counts_what_the_other_gateways_queue_and_their_dispatc
     assert fleet_ahead(flow, 0, "a", shares) == 3 + 10 * 2
     assert fleet_ahead(flow, 0, "c", shares) == 3 + 12  # a tenant queued nowhere: behind the whole band
     assert shares.rates_elsewhere("m") == (4.0, 5.0, 6.0)
+
+
+def test_what_one_gateway_sent_a_replica_reaches_the_others_prefix_index_once_and_only_its_new_blocks():
+    a, b = make_core(), make_core()
+    exchange([a, b], 0.0)  # sharing from now on: a logs what it is first to send
+    first = list(range(100, 110))
+    (d,) = dispatched(a.offer(info(prompt=160, block_digests=first), 0.1))
+    assert b.replicas[d.replica].prefix.match(first, 0.1) == 0
+    exchange([a, b], 0.12)
+    assert b.replicas[d.replica].prefix.match(first, 0.12) == 10  # b routes this conversation there too
+    exchange([a, b], 0.14)  # the entry is still in a's part (KEEP_S): recorded once, not again
+    assert len(b.peer_prefixes._applied) == 1
+    # the conversation's next turn extends it: only its new blocks are logged
+    (d2,) = dispatched(a.offer(info(prompt=240, block_digests=first + [110, 111, 112, 113, 114]), 0.2))
+    assert d2.replica == d.replica
+    assert [e[2] for e in a.own_share(0.2).prefixes][-1] == [110, 111, 112, 113, 114]
+    assert a.own_share(0.2 + 1.0).prefixes == []  # older than KEEP_S: out of the part
+
+
+def test_a_gateway_that_shares_nothing_logs_nothing():
+    alone = make_core()
+    dispatched(alone.offer(info(prompt=160, block_digests=list(range(10))), 0.0))
+    assert alone.sent_prefixes.recent(0.0) == []

@@ -102,7 +102,7 @@ def test_redis_gone_the_last_view_lasts_one_lease_then_each_gateway_counts_its_o
     assert after == [part] and available, (after, available)  # back by itself, the other's part read again
 
 
-def test_a_request_one_gateway_sent_is_counted_by_the_other_on_its_replica(redis_server):
+def test_a_request_one_gateway_sent_is_counted_by_the_other_on_its_replica_and_its_blocks_indexed(redis_server):
     bg = BackgroundLoop()
     engine, _, engine_cleanup = start_engine(bg, speed=1.0, num_blocks=4096, max_num_seqs=64)
     config = {
@@ -121,7 +121,8 @@ def test_a_request_one_gateway_sent_is_counted_by_the_other_on_its_replica(redis
         return len(r.inflight), r.requests_in_flight
 
     def long_request() -> None:
-        body = json.dumps({"model": "demo-llm", "prompt": "hi", "max_tokens": 400}).encode()
+        prompt = " ".join(f"word{i}" for i in range(300))  # some 20 blocks of 16 tokens
+        body = json.dumps({"model": "demo-llm", "prompt": prompt, "max_tokens": 400}).encode()
         req = urllib.request.Request(url_a + "/v1/completions", data=body, method="POST",
                                      headers={"Content-Type": "application/json", "Authorization": "Bearer t"})
         with urllib.request.urlopen(req, timeout=60) as resp:
@@ -136,6 +137,14 @@ def test_a_request_one_gateway_sent_is_counted_by_the_other_on_its_replica(redis
         poll_until(lambda: bg.call(lambda: counted_by(core_b)) == (0, 1), timeout=2, what="b counts a's request")
         sender.join(60)
         poll_until(lambda: bg.call(lambda: counted_by(core_b)) == (0, 0), timeout=2, what="b sees it end")
+        # the engine publishes no KV events: b's prefix index learns the blocks a sent from a's part
+        def indexed(gw) -> int:
+            (r,) = gw.core.replicas.values()
+            return len(r.prefix.approx)
+
+        assert bg.call(lambda: indexed(core_a)) >= 10
+        poll_until(lambda: bg.call(lambda: indexed(core_b)) == bg.call(lambda: indexed(core_a)), timeout=2,
+                   what="b indexes the blocks a sent")
         with urllib.request.urlopen(url_a.replace("/v1", "") + "/metrics", timeout=10) as resp:
             metrics = resp.read().decode()
         assert "bouncer_shared_state_peers 1.0" in metrics

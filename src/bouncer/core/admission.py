@@ -52,6 +52,7 @@ from bouncer.core.pressure import PressureSignal, pressure_refusal, reconfigured
 from bouncer.core.registry import make_fairness, make_ordering, make_router, make_saturation
 from bouncer.core.requests import STEP_OTHER, Admission, RequestInfo
 from bouncer.core.retries import first_arrival
+from bouncer.core.shared_prefixes import PeerPrefixes, SentPrefixes
 from bouncer.core.stores import Stores
 from bouncer.core.view import CoreView
 from bouncer.core.waiting_room import door
@@ -87,6 +88,7 @@ class AdmissionCore:
         self._next_lease_check = now
         self._routing_cfg = None
         self.shares = FleetShares(config.policy.fleet_shares_window_s, config.policy.fleet_shares_slack_tokens)
+        self.sent_prefixes, self.peer_prefixes = SentPrefixes(), PeerPrefixes()  # used while state is shared
         self.view = CoreView(self)
         self.reload(config, now)
 
@@ -271,7 +273,7 @@ class AdmissionCore:
             weight = tenant.weight if tenant else 1.0
             self.shares.served((adm.info.model, adm.priority, adm.tenant), adm.cost_tokens / weight, now)
         return grant(adm, replica, cached, self.models[adm.info.model], self.finaliser, self.permits, self.policy,
-                     self.stats, now)
+                     self.stats, now, self.sent_prefixes if self.shares.enabled else None)
 
     # -- lifecycle of admitted requests -------------------------------------------------------
     def started(self, request_id: str, now: float, measured: bool = True) -> None:
@@ -391,11 +393,12 @@ class AdmissionCore:
     # -- several gateways --------------------------------------------------------------------------
     def own_share(self, now: float) -> GatewayShare:
         """This gateway's part of what the gateways share (`bouncer.core.sharing`)."""
-        return sharing.own_share(self.models, self.replicas, self.shares, self.stores.backlog, self._breakers, now)
+        return sharing.own_share(self.models, self.replicas, self.shares, self.stores.backlog, self._breakers,
+                                 self.sent_prefixes, now)
 
     def peers(self, others: list[GatewayShare], now: float) -> list[Event]:
         """The other gateways' parts, as last seen (`bouncer.core.sharing`); room they freed is used."""
-        sharing.take_peers(self.models, self.replicas, self.shares, self._breakers, others, now)
+        sharing.take_peers(self.models, self.replicas, self.shares, self._breakers, self.peer_prefixes, others, now)
         return [e for ms in self.models.values() for e in self._dispatcher.run(ms, now)]
 
     # -- time --------------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ from bouncer.core.placement import Late, Placement
 from bouncer.core.pool import PoolView
 from bouncer.core.requests import Admission
 from bouncer.core.saturation import SaturationDetector, ceiling
+from bouncer.core.shared_prefixes import SentPrefixes
 
 if TYPE_CHECKING:
     from bouncer.core.finaliser import CoreStats, Finaliser
@@ -150,12 +151,17 @@ def dispatch_event(adm: Admission, replica: ReplicaState, now: float) -> Dispatc
 
 
 def grant(adm: Admission, replica: ReplicaState, cached: dict[str, int], ms: ModelState, finaliser: Finaliser,
-          permits: PermitStore, policy: Policy, stats: CoreStats, now: float) -> Dispatch:
-    """It goes to `replica` now: out of the waiting room, its permit granted there."""
+          permits: PermitStore, policy: Policy, stats: CoreStats, now: float,
+          sent: SentPrefixes | None = None) -> Dispatch:
+    """It goes to `replica` now: out of the waiting room, its permit granted there. `sent`: where
+    this gateway logs the blocks it is first to send there, while it shares state."""
     finaliser.dispatched(adm, ms.flow, now)
     blocks_and_prefill(adm, replica, cached)
     feedback.at_dispatch(adm, replica, now)
-    replica.prefix.record(adm.info.block_digests, now)
+    digests = adm.info.block_digests
+    held = replica.prefix.record(digests, now)
+    if sent is not None and held < len(digests):
+        sent.sent(replica.name, digests[held:], now)
     decode = ms.replicas[adm.decode_replica] if adm.decode_replica is not None else None
     permits.grant(adm, replica, now, policy.permit_lease_s, decode)
     if adm.session is not None and isinstance(ms.agents, WindowGate):

@@ -90,7 +90,8 @@ class GatewayShare:
     gateways' clocks need not agree) and how many it queued; and per model the rates its waiting
     room dispatched, saw leave, and completed (per second, None with too few to tell); per tenant
     its circuit breaker here (seconds it refuses the tenant or None, failures in its window); and
-    per model the agents holding a slot here (session, home replica, KV blocks)."""
+    per model the agents holding a slot here (session, home replica, KV blocks); and the blocks it
+    was first to send to a replica lately (`bouncer.core.shared_prefixes`)."""
 
     replicas: dict[str, ReplicaLoad] = field(default_factory=dict)
     served: dict[ShareKey, float] = field(default_factory=dict)
@@ -99,6 +100,7 @@ class GatewayShare:
     bands: dict[str, list[list]] = field(default_factory=dict)  # model -> its recent bands (`BandSLOs.own`)
     breakers: dict[str, tuple[float | None, int]] = field(default_factory=dict)
     agents: dict[str, list[tuple[str, str | None, int]]] = field(default_factory=dict)
+    prefixes: list[tuple[int, str, list[int]]] = field(default_factory=list)
 
     def to_wire(self) -> dict:
         return {"replicas": {name: load.to_wire() for name, load in self.replicas.items()},
@@ -106,7 +108,8 @@ class GatewayShare:
                 "queued": [[m, b, t, left, n] for (m, b, t), (left, n) in self.queued.items()],
                 "rates": {m: list(r) for m, r in self.rates.items()}, "bands": self.bands,
                 "breakers": [[t, wait, n] for t, (wait, n) in self.breakers.items()],
-                "agents": {m: [list(a) for a in agents] for m, agents in self.agents.items()}}
+                "agents": {m: [list(a) for a in agents] for m, agents in self.agents.items()},
+                "prefixes": [[seq, replica, digests] for seq, replica, digests in self.prefixes]}
 
     @classmethod
     def from_wire(cls, raw: dict) -> GatewayShare:
@@ -121,7 +124,9 @@ class GatewayShare:
                    # absent from a gateway of a version before they were shared: none
                    {str(t): (rate(wait), int(n)) for t, wait, n in raw.get("breakers", ())},
                    {str(m): [(str(s), None if home is None else str(home), int(blocks)) for s, home, blocks in agents]
-                    for m, agents in raw.get("agents", {}).items()})
+                    for m, agents in raw.get("agents", {}).items()},
+                   [(int(seq), str(replica), [int(d) for d in digests])
+                    for seq, replica, digests in raw.get("prefixes", ())])
 
 
 class FleetShares:

@@ -33,16 +33,21 @@ class ApproxPrefixIndex:
         """Leading blocks of `digests` believed cached here."""
         return leading_run(digests, self._blocks)
 
-    def record(self, digests: list[int]) -> None:
-        """The prompt was sent here: its blocks become the most recently used."""
+    def record(self, digests: list[int]) -> int:
+        """The prompt was sent here: its blocks become the most recently used. Returns how many
+        of its leading blocks were held already (the rest are new here)."""
         blocks = self._blocks
-        for d in digests:
+        held = None
+        for i, d in enumerate(digests):
             if d in blocks:
                 blocks.move_to_end(d)
             else:
                 blocks[d] = None
+                if held is None:
+                    held = i
         while len(blocks) > self.capacity:
             blocks.popitem(last=False)
+        return len(digests) if held is None else held
 
 
 class ReplicaPrefixIndex:
@@ -77,10 +82,11 @@ class ReplicaPrefixIndex:
             return self.precise.match(digests)  # type: ignore[union-attr]
         return self.approx.match(digests)
 
-    def record(self, digests: list[int], now: float) -> None:
-        self.approx.record(digests)
+    def record(self, digests: list[int], now: float) -> int:
+        """What was sent here; returns how many of its leading blocks the index held already."""
         if self.unanswered_since is None:
             self.unanswered_since = now
+        return self.approx.record(digests)
 
     def _precise(self) -> PreciseIndex:
         if self.precise is None:

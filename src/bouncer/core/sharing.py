@@ -9,13 +9,16 @@ from bouncer.core.breaker import CircuitBreaker
 from bouncer.core.fleet import ReplicaState
 from bouncer.core.model_state import ModelState
 from bouncer.core.peers import NO_LOAD, FleetShares, GatewayShare, ReplicaLoad, urgency
+from bouncer.core.shared_prefixes import PeerPrefixes, SentPrefixes
 
 
 def own_share(models: dict[str, ModelState], replicas: dict[str, ReplicaState], shares: FleetShares,
-              backlog: BacklogStore, breakers: dict[str, CircuitBreaker], now: float) -> GatewayShare:
+              backlog: BacklogStore, breakers: dict[str, CircuitBreaker], sent: SentPrefixes,
+              now: float) -> GatewayShare:
     """Its load on each replica, what it served per tenant and band, the heads and counts it
     queues, its waiting room's rates, its bands' recent SLOs, its tenants' breakers (those
-    refusing or counting failures) and the agents holding a slot here."""
+    refusing or counting failures), the agents holding a slot here, and the blocks it was
+    first to send to each replica lately."""
     queued = {(m, band.priority, t): (urgency(band.queues[t].head()) - now, band.queues[t].count)  # type: ignore[arg-type]
               for m, ms in models.items() for band in ms.flow.bands.values() for t in band.active}
     rates = {m: (backlog.dispatch_rate(m, now), backlog.departure_rate(m, now), backlog.completion_rate(m, now))
@@ -28,14 +31,15 @@ def own_share(models: dict[str, ModelState], replicas: dict[str, ReplicaState], 
             ms.agents.expire(now, ms.flow.waiting_sessions)  # an agent idled out here no longer holds a slot
             agents[m] = ms.agents.window.own_agents()
     return GatewayShare({name: r.own_load() for name, r in replicas.items()}, shares.own(now), queued, rates, bands,
-                        tripped, agents)
+                        tripped, agents, sent.recent(now))
 
 
 def take_peers(models: dict[str, ModelState], replicas: dict[str, ReplicaState], shares: FleetShares,
-               breakers: dict[str, CircuitBreaker], others: list[GatewayShare], now: float) -> None:
+               breakers: dict[str, CircuitBreaker], prefixes: PeerPrefixes, others: list[GatewayShare],
+               now: float) -> None:
     """The others' parts, as last seen, in every replica's figures, the fleet-wide order, the
-    bands' SLOs, the tenants' breakers and the agent windows; from now on the dispatch loop
-    follows them (`FleetShares.enabled`)."""
+    bands' SLOs, the tenants' breakers, the agent windows and the prefix indexes; from now on
+    the dispatch loop follows them (`FleetShares.enabled`) and this gateway logs what it sends."""
     shares.enabled = True
     loads: dict[str, ReplicaLoad] = {}
     for share in others:
@@ -48,6 +52,8 @@ def take_peers(models: dict[str, ModelState], replicas: dict[str, ReplicaState],
         ms.band_slos.seen_elsewhere([b for share in others for b in share.bands.get(m, ())], now)
         if ms.agents.window is not None:
             ms.agents.window.seen_elsewhere([a for share in others for a in share.agents.get(m, ())])
+    for share in others:
+        prefixes.take(share.prefixes, replicas, now)
     for tenant, breaker in breakers.items():  # the longest any other refuses it for; their failures summed
         states = [share.breakers[tenant] for share in others if tenant in share.breakers]
         waits = [w for w, _ in states if w is not None]
