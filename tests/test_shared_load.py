@@ -58,8 +58,7 @@ def test_each_gateway_reads_the_others_parts_and_a_silent_gateways_part_ends_wit
         await asyncio.sleep(0.3)
         views = (seen_a[-1][1], seen_b[-1][1])
         # a dies without a word: its tasks stop, nothing is removed from Redis
-        a._task.cancel()
-        a._sync_task.cancel()
+        a.stop_tasks()
         died = time.monotonic()
         await asyncio.sleep(LEASE_S + 0.5)
         gone_at = next(at for at, others in seen_b if at > died and not others)
