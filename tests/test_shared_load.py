@@ -89,7 +89,7 @@ def test_redis_gone_the_last_view_lasts_one_lease_then_each_gateway_counts_its_o
         await asyncio.sleep(LEASE_S + 1.2)  # failing syncs are retried every PROBE_S while degraded
         dropped = [at - stopped for at, others in seen_a if at > stopped and not others]
         redis_server.start()
-        await asyncio.sleep(2.0)  # the presence probe (every 0.5 s) finds it, then the next sync reads
+        await asyncio.sleep(2.0)  # the presence probe (every PROBE_S) finds it, then a sync reads at once
         after = seen_a[-1][1]
         await a.close()
         await b.close()
