@@ -61,15 +61,22 @@ def test_the_cli_refuses_what_it_cannot_run():
     assert out.returncode != 0 and "has none" in out.stderr
 
 
-def test_the_live_benchmarks_shares_count_tokens_of_requests_completed_in_the_window():
+def test_the_live_benchmarks_shares_count_the_tokens_served_within_the_window():
     from bouncer.bench.gateways_contention import band_shares
     from bouncer.sim.fleet import SimRequest
 
-    def req(tenant, prompt, output, finished, outcome="completed"):
-        return SimRequest(rid=f"{tenant}{finished}", tenant=tenant, priority=0, arrival=0.0, prompt_len=prompt,
-                          output_len=output, max_tokens=output, block_digests=[], ttft_slo=None, tpot_slo=None,
-                          timeout_s=60, max_retries=0, finished_at=finished, outcome=outcome)
+    def req(tenant, prompt, output, first_token, finished, outcome="completed"):
+        return SimRequest(rid=f"{tenant}{first_token}-{finished}", tenant=tenant, priority=0, arrival=0.0,
+                          prompt_len=prompt, output_len=output, max_tokens=output, block_digests=[], ttft_slo=None,
+                          tpot_slo=None, timeout_s=60, max_retries=0, first_token_at=first_token,
+                          finished_at=finished, outcome=outcome)
 
-    requests = [req("steady", 90, 10, 25.0), req("bursty", 250, 50, 30.0), req("bursty", 1000, 0, 5.0),
-                req("bursty", 1000, 0, 30.0, outcome="refused"), req("top", 1000, 0, 30.0)]
-    assert band_shares(requests, ("steady", "bursty"), 20.0, 40.0) == {"steady": 0.25, "bursty": 0.75}
+    requests = [
+        req("steady", 90, 10, 25.0, 25.0),  # all of it in the window: 100
+        req("bursty", 200, 100, 10.0, 30.0),  # its prompt before; half its answer within: 50
+        req("bursty", 300, 200, 35.0, 55.0),  # its prompt and a quarter of its answer within: 350
+        req("bursty", 1000, 0, 5.0, 5.0),  # before the window
+        req("bursty", 1000, 0, 30.0, 30.0, outcome="refused"),  # not served
+        req("top", 1000, 0, 30.0, 30.0),  # not one of the two
+    ]
+    assert band_shares(requests, ("steady", "bursty"), 20.0, 40.0) == {"steady": 0.2, "bursty": 0.8}

@@ -323,6 +323,10 @@ class Policy(_Strict):
     max_inflight_per_replica: int = Field(1024, ge=1)
     fairness: str = Field("wdrr", description="wdrr | round-robin (bouncer.core.registry)")
     wdrr_quantum_tokens: int = Field(4096, ge=1)
+    fair_hold_s: float = Field(5.0, ge=0, description="a tenant whose turn it is and whose queue head finds no "
+                                                      "replica with room holds its band's room for that long: "
+                                                      "the others do not take it with smaller requests meanwhile "
+                                                      "(0: they always may)")
     fleet_shares_window_s: float = Field(10.0, gt=0, description="with several gateways sharing state: tenants' "
                                                                  "served tokens decay with this time constant, so "
                                                                  "weighted shares across gateways hold over the "
@@ -770,6 +774,7 @@ policy:
   kv_resume_threshold: 0.85    # ...until it falls below this (hysteresis)
   prefill_busy_tokens: 8192    # queued prefill that makes a replica full for now (about one engine step)
   fairness: wdrr               # wdrr (tokens) | round-robin
+  fair_hold_s: 5               # a tenant's turn whose head finds no room holds it that long from smaller requests
   ordering: edf                # edf (earliest TTFT deadline) | fcfs
   default_ttl_s: 30
   refuse_infeasible: true      # 429 deadline_infeasible when queue wait + predicted TTFT > the TTFT SLO

@@ -39,11 +39,11 @@ def flow_with(fairness_name: str, tenants: dict[str, int], weights: dict[str, fl
     return flow
 
 
-def serve(flow: FlowQueues, picks: int, skip: set[str] = frozenset()) -> Counter:
+def serve(flow: FlowQueues, picks: int, skip: set[str] = frozenset(), hold: bool = False) -> Counter:
     served: Counter = Counter()
     band = flow.bands[0]
     for _ in range(picks):
-        q = flow.fairness.pick(band, set(skip))
+        q = flow.fairness.pick(band, set(skip), hold)
         if q is None:
             break
         head = q.head()
@@ -64,6 +64,19 @@ class TestFairness:
         counts = {t: band.queues[t].count for t in band.queues}
         flow.fairness.pick(band, set())
         assert {t: band.queues[t].count for t in band.queues} == counts  # pick changes no queue
+
+    def test_a_held_turn_lets_others_go_only_on_what_they_hold(self, name):
+        # `a` had its turn and waits for room: with `hold`, no new turn is dealt to the others
+        flow = flow_with(name, {"a": 100, "b": 100})
+        band = flow.bands[0]
+        first = flow.fairness.pick(band, set())
+        assert first is not None
+        served = serve(flow, 100, skip={first.tenant}, hold=True)
+        assert served[first.tenant] == 0
+        # b goes at most on the credit it was dealt before: under a quantum's worth of requests
+        assert sum(served.values()) * 110 <= QUANTUM
+        assert flow.fairness.pick(band, {first.tenant}, hold=True) is None  # a quantum's worth, then it waits
+        assert flow.fairness.pick(band, {first.tenant}) is not None  # not held: the others go
 
     def test_equal_weights_and_costs_get_equal_service_and_none_starves(self, name):
         # equal within one turn's worth: a request (round-robin) or a quantum of tokens (deficit

@@ -18,7 +18,7 @@ import pathlib
 import tempfile
 import time
 
-from bouncer.bench.goodput import fleet_capacity
+from bouncer.bench.goodput import fleet_capacity, tokens_served
 from bouncer.bench.live import (
     LiveFleet,
     Processes,
@@ -44,14 +44,10 @@ LOAD = 2.0
 
 
 def band_shares(requests: list[SimRequest], tenants: tuple[str, ...], lo: float, hi: float) -> dict[str, float]:
-    """Each tenant's share of the prompt and output tokens the named tenants had served, among
-    the requests that completed within [lo, hi) of the run."""
-    served = dict.fromkeys(tenants, 0)
-    for r in requests:
-        if r.tenant in served and r.outcome == "completed" and lo <= r.finished_at < hi:
-            served[r.tenant] += r.prompt_len + r.output_len
-    total = sum(served.values()) or 1
-    return {t: round(n / total, 4) for t, n in served.items()}
+    """Each of the named tenants' share of the tokens they were served within [lo, hi)."""
+    served = tokens_served(requests, lo, hi)
+    total = sum(served.get(t, 0.0) for t in tenants) or 1.0
+    return {t: round(served.get(t, 0.0) / total, 4) for t in tenants}
 
 
 def _gateways(procs: Processes, n: int, config: dict, redis: RedisServer | None) -> list[str]:

@@ -3,7 +3,8 @@
 A band dispatches only while the pool's saturation is under its ceiling, and one that still has
 queued work blocks the bands below it: their requests would take the room it waits for. Inside a
 band the fairness policy picks the tenant; that tenant's head goes where placement puts it, or
-waits, and the next tenant may still fit. An agent's step that its window or its home replica
+waits, and the next tenant may still fit, on the credit it holds while that head waits for room
+(`policy.fair_hold_s`). An agent's step that its window or its home replica
 holds lets another agent's go (`next_agent_step`).
 """
 
@@ -22,7 +23,7 @@ from bouncer.core.model_state import ModelState
 from bouncer.core.outcomes import Dispatch, Event
 from bouncer.core.peers import FleetShares, urgency
 from bouncer.core.permits import PermitStore
-from bouncer.core.placement import Late, Placement
+from bouncer.core.placement import Held, Late, Placement
 from bouncer.core.pool import PoolView
 from bouncer.core.requests import Admission
 from bouncer.core.saturation import SaturationDetector, ceiling
@@ -33,7 +34,7 @@ if TYPE_CHECKING:
 
 AGENT_LOOKAHEAD = 16  # queued requests of a tenant looked at for an agent step that may go now
 
-Placed = tuple[ReplicaState, dict[str, int]] | Late | None
+Placed = tuple[ReplicaState, dict[str, int]] | Late | Held
 
 
 class Dispatcher:
@@ -69,13 +70,14 @@ class Dispatcher:
             limit = ceiling(self.placement.policy, band.priority)
             protected = ms.band_slos.protected(band.priority, now)  # the same for every request of the band
             skip: set[str] = set()
+            hold = False  # a tenant whose turn it was waits for room for its head (`_holds_room`)
             shared = self.shares.enabled
             if shared and self.shares.outranked(band.model, band.priority):
                 break  # a higher band waits at another gateway: this one and those below leave it the room
             while band.count:
                 if self.saturation.saturation(view) >= limit:
                     break
-                q = flow.fairness.pick(band, skip)
+                q = flow.fairness.pick(band, skip, hold)
                 if q is None:
                     break
                 adm = q.head()
@@ -98,8 +100,10 @@ class Dispatcher:
                 if isinstance(placed, Late):
                     events.extend(self.on_late(adm, now, placed.by_s))
                     continue
-                if placed is None:
-                    skip.add(q.tenant)  # its head waits; other tenants may still fit
+                if isinstance(placed, Held):
+                    skip.add(q.tenant)  # its head waits; other tenants may still fit...
+                    if placed is Held.ROOM and not agent_step:
+                        hold = self._holds_room(adm, now) or hold  # ...on credit they hold
                     continue
                 flow.fairness.charge(band, q, adm)
                 replica, cached = placed
@@ -108,6 +112,16 @@ class Dispatcher:
             if band.count:
                 break
         return events
+
+    def _holds_room(self, adm: Admission, now: float) -> bool:
+        """Whether `adm`, its tenant's turn, still holds its band's room while it waits for it
+        (`policy.fair_hold_s` since it first found none): the others of the band then go only on
+        credit they hold (`FairnessPolicy.pick`). Bounded, as a head may need more room than its
+        replicas will free soon (a prompt whose prefill alone nearly fills a higher band's TTFT
+        reserve), and the band's other tenants would wait on it meanwhile."""
+        if adm.room_wait_since is None:
+            adm.room_wait_since = now
+        return now - adm.room_wait_since < self.placement.policy.fair_hold_s
 
     def next_agent_step(self, ms: ModelState, q: TenantQueue, agents: WindowGate, view: PoolView,
                         protected: tuple[float, float]) -> tuple[Admission, Placed] | None:
@@ -127,7 +141,7 @@ class Dispatcher:
             if adm.session is None or agents.may_dispatch(adm, view.now, waiting):
                 placed = self.placement.place(ms.cfg, ms.replicas, adm, view, protected, agents,
                                               self.acts_on_late(adm))
-                if placed is not None:
+                if not isinstance(placed, Held):
                     return adm, placed
             in_line = in_line or newcomer
         return None

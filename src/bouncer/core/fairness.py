@@ -1,12 +1,15 @@
 """Fairness policies: which tenant of a band dispatches next, and the credit they keep.
 
-Contract (checked for each in tests/conformance): `pick(band, skip)` returns a queue of the band
-that is non-empty and not in `skip`, or None when there is none; it may rotate the band's turn
-order and move credit, but changes no queue. `charge(band, queue, adm)` is called when `adm`, that
-queue's head, is dispatched; `idle(band, queue)` when the queue empties. Policies keep no state of
-their own: what they need between calls (a tenant's deficit) lives in a `CreditStore`, keyed by
-(model, band, tenant), so that a shared store can hold it for several gateways. Registered by name
-in `bouncer.core.registry`; docs/policies/fairness-*.md.
+Contract (checked for each in tests/conformance): `pick(band, skip, hold)` returns a queue of the
+band that is non-empty and not in `skip`, or None when there is none; it may rotate the band's turn
+order and move credit, but changes no queue. With `hold`, a tenant of `skip` had its turn and waits
+for room for its head: the policy may then return None although others could go, so that the room
+the head needs is not taken, bit by bit as it frees, by smaller requests of the others.
+`charge(band, queue, adm)` is called when `adm`, that queue's head, is dispatched; `idle(band,
+queue)` when the queue empties. Policies keep no state of their own: what they need between calls
+(a tenant's deficit) lives in a `CreditStore`, keyed by (model, band, tenant), so that a shared
+store can hold it for several gateways. Registered by name in `bouncer.core.registry`;
+docs/policies/fairness-*.md.
 """
 
 from __future__ import annotations
@@ -47,20 +50,23 @@ class LocalCredit:
 class FairnessPolicy(Protocol):
     name: str
 
-    def pick(self, band: Band, skip: set[str]) -> TenantQueue | None: ...
+    def pick(self, band: Band, skip: set[str], hold: bool = False) -> TenantQueue | None: ...
     def charge(self, band: Band, queue: TenantQueue, adm: Admission) -> None: ...
     def idle(self, band: Band, queue: TenantQueue) -> None: ...
 
 
 class RoundRobin:
-    """Equal turns: each tenant with waiting work dispatches one request per turn."""
+    """Equal turns: each tenant with waiting work dispatches one request per turn. A tenant
+    whose turn it is and whose head waits for room (`hold`) keeps the turn: no one else goes."""
 
     name = "round-robin"
 
     def __init__(self, credit: CreditStore | None = None, quantum_tokens: int = 0) -> None:
         pass  # keeps no credit: the band's turn order is all it needs
 
-    def pick(self, band: Band, skip: set[str]) -> TenantQueue | None:
+    def pick(self, band: Band, skip: set[str], hold: bool = False) -> TenantQueue | None:
+        if hold:
+            return None
         for name in band.active:
             if name not in skip:
                 return band.queues[name]
@@ -86,7 +92,14 @@ class WeightedDeficitRoundRobin:
         self.credit = credit
         self.quantum = quantum_tokens
 
-    def pick(self, band: Band, skip: set[str]) -> TenantQueue | None:
+    def pick(self, band: Band, skip: set[str], hold: bool = False) -> TenantQueue | None:
+        """With `hold` (a tenant in `skip` had its turn and waits for room), the others spend
+        only the credit they hold: no turn deals more until it has gone, so they get at most a
+        quantum past it. Without this, their smaller requests take each bit of room as it frees
+        and the tenant whose head needs more never gets its share: in the `gateways` scenario at
+        load 2, band 0's steady tenant was dispatched 36% of its band's tokens through the burst
+        of the other, whose heads were half the size (the smaller the request, the sooner it fits
+        a prefill queue kept short for the top band)."""
         candidates = [n for n in band.active if n not in skip]
         if not candidates:
             return None
@@ -103,9 +116,13 @@ class WeightedDeficitRoundRobin:
                 key = (model, priority, name)
                 if head is not None and get(key) >= head.cost_tokens:
                     return q
+                if hold:
+                    continue
                 add(key, self.quantum * q.weight)
                 active.remove(name)
                 active.append(name)
+            if hold:
+                return None
 
     def charge(self, band: Band, queue: TenantQueue, adm: Admission) -> None:
         self.credit.add((band.model, band.priority, queue.tenant), -adm.cost_tokens)

@@ -37,6 +37,13 @@ class Room(enum.Enum):
     NO = "no"
 
 
+class Held(enum.Enum):
+    """Why a request is held (`Placement.place`)."""
+
+    ROOM = "room"  # no replica has room for it now: room frees as work drains
+    RULE = "rule"  # a rule lets others go first: long requests while the pool is under pressure, KV shares, agents
+
+
 @dataclass(frozen=True, slots=True)
 class Late:
     """No replica can serve the request within its TTFT deadline."""
@@ -157,15 +164,15 @@ class Placement:
 
     def place(self, model: ModelConfig, replicas: dict[str, ReplicaState], adm: Admission, view: PoolView,
               protected: tuple[float, float], agents: AgentGate, acts_on_late: bool
-              ) -> tuple[ReplicaState, dict[str, int]] | Late | None:
+              ) -> tuple[ReplicaState, dict[str, int]] | Late | Held:
         """A replica for `adm` (with the prompt tokens each replica holds), Late when none would
         start it in time (waiting would not help: the deadline nears as fast as the work ahead
-        drains), or None: hold it. In time: its predicted TTFT there, with what is queued there,
+        drains), or Held: hold it, and why. In time: its predicted TTFT there, with what is queued there,
         is within its deadline. (Not times its band's margin, `bouncer.core.ttft_margin`: that
         refused requests with a fair chance, costing up to 10% of goodput in the simulator.)"""
         now = view.now
         if not self._pool_admits(model, replicas, adm, view):
-            return None
+            return Held.RULE
         cached = {r.name: cached_tokens(r, adm, now) for r in replicas.values()}
         candidates: list[ReplicaState] = []
         # usable, but full for now (prefill queue, KV headroom): only a replica
@@ -189,10 +196,10 @@ class Placement:
         if adm.session is not None and agents.enabled:
             where = agents.where(adm, candidates, backlogged, cached, replicas)  # type: ignore[union-attr]
             if where is None:
-                return None
+                return Held.RULE
             candidates, backlogged = where
         if not candidates:
-            return None
+            return Held.ROOM
         if adm.ttft_deadline is not None and candidates[0].latency is not None:
             budget = adm.ttft_deadline - now
             ttfts = [r.predict_ttft(adm, adm.info.prompt_tokens - cached[r.name]) or 0.0 for r in candidates]
@@ -209,7 +216,7 @@ class Placement:
         if model.disaggregated:
             decode = self._decode_worker(replicas, adm, chosen, cached, view)
             if decode is None:
-                return None
+                return Held.ROOM
             adm.decode_replica = decode.name
         return chosen, cached
 

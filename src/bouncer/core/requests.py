@@ -71,6 +71,7 @@ class Admission:
     lease_until: float = 0.0  # its permit is reclaimed after this unless the shell renews it
     rate_charge: int = 0  # tokens its tenant's rate limits were charged (refunded if it is refused later)
     breaker_probe: bool = False  # the one request a half-open breaker let through: its outcome decides
+    room_wait_since: float | None = None  # when, at its tenant's turn, it first found no replica with room
     # uncorrected predictions made at dispatch, to correct the replica's predictor by
     ttft_raw: float | None = None
     ttft_predicted: float | None = None  # corrected: what the core decided by (bouncer.core.ttft_margin)
