@@ -84,6 +84,31 @@ def test_a_tenant_served_ahead_of_one_queued_elsewhere_is_held_until_that_one_ca
     assert not shares.holds(ahead, head_urgency=1.0, now=0.0)
 
 
+def test_a_tenant_ahead_of_one_waiting_for_room_elsewhere_is_held_by_any_lead():
+    # the other gateway's steady tenant had its turn and its head waits for room: the bursty
+    # tenant here, served more, does not take that room with its smaller requests meanwhile
+    shares = FleetShares(window_s=10.0, slack_tokens=8192)
+    ahead, behind = ("m", 0, "bursty"), ("m", 0, "steady")
+    shares.served(ahead, 1500, now=0.0)
+    waiting = GatewayShare(served={behind: 1000.0}, queued={behind: (5.0, 1)}, room=[behind])
+    shares.seen([waiting], now=0.0)
+    assert shares.holds(ahead, head_urgency=1.0, now=0.0)  # leads by 500, under the slack
+    assert not shares.holds(behind, head_urgency=1.0, now=0.0)  # the one behind is never held so
+    shares.seen([GatewayShare(served={behind: 2000.0}, queued={behind: (5.0, 1)}, room=[behind])], now=0.0)
+    assert not shares.holds(ahead, head_urgency=1.0, now=0.0)  # not ahead of it
+    shares.seen([GatewayShare(served={behind: 1000.0}, queued={behind: (5.0, 1)})], now=0.0)
+    assert not shares.holds(ahead, head_urgency=1.0, now=0.0)  # its head no longer waits for room
+
+
+def test_a_head_that_had_its_turn_and_waits_for_room_is_in_the_share_for_the_hold():
+    core = make_core(tenants=[tenant("big"), tenant("small")], replicas=1, kv_blocks=200,
+                     policy={"fair_hold_s": 2.0, "telemetry": {"staleness_s": 1e9}})
+    assert dispatched(core.offer(info("small", prompt=1500, max_tokens=10), 0.0))  # most of the KV
+    assert not dispatched(core.offer(info("big", prompt=2000, max_tokens=10), 0.0))  # no room for it
+    assert core.own_share(0.5).room == [("m", 0, "big")]
+    assert core.own_share(2.5).room == []  # held no longer than fair_hold_s
+
+
 def test_served_tokens_decay_with_the_window_and_fade_out_of_the_share():
     shares = FleetShares(window_s=10.0, slack_tokens=0)
     key = ("m", 0, "a")
@@ -93,12 +118,15 @@ def test_served_tokens_decay_with_the_window_and_fade_out_of_the_share():
     assert key not in shares.own(100.0)  # decayed below a token: dropped
 
 
-@pytest.mark.parametrize("slack, heavy_share", [(200, 0.75), (1e12, 0.5)])
-def test_weighted_shares_follow_weights_across_gateways(slack, heavy_share):
+@pytest.mark.parametrize("slack, hold_s, heavy_share", [(200, 5.0, 0.75), (1e12, 5.0, 0.75), (200, 0.0, 0.75),
+                                                         (1e12, 0.0, 0.5)])
+def test_weighted_shares_follow_weights_across_gateways(slack, hold_s, heavy_share):
     """A weight-3 tenant on one gateway and a weight-1 tenant on another, both always queued on
-    one replica that takes one request at a time: served tokens split 3:1 (each gateway also
-    seeing its own completions first: without the shares, a slack no lead reaches, 1:1)."""
-    policy = {"max_inflight_per_replica": 1, "fleet_shares_slack_tokens": slack}
+    one replica that takes one request at a time: served tokens split 3:1, by either hold (a
+    lead past the slack, or any lead over a tenant whose head waits for room elsewhere); with
+    neither (a slack no lead reaches, no hold for room), 1:1, each gateway seeing its own
+    completions first."""
+    policy = {"max_inflight_per_replica": 1, "fleet_shares_slack_tokens": slack, "fair_hold_s": hold_s}
     tenants = [tenant("heavy", weight=3.0), tenant("light", weight=1.0)]
     cores = [make_core(replicas=1, policy=policy, tenants=tenants),
              make_core(replicas=1, policy=policy, tenants=tenants)]
@@ -131,13 +159,13 @@ def test_a_gateways_share_crosses_the_wire_unchanged():
                          {("m", 0, "a"): 123.5}, {("m", 0, "a"): (0.75, 3), ("m", 1, "b"): (2.0, 1)},
                          {"m": (12.5, None, 3.0)}, {"m": [[10, 1.0, 0.5, None, None, 2.0]]},
                          {"a": (4.5, 0), "b": (None, 2)}, {"m": [("s1", "r0", 12), ("s2", None, 0)]},
-                         [(7, "r0", [2**63 + 5, 12, 13])])
+                         [(7, "r0", [2**63 + 5, 12, 13])], [("m", 0, "a")])
     assert GatewayShare.from_wire(json.loads(json.dumps(share.to_wire()))) == share
 
 
-def test_a_part_from_a_gateway_that_shares_no_breakers_agents_or_prefixes_still_reads():
+def test_a_part_from_a_gateway_that_shares_no_breakers_agents_prefixes_or_room_still_reads():
     wire = GatewayShare({"r0": ReplicaLoad(1)}).to_wire()
-    del wire["breakers"], wire["agents"], wire["prefixes"]  # as a gateway of the version before them writes it
+    del wire["breakers"], wire["agents"], wire["prefixes"], wire["room"]  # as a gateway before them writes it
     assert GatewayShare.from_wire(wire) == GatewayShare({"r0": ReplicaLoad(1)})
 
 

@@ -394,7 +394,7 @@ class AdmissionCore:
     def own_share(self, now: float) -> GatewayShare:
         """This gateway's part of what the gateways share (`bouncer.core.sharing`)."""
         return sharing.own_share(self.models, self.replicas, self.shares, self.stores.backlog, self._breakers,
-                                 self.sent_prefixes, now)
+                                 self.sent_prefixes, self.policy.fair_hold_s, now)
 
     def peers(self, others: list[GatewayShare], now: float) -> list[Event]:
         """The other gateways' parts, as last seen (`bouncer.core.sharing`); room they freed is used."""

@@ -97,9 +97,10 @@ class WeightedDeficitRoundRobin:
         only the credit they hold: no turn deals more until it has gone, so they get at most a
         quantum past it. Without this, their smaller requests take each bit of room as it frees
         and the tenant whose head needs more never gets its share: in the `gateways` scenario at
-        load 2, band 0's steady tenant was dispatched 36% of its band's tokens through the burst
-        of the other, whose heads were half the size (the smaller the request, the sooner it fits
-        a prefill queue kept short for the top band)."""
+        load 2 on the live benchmark's engines (simulated), band 0's steady tenant was served 33%
+        of its band's tokens through the other's burst, whose requests that went were half the
+        size of its own (the smaller the prompt, the sooner it fits a prefill queue kept short for
+        the top band); held, 47%."""
         candidates = [n for n in band.active if n not in skip]
         if not candidates:
             return None

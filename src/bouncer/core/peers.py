@@ -91,7 +91,8 @@ class GatewayShare:
     room dispatched, saw leave, and completed (per second, None with too few to tell); per tenant
     its circuit breaker here (seconds it refuses the tenant or None, failures in its window); and
     per model the agents holding a slot here (session, home replica, KV blocks); and the blocks it
-    was first to send to a replica lately (`bouncer.core.shared_prefixes`)."""
+    was first to send to a replica lately (`bouncer.core.shared_prefixes`); and the tenants whose
+    head had its turn here and waits for room (`Dispatcher._holds_room`)."""
 
     replicas: dict[str, ReplicaLoad] = field(default_factory=dict)
     served: dict[ShareKey, float] = field(default_factory=dict)
@@ -101,6 +102,7 @@ class GatewayShare:
     breakers: dict[str, tuple[float | None, int]] = field(default_factory=dict)
     agents: dict[str, list[tuple[str, str | None, int]]] = field(default_factory=dict)
     prefixes: list[tuple[int, str, list[int]]] = field(default_factory=list)
+    room: list[ShareKey] = field(default_factory=list)  # tenants whose head waits for room here (its turn)
 
     def to_wire(self) -> dict:
         return {"replicas": {name: load.to_wire() for name, load in self.replicas.items()},
@@ -109,7 +111,8 @@ class GatewayShare:
                 "rates": {m: list(r) for m, r in self.rates.items()}, "bands": self.bands,
                 "breakers": [[t, wait, n] for t, (wait, n) in self.breakers.items()],
                 "agents": {m: [list(a) for a in agents] for m, agents in self.agents.items()},
-                "prefixes": [[seq, replica, digests] for seq, replica, digests in self.prefixes]}
+                "prefixes": [[seq, replica, digests] for seq, replica, digests in self.prefixes],
+                "room": [list(key) for key in self.room]}
 
     @classmethod
     def from_wire(cls, raw: dict) -> GatewayShare:
@@ -126,7 +129,8 @@ class GatewayShare:
                    {str(m): [(str(s), None if home is None else str(home), int(blocks)) for s, home, blocks in agents]
                     for m, agents in raw.get("agents", {}).items()},
                    [(int(seq), str(replica), [int(d) for d in digests])
-                    for seq, replica, digests in raw.get("prefixes", ())])
+                    for seq, replica, digests in raw.get("prefixes", ())],
+                   [(str(m), int(b), str(t)) for m, b, t in raw.get("room", ())])
 
 
 class FleetShares:
@@ -137,7 +141,12 @@ class FleetShares:
       just finished sees the room first and fills it again, and a gateway with less in flight is
       served ever less (measured: one of three gateways got a sixth of the others' dispatches);
     - or while its fleet-wide served tokens over weight lead those of a tenant of its band queued
-      at another gateway by more than `slack_tokens`: weighted shares across gateways.
+      at another gateway by more than `slack_tokens`: weighted shares across gateways;
+    - or, by any amount, those of a tenant of its band whose head had its turn at another gateway
+      and waits there for room: as in one gateway (`FairnessPolicy.pick`'s hold), its smaller
+      requests would otherwise take that room as it frees. Measured on the `gateways` scenario
+      with the live benchmark's engines, each tenant on its own gateway: see
+      docs/benchmarks.md, "Several gateways".
     The request that must go soonest, of the tenant furthest behind, is never held, so some gateway
     may always go. An agent's step is not held for a sooner head of its tenant elsewhere: in one
     gateway too, agents of one tenant do not wait behind each other (the agent window, shared,
@@ -157,6 +166,7 @@ class FleetShares:
         self._top_band_elsewhere: dict[str, int] = {}  # model -> the highest band queued at another gateway
         self._counts: dict[tuple[str, int], list[tuple[str, int]]] = {}  # (model, band) -> (tenant, queued) elsewhere
         self._rates: dict[str, tuple[float, float, float]] = {}  # model -> the others' summed rates
+        self._room: dict[tuple[str, int], list[str]] = {}  # (model, band) -> tenants waiting for room at others
 
     def _decayed(self, entry: tuple[float, float] | None, now: float) -> float:
         if entry is None:
@@ -186,8 +196,13 @@ class FleetShares:
         sooner = self._heads.get(key)
         if sooner is not None and head_urgency is not None and sooner < head_urgency - HEAD_ORDER_SLACK_S:
             return True
+        mine = self.fleet_served(key, now)
         behind = min((self.fleet_served((model, band, t), now) for t in others if t != tenant), default=None)
-        return behind is not None and self.fleet_served(key, now) - behind > self.slack
+        if behind is not None and mine - behind > self.slack:
+            return True
+        waiting = self._room.get((model, band))
+        return waiting is not None and any(t != tenant and self.fleet_served((model, band, t), now) < mine
+                                           for t in waiting)
 
     def own(self, now: float) -> dict[ShareKey, float]:
         """What this gateway served, decayed to `now` (entries decayed to nothing are dropped)."""
@@ -229,6 +244,11 @@ class FleetShares:
             top[model] = max(band, top.get(model, band))
         self._waiting_elsewhere, self._counts, self._top_band_elsewhere = waiting, by_band, top
         self._rates = {model: (d, dep, c) for model, (d, dep, c) in rates.items()}
+        room: dict[tuple[str, int], list[str]] = {}
+        for share in others:
+            for model, band, tenant in share.room:
+                room.setdefault((model, band), []).append(tenant)
+        self._room = room
 
     # -- for the wait estimates (`bouncer.core.backlog`) --------------------------------------------
     def queued_elsewhere(self, model: str, band: int) -> list[tuple[str, int]]:

@@ -13,14 +13,24 @@ from bouncer.core.shared_prefixes import PeerPrefixes, SentPrefixes
 
 
 def own_share(models: dict[str, ModelState], replicas: dict[str, ReplicaState], shares: FleetShares,
-              backlog: BacklogStore, breakers: dict[str, CircuitBreaker], sent: SentPrefixes,
+              backlog: BacklogStore, breakers: dict[str, CircuitBreaker], sent: SentPrefixes, hold_s: float,
               now: float) -> GatewayShare:
     """Its load on each replica, what it served per tenant and band, the heads and counts it
-    queues, its waiting room's rates, its bands' recent SLOs, its tenants' breakers (those
-    refusing or counting failures), the agents holding a slot here, and the blocks it was
-    first to send to each replica lately."""
-    queued = {(m, band.priority, t): (urgency(band.queues[t].head()) - now, band.queues[t].count)  # type: ignore[arg-type]
-              for m, ms in models.items() for band in ms.flow.bands.values() for t in band.active}
+    queues (and of those, the heads that had their turn and wait for room, for up to `hold_s`),
+    its waiting room's rates, its bands' recent SLOs, its tenants' breakers (those refusing or
+    counting failures), the agents holding a slot here, and the blocks it was first to send to
+    each replica lately."""
+    queued = {}
+    room = []
+    for m, ms in models.items():
+        for band in ms.flow.bands.values():
+            for t in band.active:
+                q = band.queues[t]
+                head = q.head()
+                queued[(m, band.priority, t)] = (urgency(head) - now, q.count)
+                since = head.room_wait_since  # type: ignore[union-attr]
+                if since is not None and now - since < hold_s:
+                    room.append((m, band.priority, t))
     rates = {m: (backlog.dispatch_rate(m, now), backlog.departure_rate(m, now), backlog.completion_rate(m, now))
              for m in models}
     bands = {m: ms.band_slos.own(now) for m, ms in models.items()}
@@ -31,7 +41,7 @@ def own_share(models: dict[str, ModelState], replicas: dict[str, ReplicaState], 
             ms.agents.expire(now, ms.flow.waiting_sessions)  # an agent idled out here no longer holds a slot
             agents[m] = ms.agents.window.own_agents()
     return GatewayShare({name: r.own_load() for name, r in replicas.items()}, shares.own(now), queued, rates, bands,
-                        tripped, agents, sent.recent(now))
+                        tripped, agents, sent.recent(now), room)
 
 
 def take_peers(models: dict[str, ModelState], replicas: dict[str, ReplicaState], shares: FleetShares,
