@@ -28,7 +28,7 @@ current fit counts less (Huber): a request that waited for KV blocks says nothin
 Until `WARM_TTFT` first tokens and `WARM_TPOT` decode observations are in, `model` is None: the
 core behaves as with no step time at all, rather than act on the prior's guess.
 
-Pure and cheap: an observation is a rank-one update of a 5 x 5 matrix; the solve (Gaussian
+Pure and cheap: an observation is a rank-one update of a symmetric 5 x 5 matrix; the solve (Gaussian
 elimination, at most five times for the sign constraints) runs every `REFIT_EVERY` observations.
 """
 
@@ -44,6 +44,7 @@ OUTLIER = 1.0  # relative error past which an observation's weight falls (Huber)
 MIN_A_FRACTION = 0.01  # a step costs something: a is kept above 1% of the prior's
 MIN_OBSERVED_S = 1e-4  # below this an observation says nothing about step times
 _DECAY = 0.5 ** (1.0 / HALF_LIFE)
+RESCALE_BELOW = 1e-100  # 46,000 observations of forgetting; 1 / it is far from overflowing
 
 # A generic prior: a mid-size dense model on one current GPU (between the 8B-on-H100 and
 # 32B-on-H200 profiles of bouncer.sim.profiles), and 5 ms outside the engine's steps. Its only
@@ -66,8 +67,12 @@ class StepTimeLearner:
         self.model: StepTimeModel | None = None  # None until warm
         self.ttft_seen = 0
         self.tpot_seen = 0
-        self._gram = [[0.0] * N for _ in range(N)]  # sum of w x x^T, x in units of the prior
-        self._rhs = [0.0] * N  # sum of w x (target 1: relative error)
+        # sum of w x x^T (upper triangle: it is symmetric), x in units of the prior, and sum of w x
+        # (target 1: relative error), both over `_scale`: forgetting multiplies the scale, not
+        # every entry, so an observation updates 20 numbers rather than 30
+        self._gram = [[0.0] * N for _ in range(N)]
+        self._rhs = [0.0] * N
+        self._scale = 1.0
         self._since_fit = 0
         self._phi = [1.0] * N  # coefficients as multiples of the prior's
 
@@ -103,13 +108,28 @@ class StepTimeLearner:
             if error > OUTLIER:
                 w = OUTLIER / error
         gram, rhs = self._gram, self._rhs
+        self._scale *= _DECAY
+        if self._scale < RESCALE_BELOW:  # fold the scale back into the sums before it underflows
+            for i in range(N):
+                rhs[i] *= self._scale
+                row = gram[i]
+                for j in range(i, N):
+                    row[j] *= self._scale
+            self._scale = 1.0
+        w /= self._scale
         for i in range(N):
             wx = w * x[i]
-            rhs[i] = _DECAY * rhs[i] + wx
+            rhs[i] += wx
             row = gram[i]
-            for j in range(N):
-                row[j] = _DECAY * row[j] + wx * x[j]
+            for j in range(i, N):
+                row[j] += wx * x[j]
         return True
+
+    def _sums(self) -> tuple[list[list[float]], list[float]]:
+        """The decayed sums themselves: the full symmetric matrix and the right-hand side."""
+        s, g = self._scale, self._gram
+        return ([[g[min(i, j)][max(i, j)] * s for j in range(N)] for i in range(N)],
+                [r * s for r in self._rhs])
 
     def _maybe_refit(self) -> None:
         self._since_fit += 1
@@ -128,10 +148,11 @@ class StepTimeLearner:
         rest solved again."""
         floor = [MIN_A_FRACTION] + [0.0] * (N - 1)
         fixed: dict[int, float] = {}
+        full, b = self._sums()
         while True:
             free = [i for i in range(N) if i not in fixed]
-            gram = [[self._gram[i][j] + (PRIOR_WEIGHT if i == j else 0.0) for j in free] for i in free]
-            rhs = [self._rhs[i] + PRIOR_WEIGHT - sum(self._gram[i][k] * v for k, v in fixed.items()) for i in free]
+            gram = [[full[i][j] + (PRIOR_WEIGHT if i == j else 0.0) for j in free] for i in free]
+            rhs = [b[i] + PRIOR_WEIGHT - sum(full[i][k] * v for k, v in fixed.items()) for i in free]
             sol = dict(zip(free, _gauss(gram, rhs), strict=True))
             low = [i for i, v in sol.items() if v < floor[i]]
             if not low:

@@ -381,8 +381,11 @@ class Gateway:
         if request.content_length is not None and request.content_length > limits.max_body_bytes:
             return self._refuse_early(rid, too_large, line)
         try:
-            async with asyncio.timeout(self.config.listen.body_timeout_s):  # no task per request, as wait_for has
+            if request.content.is_eof():  # the whole body came with the headers: nothing to wait for
                 raw: bytes | None = await request.read()
+            else:
+                async with asyncio.timeout(self.config.listen.body_timeout_s):  # no task per request (wait_for)
+                    raw = await request.read()
         except web.HTTPRequestEntityTooLarge:  # past the app's client_max_size of limit + 1
             raw = None
         except TimeoutError:
