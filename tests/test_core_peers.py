@@ -118,15 +118,13 @@ def test_served_tokens_decay_with_the_window_and_fade_out_of_the_share():
     assert key not in shares.own(100.0)  # decayed below a token: dropped
 
 
-@pytest.mark.parametrize("slack, hold_s, heavy_share", [(200, 5.0, 0.75), (1e12, 5.0, 0.75), (200, 0.0, 0.75),
-                                                         (1e12, 0.0, 0.5)])
-def test_weighted_shares_follow_weights_across_gateways(slack, hold_s, heavy_share):
+@pytest.mark.parametrize("slack, heavy_share", [(200, 0.75), (1e12, 0.5)])
+def test_weighted_shares_follow_weights_across_gateways(slack, heavy_share):
     """A weight-3 tenant on one gateway and a weight-1 tenant on another, both always queued on
-    one replica that takes one request at a time: served tokens split 3:1, by either hold (a
-    lead past the slack, or any lead over a tenant whose head waits for room elsewhere); with
-    neither (a slack no lead reaches, no hold for room), 1:1, each gateway seeing its own
-    completions first."""
-    policy = {"max_inflight_per_replica": 1, "fleet_shares_slack_tokens": slack, "fair_hold_s": hold_s}
+    one replica that takes one request at a time: served tokens split 3:1 (each gateway also
+    seeing its own completions first: without the shares, a slack no lead reaches, 1:1). The
+    in-flight limit holds every request alike, so no head holds room for its size here."""
+    policy = {"max_inflight_per_replica": 1, "fleet_shares_slack_tokens": slack}
     tenants = [tenant("heavy", weight=3.0), tenant("light", weight=1.0)]
     cores = [make_core(replicas=1, policy=policy, tenants=tenants),
              make_core(replicas=1, policy=policy, tenants=tenants)]

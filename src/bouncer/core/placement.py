@@ -33,15 +33,21 @@ from bouncer.core.routing import Router, cached_tokens
 
 class Room(enum.Enum):
     YES = "yes"
-    LATER = "later"  # usable but full for now: only a warm prefix may justify sending it there
-    NO = "no"
+    LATER = "later"  # usable but full for now (KV, prefill queue): only a warm prefix may justify sending it there
+    RESERVED = "reserved"  # its prefill would eat into a higher band's TTFT reserve there: a smaller one may fit
+    NO = "no"  # a brake that holds every cold request alike (busy mark, in-flight limits, the TPOT hold)
 
 
 class Held(enum.Enum):
     """Why a request is held (`Placement.place`)."""
 
-    ROOM = "room"  # no replica has room for it now: room frees as work drains
-    RULE = "rule"  # a rule lets others go first: long requests while the pool is under pressure, KV shares, agents
+    # no replica has room for its size now (KV, prefill queue, a higher band's TTFT reserve): room
+    # frees as work drains, and smaller requests would take it meanwhile
+    ROOM = "room"
+    # a rule holds it that holds the others alike or lets them go first: the busy mark and
+    # in-flight limits (warm requests pass them), long requests while the pool is under
+    # pressure, KV shares, the agent window
+    RULE = "rule"
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,7 +99,7 @@ def room(r: ReplicaState, adm: Admission, cached: int, usage: float, protected: 
         pairs = r.queued_prefill_pairs + prefill_pairs(adm.info.prompt_tokens, uncached)
         if r.latency.ttft(r.queued_prefill_tokens + uncached, 1, r.decoding, r.decode_context, pairs) \
                 > protected_ttft * p.ttft_reserve_fraction:
-            return Room.NO
+            return Room.RESERVED
     # the blocks it still needs: its cached prefix is in the pool already (counted in usage
     # while others use it; where it sits evictable, this underestimates, and the engine may
     # have to preempt: measured, rarely)
@@ -178,6 +184,7 @@ class Placement:
         # usable, but full for now (prefill queue, KV headroom): only a replica
         # holding this prompt's prefix may still get it, if the router's stickiness gate allows
         backlogged: list[ReplicaState] = []
+        sized = False  # some replica lacks room for its size only (`Held.ROOM`)
         policy = self.policy
         for r in replicas.values():
             if not view.usable(r) or r.role == "decode":
@@ -193,13 +200,16 @@ class Placement:
                 candidates.append(r)
             elif fit is Room.LATER:
                 backlogged.append(r)
+                sized = True
+            elif fit is Room.RESERVED:
+                sized = True
         if adm.session is not None and agents.enabled:
             where = agents.where(adm, candidates, backlogged, cached, replicas)  # type: ignore[union-attr]
             if where is None:
                 return Held.RULE
             candidates, backlogged = where
         if not candidates:
-            return Held.ROOM
+            return Held.ROOM if sized else Held.RULE
         if adm.ttft_deadline is not None and candidates[0].latency is not None:
             budget = adm.ttft_deadline - now
             ttfts = [r.predict_ttft(adm, adm.info.prompt_tokens - cached[r.name]) or 0.0 for r in candidates]
