@@ -34,15 +34,17 @@ from bouncer.core.routing import Router, cached_tokens
 class Room(enum.Enum):
     YES = "yes"
     LATER = "later"  # usable but full for now (KV, prefill queue): only a warm prefix may justify sending it there
-    RESERVED = "reserved"  # its prefill would eat into a higher band's TTFT reserve there: a smaller one may fit
-    NO = "no"  # a brake that holds every cold request alike (busy mark, in-flight limits, the TPOT hold)
+    # not this one, a smaller one may fit: its prefill would eat into a higher band's TTFT reserve,
+    # or its context would slow the batch past a TPOT promised there
+    SMALLER = "smaller"
+    NO = "no"  # a brake that holds every cold request alike (the busy mark, in-flight limits)
 
 
 class Held(enum.Enum):
     """Why a request is held (`Placement.place`)."""
 
-    # no replica has room for its size now (KV, prefill queue, a higher band's TTFT reserve): room
-    # frees as work drains, and smaller requests would take it meanwhile
+    # no replica has room for its size now (KV, prefill queue, a higher band's TTFT reserve, the
+    # TPOT hold): room frees as work drains, and smaller requests would take it meanwhile
     ROOM = "room"
     # a rule holds it that holds the others alike or lets them go first: the busy mark and
     # in-flight limits (warm requests pass them), long requests while the pool is under
@@ -92,14 +94,14 @@ def room(r: ReplicaState, adm: Admission, cached: int, usage: float, protected: 
         if protected_tpot < INF:
             limit = min(limit, protected_tpot * p.tpot_guard_margin * (1 - p.tpot_reserve_fraction))
         if limit < INF and r.predict_tpot(adm, now) > limit:  # type: ignore[operator]
-            return Room.NO
+            return Room.SMALLER
     uncached = adm.info.prompt_tokens - cached
     if r.latency is not None and p.ttft_reserve_fraction > 0 and protected_ttft < INF:
         # keep the prefill queue short enough for a higher band's next request to start in time
         pairs = r.queued_prefill_pairs + prefill_pairs(adm.info.prompt_tokens, uncached)
         if r.latency.ttft(r.queued_prefill_tokens + uncached, 1, r.decoding, r.decode_context, pairs) \
                 > protected_ttft * p.ttft_reserve_fraction:
-            return Room.RESERVED
+            return Room.SMALLER
     # the blocks it still needs: its cached prefix is in the pool already (counted in usage
     # while others use it; where it sits evictable, this underestimates, and the engine may
     # have to preempt: measured, rarely)
@@ -201,7 +203,7 @@ class Placement:
             elif fit is Room.LATER:
                 backlogged.append(r)
                 sized = True
-            elif fit is Room.RESERVED:
+            elif fit is Room.SMALLER:
                 sized = True
         if adm.session is not None and agents.enabled:
             where = agents.where(adm, candidates, backlogged, cached, replicas)  # type: ignore[union-attr]
