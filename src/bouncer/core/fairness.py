@@ -100,7 +100,7 @@ class WeightedDeficitRoundRobin:
         load 2 on the live benchmark's engines (simulated), band 0's steady tenant was served 33%
         of its band's tokens through the other's burst, whose requests that went were half the
         size of its own (the smaller the prompt, the sooner it fits a prefill queue kept short for
-        the top band); held, 47%."""
+        the top band); held, 45%."""
         candidates = [n for n in band.active if n not in skip]
         if not candidates:
             return None
