@@ -17,9 +17,9 @@ keeps its line.
 from __future__ import annotations
 
 import logging
+import re
 import sys
 import time
-from datetime import UTC, datetime
 
 import orjson
 
@@ -28,11 +28,24 @@ _STANDARD = frozenset(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) 
 RATE_BURST = 20  # records of one kind let through per second
 
 
+_NEEDS_QUOTES = re.compile(r'[ "=\\\n\t]')
+_second: list = [None, ""]  # the last whole second formatted, and its text: every access line asks
+
+
+def _timestamp(created: float) -> str:
+    """UTC, to the millisecond, as `2026-12-03T06:31:02.123Z`. The date and time of a second are
+    formatted once: one access line per request made this a visible part of a request's cost."""
+    whole = int(created)
+    if _second[0] != whole:
+        _second[0], _second[1] = whole, time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(whole))
+    return f"{_second[1]}.{int((created - whole) * 1000):03d}Z"
+
+
 def _fields(record: logging.LogRecord) -> dict:
-    out = {"ts": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z"),
-           "level": record.levelname.lower(), "logger": record.name, "msg": record.getMessage()}
+    out = {"ts": _timestamp(record.created), "level": record.levelname.lower(), "logger": record.name,
+           "msg": record.getMessage()}
     for key, value in record.__dict__.items():
-        if key not in _STANDARD and value is not None:
+        if value is not None and key not in _STANDARD:
             out[key] = value
     if record.exc_info and record.levelno >= logging.ERROR:
         out["exc"] = logging.Formatter().formatException(record.exc_info)
@@ -45,17 +58,20 @@ class JsonFormatter(logging.Formatter):
 
 
 def _logfmt_value(value) -> str:
-    if isinstance(value, float):
+    kind = type(value)
+    if kind is int:
+        return str(value)
+    if kind is float:
         return f"{value:.6g}"
-    text = str(value)
-    if text and not any(c in text for c in ' "=\\\n\t'):
+    text = value if kind is str else str(value)
+    if text and _NEEDS_QUOTES.search(text) is None:
         return text
     return '"' + text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
 
 
 class LogfmtFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
-        return " ".join(f"{k}={_logfmt_value(v)}" for k, v in _fields(record).items())
+        return " ".join([f"{k}={_logfmt_value(v)}" for k, v in _fields(record).items()])
 
 
 class RateLimit(logging.Filter):
@@ -95,6 +111,8 @@ def configure(level: str = "info", fmt: str = "logfmt", stream=None) -> logging.
     handler.setFormatter(JsonFormatter() if fmt == "json" else LogfmtFormatter() if fmt == "logfmt"
                          else logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     handler.addFilter(RateLimit())
+    # no line shows a record's process or thread: not looking them up saves part of every line's cost
+    logging.logProcesses = logging.logThreads = logging.logMultiprocessing = False
     for name in ("bouncer", "aiohttp"):
         logger = logging.getLogger(name)
         logger.handlers[:] = [handler]

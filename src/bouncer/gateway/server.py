@@ -20,6 +20,7 @@ Every answer is an OpenAI error body or the backend's relayed success; a bug ans
 from __future__ import annotations
 
 import asyncio
+import gc
 import dataclasses
 import itertools
 import logging
@@ -689,6 +690,9 @@ async def serve_gateway(gateway: Gateway, host: str, port: int, ready: asyncio.E
         site = GuardedSite(runner, host, port, gateway.connections,
                            handler_kwargs={"keepalive_timeout": listen.idle_timeout_s, "access_log": None})
         await site.start()
+        # what start-up built (config, tokenizers and their vocabularies) leaves the collector's
+        # view: the collections that requests' garbage sets off no longer walk it
+        gc.freeze()
         if on_listening is not None:
             on_listening()
         if ready is not None:

@@ -110,9 +110,15 @@ class UpstreamResponse:
         self._conn = None
 
 
+def _no_headers(headers_done: asyncio.Future) -> None:
+    if not headers_done.done():
+        headers_done.set_exception(UpstreamTimeout("the backend sent no response headers in time"))
+
+
 class _Connection(asyncio.Protocol):
-    def __init__(self, pool: UpstreamPool, key: tuple) -> None:
+    def __init__(self, pool: UpstreamPool, key: tuple, loop: asyncio.AbstractEventLoop) -> None:
         self.pool = pool
+        self.loop = loop
         self.key = key
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
@@ -176,7 +182,7 @@ class _Connection(asyncio.Protocol):
     def send(self, head: bytes, body: bytes) -> UpstreamResponse:
         self.parser = httptools.HttpResponseParser(self)
         self.response = UpstreamResponse(self)
-        self.headers_done = asyncio.get_running_loop().create_future()
+        self.headers_done = self.loop.create_future()
         self.transport.writelines((head, body))
         return self.response
 
@@ -205,7 +211,7 @@ class UpstreamPool:
             self._ssl = ssl.create_default_context()
         try:
             _, conn = await asyncio.wait_for(
-                loop.create_connection(lambda: _Connection(self, key), url.host, url.port,
+                loop.create_connection(lambda: _Connection(self, key, loop), url.host, url.port,
                                        ssl=self._ssl if url.scheme == "https" else None),
                 self.connect_timeout)
         except TimeoutError:
@@ -222,13 +228,15 @@ class UpstreamPool:
         conn, reused = await self._connect(url, key)
         while True:
             resp = conn.send(head, body)
+            # a timer on the connection's future rather than asyncio.timeout: no task lookups and
+            # no cancellation to undo, on every request
+            timer = conn.loop.call_later(self.read_timeout, _no_headers, conn.headers_done)
             try:
-                async with asyncio.timeout(self.read_timeout):
-                    await conn.headers_done
+                await conn.headers_done
                 return resp
-            except TimeoutError:
+            except UpstreamTimeout:
                 conn.abort()
-                raise UpstreamTimeout("the backend sent no response headers in time") from None
+                raise
             except UpstreamError:
                 if not reused:
                     raise
@@ -238,6 +246,8 @@ class UpstreamPool:
             except BaseException:
                 conn.abort()  # cancelled (client gone): the request must not run on
                 raise
+            finally:
+                timer.cancel()
 
     def close(self) -> None:
         for conns in self._idle.values():
