@@ -20,8 +20,8 @@ Every answer is an OpenAI error body or the backend's relayed success; a bug ans
 from __future__ import annotations
 
 import asyncio
-import gc
 import dataclasses
+import gc
 import itertools
 import logging
 import math
