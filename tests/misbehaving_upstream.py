@@ -83,6 +83,9 @@ class Misbehaving:
                     await writer.drain()
                     continue
                 self.posts += 1
+                if self.mode == "silent":  # reads the request, never answers: until the gateway gives up
+                    await reader.read()
+                    break
                 if self.mode in CUT:
                     writer.write(CUT[self.mode])
                     await writer.drain()

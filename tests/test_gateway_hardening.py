@@ -232,6 +232,23 @@ def test_2_whatever_the_backend_answers_the_client_gets_an_openai_answer(bg_loop
     poll_until(lambda: bg_loop.call(lambda: gw.core.view.inflight + gw.core.view.queued) == 0, what="permit returned")
 
 
+@pytest.mark.parametrize("stream", [True, False])
+def test_2_a_backend_that_never_answers_times_out_as_504_and_its_connection_is_not_reused(bg_loop, misbehaving,
+                                                                                          stream):
+    up, base, gw = misbehaving
+    bg_loop.call(lambda: setattr(gw.upstream, "read_timeout", 0.3))
+    up.mode = "silent"
+    started = time.monotonic()
+    code, headers, raw = post(base + "/v1/completions", {"model": "m", "prompt": "hi", "max_tokens": 4,
+                                                         "stream": stream})
+    err = assert_openai_error(code, headers, raw, 504)
+    assert err["code"] == "upstream_timeout" and 0.3 <= time.monotonic() - started < 5
+    poll_until(lambda: bg_loop.call(lambda: gw.core.view.inflight + gw.core.view.queued) == 0, what="permit returned")
+    up.mode = "ok-stream"  # the silent connection was closed, not pooled: the next request is answered
+    code, _, raw = post(base + "/v1/completions", {"model": "m", "prompt": "hi", "max_tokens": 4, "stream": True})
+    assert code == 200 and b"[DONE]" in raw
+
+
 def test_2_a_garbled_usage_still_completes_the_stream_for_the_openai_sdk(bg_loop, misbehaving):
     up, base, gw = misbehaving
     client = openai.OpenAI(base_url=base + "/v1", api_key="alice", max_retries=0, timeout=10)
