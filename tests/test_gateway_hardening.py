@@ -537,6 +537,38 @@ def test_8_ready_is_503_once_every_backend_is_dead(bg_loop):
         f.close()
 
 
+@pytest.mark.parametrize("fmt", ["logfmt", "json"])
+def test_5_access_lines_written_directly_read_as_logging_writes_them_and_are_rate_limited(fmt):
+    import io
+
+    from bouncer.gateway import logs
+
+    stream = io.StringIO()
+    fields = {"rid": "bq-7", "path": "/v1/chat/completions", "tenant": "a b", "outcome": "completed", "reason": None,
+              "stream": False, "band": 0, "queue_wait_s": 0.25, "status": 200, "note": 'say "hi"\n'}
+    configure_handler = logs.configure("info", fmt, stream)
+    try:
+        logging.getLogger("bouncer.access").info("request", extra={"event": "request", **fields})
+        logs.access(fields)  # the gateway's own path: not through logging
+        by_logging, direct = stream.getvalue().splitlines()
+
+        def without_ts(line: str):
+            return json.loads(line) | {"ts": None} if fmt == "json" else line.split(" ", 1)[1]
+        assert without_ts(direct) == without_ts(by_logging) and "reason" not in direct
+        for _ in range(3 * logs.RATE_BURST):  # refusals of one kind: the burst, then dropped and counted
+            logs.access(dict(fields, outcome="refused", reason="saturated", status=429))
+        assert len(stream.getvalue().splitlines()) == 2 + logs.RATE_BURST
+    finally:  # as it was: for the other tests' caplog
+        for name in ("bouncer", "aiohttp", "aiohttp.server", "aiohttp.access"):
+            logger = logging.getLogger(name)
+            logger.handlers.clear()
+            logger.propagate = True
+            logger.setLevel(logging.NOTSET)
+        del configure_handler
+    logs.access(fields)  # handlers changed since: through logging again, not to the old stream
+    assert len(stream.getvalue().splitlines()) == 2 + logs.RATE_BURST
+
+
 def test_8_access_lines_and_backend_health_are_logged(bg_loop, caplog):
     f = Fleet(bg_loop, [tenant("alice", slo={"ttft_s": 5.0})], engines=1, speed=4.0)
     try:

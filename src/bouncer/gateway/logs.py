@@ -86,8 +86,15 @@ class RateLimit(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         if getattr(record, "outcome", None) == "completed":
             return True
-        kind = (record.name, getattr(record, "event", record.msg), getattr(record, "tenant", None),
-                getattr(record, "reason", None))
+        let = self.let_through((record.name, getattr(record, "event", record.msg), getattr(record, "tenant", None),
+                                getattr(record, "reason", None)))
+        if let:  # a count of lines dropped before it
+            record.suppressed = let
+        return let is not None
+
+    def let_through(self, kind: tuple) -> int | None:
+        """None: drop this line; else how many of its kind were dropped since the last one let
+        through (0: none)."""
         now = self.clock()
         w = self._windows.get(kind)
         if w is None or now - w[0] >= 1.0:
@@ -95,14 +102,55 @@ class RateLimit(logging.Filter):
             if len(self._windows) > 10_000:  # kinds include tenant names: bound them
                 self._windows.clear()
             self._windows[kind] = [now, 1, 0]
-            if suppressed:
-                record.suppressed = suppressed
-            return True
+            return suppressed
         if w[1] < self.burst:
             w[1] += 1
-            return True
+            return 0
         w[2] += 1
-        return False
+        return None
+
+
+_access = logging.getLogger("bouncer.access")
+_bouncer = logging.getLogger("bouncer")
+_direct: tuple[logging.StreamHandler, RateLimit, bool] | None = None  # what `configure` installed
+
+
+def access(fields: dict) -> None:
+    """One request's access line: `bouncer.access`, event=request, then `fields`.
+
+    Where `configure` installed Bouncer's own handler (the gateway as `bouncer serve` runs it),
+    the line is formatted and written here, the same text through the same rate limit: through
+    `logging` (a LogRecord, the caller's frame looked up, filters) it cost a running gateway about
+    45 us of CPU, a sixth of a short request's. Anywhere else (tests' and library users'
+    handlers) it goes through `logging` like any record."""
+    direct = _direct
+    if direct is None or _bouncer.handlers != [direct[0]] or not _access.isEnabledFor(logging.INFO):
+        _access.info("request", extra={"event": "request", **fields})
+        return
+    handler, limit, as_json = direct
+    suppressed = 0
+    if fields.get("outcome") != "completed":
+        let = limit.let_through(("bouncer.access", "request", fields.get("tenant"), fields.get("reason")))
+        if let is None:
+            return
+        suppressed = let
+    out = {"ts": _timestamp(time.time()), "level": "info", "logger": "bouncer.access", "msg": "request",
+           "event": "request"}
+    for key, value in fields.items():
+        if value is not None:
+            out[key] = value
+    if suppressed:
+        out["suppressed"] = suppressed
+    line = orjson.dumps(out, default=str).decode() if as_json else \
+        " ".join([f"{k}={_logfmt_value(v)}" for k, v in out.items()])
+    handler.acquire()
+    try:
+        handler.stream.write(line + "\n")
+        handler.stream.flush()
+    except Exception:
+        handler.handleError(logging.makeLogRecord({"msg": line}))
+    finally:
+        handler.release()
 
 
 def configure(level: str = "info", fmt: str = "logfmt", stream=None) -> logging.Handler:
@@ -110,7 +158,10 @@ def configure(level: str = "info", fmt: str = "logfmt", stream=None) -> logging.
     handler = logging.StreamHandler(stream or sys.stderr)
     handler.setFormatter(JsonFormatter() if fmt == "json" else LogfmtFormatter() if fmt == "logfmt"
                          else logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    handler.addFilter(RateLimit())
+    limit = RateLimit()
+    handler.addFilter(limit)
+    global _direct
+    _direct = (handler, limit, fmt == "json") if fmt in ("json", "logfmt") else None
     # no line shows a record's process or thread: not looking them up saves part of every line's cost
     logging.logProcesses = logging.logThreads = logging.logMultiprocessing = False
     for name in ("bouncer", "aiohttp"):

@@ -45,7 +45,7 @@ from bouncer.core.retries import retry_key
 from bouncer.core.shared_rate_limits import SharedRateLimits
 from bouncer.core.shared_retries import SharedRetries
 from bouncer.core.stores import Stores
-from bouncer.gateway import kv_events, pressure_feeds
+from bouncer.gateway import kv_events, logs, pressure_feeds
 from bouncer.gateway.connections import GuardedSite, Limits
 from bouncer.gateway.disaggregated import kv_transfer_params, prefill_body
 from bouncer.gateway.metrics import GatewayMetrics
@@ -60,7 +60,6 @@ from bouncer.openai_wire import ApiError, dumps, models_list, parse_json_object
 from bouncer.recorder.page import add_page_routes, timeline_response
 
 log = logging.getLogger("bouncer.gateway")
-access_log = logging.getLogger("bouncer.access")
 
 TICK_MIN_S = 0.005
 TICK_MAX_S = 0.1  # the core's TTL deadlines are checked at least this often
@@ -372,7 +371,7 @@ class Gateway:
             if self.config.logging.access_log:
                 line["status"] = resp.status if resp is not None else None
                 line["duration_s"] = round(self.clock() - t0, 4)
-                access_log.info("request", extra={"event": "request", **line})
+                logs.access(line)
 
     async def _generate_for(self, request: web.Request, kind: str, path: str, rid: str,
                             line: dict[str, Any]) -> web.StreamResponse:
