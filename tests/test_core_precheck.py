@@ -119,7 +119,7 @@ def test_what_the_precheck_refuses_as_late_offer_refuses_too(loaded, queued_own,
     request = info("a", prompt=prompt, max_tokens=10)
     checked = cores[0].precheck(request, 0.0)
     if isinstance(checked, Reject) and checked.refusal.reason == Reason.DEADLINE_INFEASIBLE:
-        t = cores[1]._tenants["a"]
+        t = cores[1].tenants.get("a")
         events = cores[1].offer(request, 0.0, t)
         assert not dispatched(events)
         assert any(r.request_id == request.request_id and r.refusal.reason == Reason.DEADLINE_INFEASIBLE

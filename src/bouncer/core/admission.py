@@ -35,7 +35,6 @@ from dataclasses import dataclass
 from bouncer.config import BouncerConfig, Tenant
 from bouncer.core import deadlines, feedback, intake, sharing
 from bouncer.core.agent_gate import WindowGate, make_gate
-from bouncer.core.breaker import CircuitBreaker
 from bouncer.core.dispatch import Dispatcher, grant
 from bouncer.core.finaliser import UNKNOWN_TENANT, CoreStats, Finaliser
 from bouncer.core.fleet import ReplicaState, Telemetry
@@ -43,7 +42,6 @@ from bouncer.core.flow import FlowQueues
 from bouncer.core.kv_events import KVEvent
 from bouncer.core.model_state import ModelState, next_wakeup
 from bouncer.core.outcomes import Dispatch, Event, Layer, Reason, Refusal, Reject, Terminal
-from bouncer.core.output_length import OutputLengthModel
 from bouncer.core.peers import FleetShares, GatewayShare
 from bouncer.core.placement import Placement, nowhere_to_go, rest
 from bouncer.core.pool import PoolView
@@ -54,6 +52,7 @@ from bouncer.core.requests import STEP_OTHER, Admission, RequestInfo
 from bouncer.core.retries import first_arrival
 from bouncer.core.shared_prefixes import PeerPrefixes, SentPrefixes
 from bouncer.core.stores import Stores
+from bouncer.core.tenant_book import TenantBook
 from bouncer.core.view import CoreView
 from bouncer.core.waiting_room import door
 
@@ -76,12 +75,10 @@ class AdmissionCore:
         self.stats = CoreStats()
         self.models: dict[str, ModelState] = {}
         self.replicas: dict[str, ReplicaState] = {}
-        self._breakers: dict[str, CircuitBreaker] = {}
-        self._output_models: dict[str, dict[str, OutputLengthModel]] = {}  # tenant -> model -> learned lengths
-        self._tenants: dict[str, Tenant] = {}
+        self.tenants = TenantBook(self.stores.rate_limits)
         self.pressures: dict[str, PressureSignal] = {}  # outside signals by name (`observe_pressure`)
         self.finaliser = Finaliser(self.stats, self.permits, self.stores.rate_limits, self.stores.backlog,
-                                   self._breakers, self.replicas, self.models)
+                                   self.tenants.breakers, self.replicas, self.models)
         self._gate = intake.TenantGate(self.stores.rate_limits)
         self._seq = itertools.count()
         self._exemption = exemption
@@ -106,22 +103,11 @@ class AdmissionCore:
         self.saturation = make_saturation(p.saturation.detector, p)
         self.config, self.policy, self._routing_cfg = config, p, p.routing
         self.shares.window_s, self.shares.slack = p.fleet_shares_window_s, p.fleet_shares_slack_tokens
-        self._key_to_tenant = config.tenant_by_key()
-        self._default_tenant = next((t for t in config.tenants if t.name == config.default_tenant), None)
         self.finaliser.retries = self.stores.retries if p.retries.deadline == "first-attempt" else None
         self.stores.retries.remember_s, self.stores.retries.max_entries = p.retries.remember_s, p.retries.max_remembered
         self.pressures = reconfigured(self.pressures, config.pressure)
-        self._tenants.clear()
-        for t in config.tenants:
-            self._tenants[t.name] = t
-            self.stores.rate_limits.configure(t.name, t.rate_limit, now)
-            b = p.breaker
-            current = self._breakers.get(t.name)
-            if current is None or (current.threshold, current.window_s, current.open_s) != (b.failures, b.window_s,
-                                                                                            b.open_s):
-                self._breakers[t.name] = CircuitBreaker(b.failures, b.window_s, b.open_s)
-            self._output_models.setdefault(t.name, {})
-        self.placement = Placement(p, router, self._tenants, self.permits)
+        self.tenants.reconfigure(config, now)
+        self.placement = Placement(p, router, self.tenants.by_name, self.permits)
         self._dispatcher = Dispatcher(self.placement, self.saturation, self._grant, self._late, self._acts_on_late,
                                       self.shares)
         for m in config.models:
@@ -144,7 +130,7 @@ class AdmissionCore:
     def _precheck(self, info: RequestInfo, now: float) -> tuple[Reject | Tenant, PoolView | None]:
         """`precheck`, and the pool view it judged by (None where it did not get that far), which
         `offer` may use on: nothing between them moves a replica."""
-        t = (self._key_to_tenant.get(info.key_digest) if info.key_digest else None) or self._default_tenant
+        t = self.tenants.identify(info.key_digest)
         self.stats.arrive(UNKNOWN_TENANT if t is None else t.name)
         if t is None:
             return self._refuse_new(info, UNKNOWN_TENANT, None, Refusal(
@@ -155,7 +141,7 @@ class AdmissionCore:
         if refusal is not None:
             return self._refuse_new(info, t.name, t.priority, refusal), None
         view = PoolView(ms.replicas, self.policy, now)  # type: ignore[union-attr]
-        refusal = cheap_refusal(ms, t, info, self._gate, self._breakers[t.name], self.saturation, self.policy,
+        refusal = cheap_refusal(ms, t, info, self._gate, self.tenants.breakers[t.name], self.saturation, self.policy,
                                 self.policy.refuse_infeasible and self._exemption is None, view, now)
         if refusal is not None:
             # as offer remembers what the gate or the door refuses
@@ -173,7 +159,7 @@ class AdmissionCore:
             if isinstance(found, Reject):
                 return [found]
             checked = found
-        t = self._tenants.get(checked.name)  # (a reload may have come since the precheck)
+        t = self.tenants.get(checked.name)  # (a reload may have come since the precheck)
         if t is None:
             return [self._refuse_new(info, UNKNOWN_TENANT, None, Refusal(
                 Layer.VALIDATION, Reason.UNAUTHENTICATED, "invalid or missing API key"))]
@@ -185,17 +171,18 @@ class AdmissionCore:
         if isinstance(max_tokens, Refusal):
             return [self._refuse_new(info, t.name, t.priority, max_tokens)]
         retry_key, first_arrival_at = first_arrival(self.finaliser.retries, t.name, info, now)
-        refusal, probe = self._gate.enter(t, self._breakers[t.name], info.prompt_tokens + max_tokens, now)  # rate
+        refusal, probe = self._gate.enter(t, self.tenants.breakers[t.name], info.prompt_tokens + max_tokens,
+                                          now)  # rate
         if refusal is not None:
             return [self._refuse_new(info, t.name, t.priority, refusal)]
+        lengths = self.tenants.output_models[t.name]
         adm, ttft_left = deadlines.new_admission(
-            info, t, self.policy, max_tokens, feedback.expected_output(self._output_models[t.name], self.policy,
-                                                                       info.model, max_tokens),
+            info, t, self.policy, max_tokens, feedback.expected_output(lengths, self.policy, info.model, max_tokens),
             first_arrival_at, retry_key, next(self._seq), now)
         adm.breaker_probe, adm.rate_charge, adm.context_limit = probe, info.prompt_tokens + max_tokens, \
             ms.cfg.max_model_len
         if ms.cfg.disaggregated:
-            adm.mean_output = feedback.mean_output(self._output_models[t.name], self.policy, info.model, max_tokens)
+            adm.mean_output = feedback.mean_output(lengths, self.policy, info.model, max_tokens)
         ms.band_slos.note(adm, now)
         if ttft_left is not None and ttft_left <= 0:  # a retry past its first attempt's deadline
             refusal = deadlines.past_first_deadline(adm, t, self.policy, self._acts_on_late(adm),
@@ -223,7 +210,7 @@ class AdmissionCore:
         events: list[Event] = [self._out_of_the_room(ms, victim, Terminal.EVICTED, Reason.EVICTED,
                                                      "evicted from the queue by higher-priority traffic", now)
                                for victim in entry]
-        ms.flow.push(adm, self._tenants[adm.tenant].weight)
+        ms.flow.push(adm, self.tenants.weight(adm.tenant))
         events.extend(self._dispatcher.run(ms, now, view))
         queued = adm.request_id in ms.flow
         if queued and adm.queue_rank == STEP_OTHER and adm.session is not None and isinstance(ms.agents, WindowGate):
@@ -264,14 +251,13 @@ class AdmissionCore:
         adm.predicted_infeasible = True
         if not self._acts_on_late(adm):
             return []
-        return deadlines.act_on_late(adm, self._tenants.get(adm.tenant), self.models[adm.info.model], self.policy,
+        return deadlines.act_on_late(adm, self.tenants.get(adm.tenant), self.models[adm.info.model], self.policy,
                                      self.stats, self.finaliser, late_by, now)
 
     def _grant(self, adm: Admission, replica: ReplicaState, cached: dict[str, int], now: float) -> Dispatch:
         if self.shares.enabled:
-            tenant = self._tenants.get(adm.tenant)
-            weight = tenant.weight if tenant else 1.0
-            self.shares.served((adm.info.model, adm.priority, adm.tenant), adm.cost_tokens / weight, now)
+            self.shares.served((adm.info.model, adm.priority, adm.tenant),
+                               adm.cost_tokens / self.tenants.weight(adm.tenant), now)
         return grant(adm, replica, cached, self.models[adm.info.model], self.finaliser, self.permits, self.policy,
                      self.stats, now, self.sent_prefixes if self.shares.enabled else None)
 
@@ -317,8 +303,9 @@ class AdmissionCore:
         replica.streamed_at = now
         self.stats.served_tokens[adm.tenant] += adm.info.prompt_tokens + completion_tokens
         self.stores.backlog.note_completion(adm.info.model, now)
-        if adm.tenant in self._tenants:
-            feedback.learn_output(self._output_models[adm.tenant], self.policy, adm.info.model, completion_tokens)
+        if adm.tenant in self.tenants.by_name:  # (not a tenant a reload removed)
+            lengths = self.tenants.output_models[adm.tenant]
+            feedback.learn_output(lengths, self.policy, adm.info.model, completion_tokens)
             self.stats.count_slo(adm, now, completion_tokens)
         feedback.adapt_inflight_limit(self.policy, ms.tpot_target, replica, adm, now, completion_tokens)
         feedback.completed(adm, replica, now, completion_tokens)
@@ -342,7 +329,7 @@ class AdmissionCore:
         self.stats.note("requeued", Layer.UPSTREAM.value, Reason.UPSTREAM_REFUSED.value, adm.tenant, adm.priority)
         adm.replica = adm.dispatched_at = adm.first_token_at = adm.decode_replica = adm.prefill_replica = None
         adm.blocks = adm.prefill_tokens = 0
-        ms.flow.push(adm, self._tenants[adm.tenant].weight if adm.tenant in self._tenants else 1.0)
+        ms.flow.push(adm, self.tenants.weight(adm.tenant))
         return self.tick(now)
 
     def cancel(self, request_id: str, now: float) -> list[Event]:
@@ -393,12 +380,13 @@ class AdmissionCore:
     # -- several gateways --------------------------------------------------------------------------
     def own_share(self, now: float) -> GatewayShare:
         """This gateway's part of what the gateways share (`bouncer.core.sharing`)."""
-        return sharing.own_share(self.models, self.replicas, self.shares, self.stores.backlog, self._breakers,
+        return sharing.own_share(self.models, self.replicas, self.shares, self.stores.backlog, self.tenants.breakers,
                                  self.sent_prefixes, self.policy.fair_hold_s, now)
 
     def peers(self, others: list[GatewayShare], now: float) -> list[Event]:
         """The other gateways' parts, as last seen (`bouncer.core.sharing`); room they freed is used."""
-        sharing.take_peers(self.models, self.replicas, self.shares, self._breakers, self.peer_prefixes, others, now)
+        sharing.take_peers(self.models, self.replicas, self.shares, self.tenants.breakers, self.peer_prefixes, others,
+                           now)
         return [e for ms in self.models.values() for e in self._dispatcher.run(ms, now)]
 
     # -- time --------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """The first layers a request meets, cheapest first: who it is, whether it is valid, whether it
 fits the context, and whether its tenant may send now.
 
-- `tenant_of`: its key names a tenant (or the configured default tenant takes it);
+- who it is: `tenant_book.TenantBook.identify` (its key names a tenant, or the default takes it);
 - `validate`: a known model its tenant may use; parameters within `limits`;
 - `context_budget`: prompt + max_tokens within the model's and tenant's context, max_tokens
   defaulted and clamped;

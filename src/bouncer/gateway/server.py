@@ -486,7 +486,7 @@ class Gateway:
                 if streaming:
                     return await relay_stream(up, request, read_timeout, bool(options.get("include_usage")),
                                               self.clock, first_token, out)
-                return await relay_json(up, read_timeout, self.clock, first_token, out)
+                return await relay_json(up, request, read_timeout, self.clock, first_token, out)
             finally:
                 up.close()  # an unfinished response takes its connection down: the engine aborts it
         except Requeue as exc:
