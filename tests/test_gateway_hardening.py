@@ -110,7 +110,7 @@ def test_1_a_client_leaving_in_the_turn_its_request_is_dispatched_returns_the_pe
         assert core.view.queued == 1
         # room opens: the core dispatches it and its future gets the result; in that same turn,
         # before the waiting task runs again, its client disconnects
-        gw._apply(core.observe("r0", Telemetry(at=gw.clock(), kv_usage=0.0, running=0, waiting=0), gw.clock()))
+        gw.apply(core.observe("r0", Telemetry(at=gw.clock(), kv_usage=0.0, running=0, waiting=0), gw.clock()))
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
@@ -465,7 +465,7 @@ def test_6_a_default_tenant_takes_keyless_and_unknown_keys_when_configured(bg_lo
 
 def test_7_a_refusal_no_retry_can_escape_says_so():
     from bouncer.core.outcomes import Layer, Refusal
-    from bouncer.gateway.server import error_response
+    from bouncer.gateway.errors import error_response
     r = error_response(Refusal(Layer.SLO, "retry_past_deadline", "too late"))
     assert r.headers["x-should-retry"] == "false" and "Retry-After" not in r.headers
     r = error_response(Refusal(Layer.FLOW, "queue_full", "full", 2.5))

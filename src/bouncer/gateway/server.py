@@ -24,18 +24,15 @@ import dataclasses
 import gc
 import itertools
 import logging
-import math
 import time
 from collections.abc import Callable
 from typing import Any
 
 import aiohttp
-import yaml
 import yarl
 from aiohttp import web
-from prometheus_client import generate_latest
 
-from bouncer.config import BouncerConfig, ConfigError, key_digest, load_config, parse_config
+from bouncer.config import BouncerConfig
 from bouncer.core import intake
 from bouncer.core.admission import AdmissionCore
 from bouncer.core.fleet import Telemetry
@@ -46,8 +43,10 @@ from bouncer.core.shared_rate_limits import SharedRateLimits
 from bouncer.core.shared_retries import SharedRetries
 from bouncer.core.stores import Stores
 from bouncer.gateway import kv_events, logs, pressure_feeds
+from bouncer.gateway.admin import Admin
 from bouncer.gateway.connections import GuardedSite, Limits
 from bouncer.gateway.disaggregated import kv_transfer_params, prefill_body
+from bouncer.gateway.errors import error_response, plain_error
 from bouncer.gateway.metrics import GatewayMetrics
 from bouncer.gateway.prepared import Prepared, prepare
 from bouncer.gateway.recording import GatewayRecorder
@@ -57,7 +56,7 @@ from bouncer.gateway.scrapers import PARSERS
 from bouncer.gateway.shared_state import SharedState
 from bouncer.gateway.upstream import UpstreamError, UpstreamPool, UpstreamTimeout
 from bouncer.openai_wire import ApiError, dumps, models_list, parse_json_object
-from bouncer.recorder.page import add_page_routes, timeline_response
+from bouncer.recorder.page import add_page_routes
 
 log = logging.getLogger("bouncer.gateway")
 
@@ -75,29 +74,6 @@ SCRAPE_TIMEOUT_S = 5.0  # a scrape that has not answered in this long failed
 LOOP_LAG_PROBE_S = 0.1
 
 
-def error_response(refusal: Refusal) -> web.Response:
-    """The one place a refusal becomes an HTTP answer: status, OpenAI error body, headers."""
-    err = ApiError(refusal.status, refusal.message, refusal.error_type, code=str(refusal.reason), param=refusal.param,
-                   layer=refusal.layer.value, reason=str(refusal.reason))
-    headers = {"x-bouncer-layer": refusal.layer.value, "x-bouncer-reason": refusal.reason}
-    if not refusal.should_retry:
-        # this request cannot succeed if sent again (the OpenAI SDKs honour it); a Retry-After
-        # may still say when new work would fit
-        headers["x-should-retry"] = "false"
-    if refusal.retry_after is not None:
-        # whole seconds by the standard; milliseconds for clients that read them (OpenAI SDKs)
-        headers["Retry-After"] = str(max(1, math.ceil(refusal.retry_after)))
-        headers["retry-after-ms"] = str(int(refusal.retry_after * 1000))
-    return web.Response(status=refusal.status, body=dumps(err.body()), content_type="application/json",
-                        headers=headers)
-
-
-def _plain_error(status: int, message: str, error_type: str, code: str) -> web.Response:
-    """An OpenAI error body for what is not a generation request (admin, metrics, unknown paths)."""
-    return web.Response(status=status, body=dumps(ApiError(status, message, error_type, code=code).body()),
-                        content_type="application/json")
-
-
 class Gateway:
     def __init__(self, config: BouncerConfig, *, config_path: str | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -113,7 +89,7 @@ class Gateway:
                                                                            retries=shared_retries))
             self.shared = SharedState(config.shared_state, shared_limits, clock,
                                       own_part=lambda: self.core.own_share(self.clock()),
-                                      seen=lambda others: self._apply(self.core.peers(others, self.clock())),
+                                      seen=lambda others: self.apply(self.core.peers(others, self.clock())),
                                       retries=shared_retries)
         else:
             self.core = AdmissionCore(config, clock())
@@ -149,12 +125,7 @@ class Gateway:
         app.router.add_get("/v1/models", self.handle_models)
         app.router.add_get("/health", self.handle_health)
         app.router.add_get("/ready", self.handle_ready)
-        app.router.add_get("/metrics", self.handle_metrics)
-        app.router.add_get("/admin/state", self.handle_admin_state)
-        app.router.add_post("/admin/drain", self.handle_admin_drain)
-        app.router.add_post("/admin/undrain", self.handle_admin_undrain)
-        app.router.add_post("/admin/reload", self.handle_admin_reload)
-        app.router.add_get("/admin/timeline", self.handle_admin_timeline)
+        Admin(self).add_routes(app)
         add_page_routes(app)
         app.on_startup.append(self._start)
         app.on_cleanup.append(self._stop)
@@ -230,7 +201,8 @@ class Gateway:
                 self._kv_subs[name] = (where, task)
 
     # -- core events -------------------------------------------------------------------------------
-    def _apply(self, events: list[Event]) -> None:
+    def apply(self, events: list[Event]) -> None:
+        """Act on the core's decisions: each waiting request hears its own."""
         if self.shared is not None:
             self.shared.settle()  # charges the core did not take, or gave back
         for event in events:
@@ -245,7 +217,7 @@ class Gateway:
                 fut.set_result(event)
             elif isinstance(event, Dispatch):
                 # its client is gone already: give the permit straight back
-                self._apply(self.core.finished(rid, self.clock(), Terminal.CANCELLED,
+                self.apply(self.core.finished(rid, self.clock(), Terminal.CANCELLED,
                                                reason=Reason.CLIENT_DISCONNECTED))
 
     async def _ticker(self) -> None:
@@ -253,7 +225,7 @@ class Gateway:
             wake = self.core.next_wakeup()
             delay = TICK_MAX_S if wake is None else min(TICK_MAX_S, max(TICK_MIN_S, wake - self.clock()))
             await asyncio.sleep(delay)
-            self._apply(self.core.tick(self.clock()))
+            self.apply(self.core.tick(self.clock()))
 
     async def _probe_loop_lag(self) -> None:
         """How late a 0.1 s timer fires: the event loop's backlog, which every request waits in
@@ -286,7 +258,7 @@ class Gateway:
                 telemetry = dataclasses.replace(telemetry, received=self.clock())  # a slow answer is still one
             except Exception as exc:  # noqa: BLE001 (any failure is a failed scrape; the loop must live on)
                 telemetry, error = None, f"{type(exc).__name__}: {exc}"
-            self._apply(self.core.observe(name, telemetry, self.clock()))
+            self.apply(self.core.observe(name, telemetry, self.clock()))
             if (telemetry is not None) != healthy:
                 if healthy is not None or telemetry is None:
                     level = logging.INFO if telemetry is not None else logging.WARNING
@@ -327,7 +299,7 @@ class Gateway:
         except web.HTTPException as exc:  # aiohttp's own: unknown path, wrong method
             if exc.status < 400:
                 raise
-            return _plain_error(exc.status, f"{request.method} {request.path}: {exc.reason}",
+            return plain_error(exc.status, f"{request.method} {request.path}: {exc.reason}",
                                 "invalid_request_error", "not_found" if exc.status == 404 else "invalid_request")
         except (asyncio.CancelledError, ConnectionError):
             raise
@@ -439,7 +411,7 @@ class Gateway:
         its request is queued takes it out of the queue."""
         fut = asyncio.get_running_loop().create_future()
         self._waiters[rid] = fut
-        self._apply(call())
+        self.apply(call())
         try:
             return await fut
         except asyncio.CancelledError:
@@ -448,9 +420,9 @@ class Gateway:
             if fut.done() and not fut.cancelled() and isinstance(fut.result(), Dispatch):
                 # dispatched in the very turn the client left (the result was set, the task was
                 # cancelled before it ran on): its permit goes straight back
-                self._apply(self.core.finished(rid, now, Terminal.CANCELLED, reason=Reason.CLIENT_DISCONNECTED))
+                self.apply(self.core.finished(rid, now, Terminal.CANCELLED, reason=Reason.CLIENT_DISCONNECTED))
             else:
-                self._apply(self.core.cancel(rid, now))
+                self.apply(self.core.cancel(rid, now))
             raise
 
     async def _serve_admitted(self, request: web.Request, path: str, body: dict[str, Any], d: Dispatch,
@@ -515,7 +487,7 @@ class Gateway:
                 line.update(outcome=out.terminal.value, reason=out.reason, completion_tokens=out.completion_tokens,
                             ttft_s=None if out.first_token_at is None else round(out.first_token_at - d.arrival, 4),
                             layer=Layer.UPSTREAM.value if out.terminal is Terminal.FAILED else None)
-                self._apply(self.core.finished(rid, now, out.terminal, out.completion_tokens, out.reason))
+                self.apply(self.core.finished(rid, now, out.terminal, out.completion_tokens, out.reason))
 
     async def _prefill(self, rid: str, url: str, path: str, upstream_body: dict[str, Any], decode: str) -> str:
         """The P/D hop (`bouncer.gateway.disaggregated`): the prompt on the prefill worker at
@@ -526,7 +498,7 @@ class Gateway:
             params = await kv_transfer_params(up, self.upstream.read_timeout)
         finally:
             up.close()
-        self._apply(self.core.handed_over(rid, self.clock()))
+        self.apply(self.core.handed_over(rid, self.clock()))
         upstream_body["kv_transfer_params"] = params
         return self.core.view.replica(decode).url
 
@@ -543,7 +515,7 @@ class Gateway:
             digest = key_digest_from_headers(request.headers)
             tenant = self.config.tenant_by_key().get(digest) if digest else None
             if tenant is None:
-                return _plain_error(401, "invalid or missing API key", "authentication_error", "unauthenticated")
+                return plain_error(401, "invalid or missing API key", "authentication_error", "unauthenticated")
             names = [n for n in names if not tenant.models or n in tenant.models]
         return web.Response(body=dumps(models_list(names)), content_type="application/json")
 
@@ -557,124 +529,27 @@ class Gateway:
         status = 200 if all(ready.values()) else 503
         return web.json_response({"ready": status == 200, "models": ready}, status=status)
 
-    async def handle_metrics(self, request: web.Request) -> web.Response:
-        allowed = self.prepared.metrics_keys
-        if allowed and (denied := self._key_denied(request, allowed | self.prepared.admin_keys)) is not None:
-            return denied
-        return web.Response(body=generate_latest(self.metrics.registry),
-                            headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
-
-    # -- admin -------------------------------------------------------------------------------------
-    @staticmethod
-    def _key_denied(request: web.Request, allowed: frozenset[str]) -> web.Response | None:
-        auth = request.headers.get("Authorization", "")
-        key = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
-        if not key or key_digest(key) not in allowed:
-            return _plain_error(401, "a key allowed here is required", "authentication_error", "unauthenticated")
-        return None
-
-    def _admin_denied(self, request: web.Request) -> web.Response | None:
-        if not self.prepared.admin_keys:
-            return _plain_error(403, "admin endpoints are disabled (no admin_keys_sha256)", "permission_error",
-                                "admin_disabled")
-        return self._key_denied(request, self.prepared.admin_keys)
-
-    def _viewer_denied(self, request: web.Request) -> web.Response | None:
-        allowed = self.prepared.admin_keys | self.prepared.viewer_keys
-        if not allowed:
-            return _plain_error(403, "the flight recorder is not readable (no admin_keys_sha256 or "
-                                "access.viewer_keys_sha256)", "permission_error", "admin_disabled")
-        return self._key_denied(request, allowed)
-
     def _recorded_gauges(self) -> dict:
         """What only the shell knows, for the flight recorder's samples."""
-        return {"serving": len(self._live), "connections_open": self.connections.open,
+        return {"serving": self.serving, "connections_open": self.connections.open,
                 "loop_lag_s": round(self.loop_lag_s, 4)}
 
-    async def handle_admin_timeline(self, request: web.Request) -> web.StreamResponse:
-        if (denied := self._viewer_denied(request)) is not None:
-            return denied
-        if not self.config.recorder.enabled:
-            return _plain_error(404, "the flight recorder is off (recorder.enabled: false)", "not_found_error",
-                                "recorder_disabled")
-        return await timeline_response(request, self.recorder.timeline, {"live": True, **self.recorder.stats()})
+    @property
+    def serving(self) -> int:
+        """Admitted requests being served now."""
+        return len(self._live)
 
-    async def _model_from(self, request: web.Request) -> str | web.Response:
-        model = request.query.get("model")
-        if model is None and request.can_read_body:
-            try:
-                data = await request.json()
-            except ValueError:
-                data = None
-            model = data.get("model") if isinstance(data, dict) else None
-        if not isinstance(model, str) or model not in self.prepared.models:
-            return _plain_error(404, f"unknown model {model!r} (name it in ?model= or a JSON body's \"model\")",
-                                "not_found_error", "model_not_found")
-        return model
-
-    async def handle_admin_state(self, request: web.Request) -> web.Response:
-        if (denied := self._admin_denied(request)) is not None:
-            return denied
-        snap = self.core.snapshot(self.clock())
-        snap["serving"] = len(self._live)
-        snap["connections"] = {"open": self.connections.open, "refused": self.connections.refused,
-                               "header_timeouts": self.connections.header_timeouts}
-        return web.Response(body=dumps(snap), content_type="application/json")
-
-    async def handle_admin_drain(self, request: web.Request) -> web.Response:
-        if (denied := self._admin_denied(request)) is not None:
-            return denied
-        model = await self._model_from(request)
-        if isinstance(model, web.Response):
-            return model
-        self.core.drain(model)
-        log.info("model draining", extra={"event": "drain", "model": model})
-        return web.json_response({"model": model, "draining": True})
-
-    async def handle_admin_undrain(self, request: web.Request) -> web.Response:
-        if (denied := self._admin_denied(request)) is not None:
-            return denied
-        model = await self._model_from(request)
-        if isinstance(model, web.Response):
-            return model
-        self._apply(self.core.undrain(model, self.clock()))
-        log.info("model undrained", extra={"event": "undrain", "model": model})
-        return web.json_response({"model": model, "draining": False})
-
-    async def handle_admin_reload(self, request: web.Request) -> web.Response:
-        """Apply a new config (YAML or JSON in the body, else the file the gateway started from)
-        without dropping queued or in-flight requests. All or nothing: the new config is
-        validated and prepared (tokenizers loaded) before anything is swapped."""
-        if (denied := self._admin_denied(request)) is not None:
-            return denied
-        raw = await request.read()
-        try:
-            if raw.strip():
-                data = yaml.safe_load(raw)
-                if not isinstance(data, dict):
-                    raise ConfigError("reload body: the top level must be a mapping")
-                config = parse_config(data, "reload body")
-            elif self.config_path:
-                config = load_config(self.config_path)
-            else:
-                raise ConfigError("send the new config in the body (no config file to re-read)")
-            prepared = prepare(config, "reload")
-            if config.shared_state != self.config.shared_state:
-                raise ConfigError("shared_state changed: that takes a restart (the gateway's state moves)")
-        except (ConfigError, ValueError, yaml.YAMLError, OSError) as exc:
-            log.warning("reload refused", extra={"event": "reload", "ok": False, "error": str(exc)})
-            return _plain_error(400, str(exc), "invalid_request_error", "invalid_config")
+    def reconfigure(self, prepared: Prepared) -> None:
+        """Swap in a new config, validated and prepared (`admin.py`'s reload): the core's
+        policies and tenants, scrapers for its replicas, its outside signals."""
         old = self.config
-        self._apply(self.core.reload(config, self.clock()))
+        config = prepared.config
+        self.apply(self.core.reload(config, self.clock()))
         self._install(prepared)
         self.recorder.reconfigure(config.recorder)
         self._sync_scrapers()
         if config.pressure != old.pressure:
             self._sync_pressure()
-        log.info("config reloaded", extra={"event": "reload", "ok": True, "models": len(config.models),
-                                           "tenants": len(config.tenants)})
-        return web.json_response({"reloaded": True, "models": list(prepared.models),
-                                  "tenants": [t.name for t in config.tenants]})
 
 
 async def serve_gateway(gateway: Gateway, host: str, port: int, ready: asyncio.Event | None = None,
