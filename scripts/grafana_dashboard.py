@@ -95,8 +95,11 @@ ROWS = [
          [(f"sum by (instance) (rate(bouncer_shared_state_syncs_total[{R}]))", "{{instance}} syncs /s"),
           (f"sum by (instance) (rate(bouncer_shared_state_failures_total[{R}]))", "{{instance}} failures /s"),
           (f"sum by (instance) (increase(bouncer_shared_state_refunds_lost_total[{R}]))",
-           "{{instance}} refunds lost")],
-         "A sync publishes this gateway's part of the fleet's state and reads the others'."),
+           "{{instance}} refunds lost"),
+          (f"sum by (instance, result) (rate(bouncer_shared_state_claims_total[{R}]))",
+           "{{instance}} claims {{result}} /s")],
+         "A sync publishes this gateway's part of the fleet's state and reads the others'. A claim: a dispatch "
+         "to a nearly full replica reserved on the shared state first; refused: another gateway filled it first."),
         ("In flight per replica: this gateway and the others", "short",
          [("bouncer_replica_inflight_requests", "{{instance}} {{replica}} here"),
           ("bouncer_replica_inflight_elsewhere_requests", "{{instance}} {{replica}} elsewhere")],

@@ -284,3 +284,30 @@ def test_a_gateway_that_shares_nothing_logs_nothing():
     alone = make_core()
     dispatched(alone.offer(info(prompt=160, block_digests=list(range(10))), 0.0))
     assert alone.sent_prefixes.recent(0.0) == []
+
+
+def test_a_dispatch_that_nearly_fills_a_replica_is_claimed_and_waits_again_when_another_gateway_filled_it():
+    """Claims (`bouncer.core.claims`): two gateways each see room for one more request on a
+    replica between syncs. The one whose claim fails holds its request again, with the replica
+    as full as the other made it, and sends it once that request ends."""
+    from bouncer.core import claims
+
+    a, b = make_core(replicas=1, kv_blocks=100), make_core(replicas=1, kv_blocks=100)
+    exchange([a, b], 0.0)  # they share state from here on
+    (name,) = a.replicas
+    first = dispatched(a.offer(info(prompt=560, max_tokens=80), 0.1))  # 40 blocks of 100
+    assert len(first) == 1 and first[0].claim is None  # far from full: no round trip
+    elsewhere = dispatched(b.offer(info(prompt=560, max_tokens=80), 0.1))  # b has not seen a's
+    assert len(elsewhere) == 1
+    (second,) = dispatched(a.offer(info(prompt=560, max_tokens=80), 0.2))
+    # a's view: 40 of 92 usable blocks held, this one 40 more: 12 left, under a quarter of the replica
+    assert second.claim == (40, 0, 12)
+    others = b.replicas[name].inflight_blocks - b.replicas[name].peers.blocks
+    assert others == 40 and not claims.holds(second.claim, others)
+    assert dispatched(a.unclaimed(second.request_id, others, 0.2)) == []  # held: the replica is full
+    assert a.view.queued == 1 and len(a.replicas[name].inflight) == 1
+    assert claims.holds(second.claim, 12) and not claims.holds(second.claim, 13)
+    b.finished(elsewhere[0].request_id, 0.5, Terminal.COMPLETED, 80)
+    events = exchange([a, b], 0.6)[0]  # b's request gone from a's view: room again
+    again = dispatched(events)
+    assert [d.request_id for d in again] == [second.request_id] and again[0].claim is not None

@@ -32,7 +32,7 @@ METRIC = re.compile(r"\b(bouncer_[a-z0-9_]+|vllm:[a-z0-9_:]+)")
 # sharing a real redis-server instead
 SHARED_ONLY = {"bouncer_shared_state_up", "bouncer_shared_state_gateways", "bouncer_shared_state_peers",
                "bouncer_shared_state_syncs_total", "bouncer_shared_state_failures_total",
-               "bouncer_shared_state_refunds_lost_total"}
+               "bouncer_shared_state_refunds_lost_total", "bouncer_shared_state_claims_total"}
 
 
 def _tool(name: str) -> str:

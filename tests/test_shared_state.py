@@ -114,6 +114,41 @@ def test_two_gateways_share_one_bucket_in_redis(redis_server):
     assert together == 4 and after_flush == 4
 
 
+def test_claims_on_a_replica_hold_once_expire_with_their_lease_and_follow_each_sync(redis_server):
+    """`bouncer.core.claims` in Redis: of two gateways that both saw room for one request, the
+    second's claim fails with what the first holds; a killed gateway's claims are gone within
+    lease_s; a sync writes what a gateway holds in full, its claims folded in."""
+    from bouncer.core.outcomes import Claim
+    from bouncer.core.peers import GatewayShare, ReplicaLoad
+
+    held_by_b = {"r0": ReplicaLoad(blocks=5)}
+
+    async def scenario():
+        a, b = _links(redis_server.url, 2, lease_s=1.0)
+        b.own_part, b.seen = (lambda: GatewayShare(dict(held_by_b))), (lambda others: None)
+        await a.start()
+        await b.start()
+        first = await b.claim("r0", Claim(blocks=40, others_seen=0, slack=52))
+        second = await a.claim("r0", Claim(blocks=40, others_seen=0, slack=12))
+        seen_right = await a.claim("r0", Claim(blocks=40, others_seen=40, slack=12))  # a view that counts b's
+        b.stop_tasks()  # killed: nothing said to Redis, its presence and claims left to expire
+        await asyncio.sleep(1.1)
+        after_lease = await a.claim("r0", Claim(blocks=10, others_seen=0, slack=0))
+        await b.sync()  # b back: its part and what it holds on each replica, in full (5 blocks)
+        tight = await a.claim("r0", Claim(blocks=10, others_seen=0, slack=4))
+        roomy = await a.claim("r0", Claim(blocks=10, others_seen=0, slack=5))
+        counts = dict(a.claims)
+        await a.close()
+        await b.close()
+        return first, second, seen_right, after_lease, tight, roomy, counts
+
+    first, second, seen_right, after_lease, tight, roomy, counts = asyncio.run(scenario())
+    assert first is None and second == 40 and seen_right is None
+    assert after_lease is None  # b's 40 blocks expired with its lease
+    assert tight == 5 and roomy is None
+    assert counts == {"held": 3, "refused": 2}
+
+
 # -- end to end: two gateways, one engine, the openai-shaped requests users send -----------------
 
 def _post(base: str, key: str) -> tuple[int, dict]:
@@ -257,3 +292,50 @@ def test_bench_gateways_shows_the_limit_once_when_shared_and_once_per_gateway_al
     assert alone["limited"] >= 1.5 and alone["tokens"] >= 1.5, result  # each gateway its own limit
     assert shared["limited"] <= 1.15 and shared["tokens"] <= 1.15, result
     assert "sharing Redis" in report(result)
+
+
+def test_a_gateway_holds_a_request_while_a_killed_gateways_claim_fills_its_replica_then_serves_it(redis_server):
+    """Another gateway claimed 60 of a replica's 100 KV blocks since this one's view (a field in
+    Redis, as a gateway killed right after its claim leaves it; this gateway scrapes the engine
+    once, so nothing else tells it the engine is in fact idle): a request that would nearly fill
+    the replica is claimed, refused, held (not sent to overfill it, not failed), and served once
+    that claim expires with its lease."""
+    bg = BackgroundLoop()
+    engine, _, engine_cleanup = start_engine(bg, speed=8.0, num_blocks=100, max_num_seqs=16)
+    config = {
+        "tenants": [tenant("free", slo={"ttft_s": 30.0})],
+        "models": [{"name": "demo-llm", "engine": "vllm", "tokenizer": str(default_tokenizer_path()),
+                    "max_model_len": 4096, "backends": [{"url": engine, "name": "e0"}]}],
+        "admin_keys_sha256": [key_digest("admin")],
+        "shared_state": {"url": redis_server.url, "key_prefix": "claims:", "lease_s": 3},
+        "policy": {"telemetry": {"scrape_interval_s": 60, "staleness_s": 120}},
+    }
+    base, gw, cleanup = start_gateway(bg, config)
+    try:
+        poll_until(lambda: bg.call(lambda: gw.core.replicas["e0"].capacity_blocks) == 100, what="scraped")
+        poll_until(lambda: gw.shared.syncs > 0, what="synced")
+
+        async def ghost():
+            async with aioredis.from_url(redis_server.url) as r:
+                secs, micros = await r.time()
+                await r.hset("claims:{claims}:e0", "killed-gateway", f"{secs + micros / 1e6 + 2.0:.6f} 60")
+        asyncio.run(ghost())
+        # about 900 prompt tokens and 256 expected out: 73 blocks, leaving 19 of the 92 usable
+        body = json.dumps({"model": "demo-llm", "prompt": "hello " * 300, "max_tokens": 300}).encode()
+        req = urllib.request.Request(base + "/v1/completions", data=body, method="POST",
+                                     headers={"Content-Type": "application/json", "Authorization": "Bearer free"})
+        started = time.monotonic()
+        try:
+            with urllib.request.urlopen(req, timeout=30) as resp:
+                status, answer = resp.status, resp.read()
+        except urllib.error.HTTPError as err:
+            status, answer = err.code, err.read()
+        took = time.monotonic() - started
+        claims = dict(gw.shared.claims)
+        assert status == 200 and 1.5 <= took < 10, (status, took, answer, claims)
+        assert claims["refused"] >= 1 and claims["held"] >= 1, claims
+        poll_until(lambda: bg.call(lambda: gw.core.view.inflight + gw.core.view.queued) == 0, what="permit returned")
+    finally:
+        cleanup()
+        engine_cleanup()
+        bg.close()

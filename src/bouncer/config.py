@@ -703,7 +703,9 @@ recorder: {enabled: true, step_s: 0.25, horizon_s: 900}
 # Several gateways behind one load balancer: tenants' rate limits are kept in Redis, so together
 # they let through each limit once, not once per gateway (one Redis call per rate-limited
 # request); and every sync_ms each gateway publishes its requests on each replica and its
-# tenants' service, and counts the others' (a killed gateway's stop counting within lease_s).
+# tenants' service, and counts the others' (a killed gateway's stop counting within lease_s);
+# a dispatch that would nearly fill a replica claims it there first (one atomic call), so two
+# gateways never fill its last room at once.
 # on_unavailable: fail-open (each gateway its share of each limit while Redis is away)
 # or fail-closed (503 with Retry-After for rate-limited tenants); both recover by themselves.
 # shared_state: {url: "redis://127.0.0.1:6379/0", key_prefix: "bouncer:", lease_s: 10,

@@ -79,13 +79,13 @@ class LoggingCorePolicy(CorePolicy):
         if any(isinstance(e, Reject) and e.request_id == req.attempt_id and e.refusal.reason == "deadline_infeasible"
                for e in events):
             a.refused_at_arrival = True
-        events = self._convert(events)
+        events = self._convert(events, now)
         queued = self.core.view.queued_request(req.attempt_id)
         if queued is not None and queued.predicted_late:
             a.flagged = True
         return events
 
-    def _convert(self, events) -> list[PolicyEvent]:
+    def _convert(self, events, now: float) -> list[PolicyEvent]:
         for e in events:
             a = self.attempts.get(e.request_id)
             if a is None:
@@ -96,7 +96,7 @@ class LoggingCorePolicy(CorePolicy):
                 a.flagged = a.flagged or e.predicted_late
             elif isinstance(e, Reject) and e.refusal.reason == "deadline_infeasible":
                 a.flagged = a.refused_infeasible = True
-        return super()._convert(events)
+        return super()._convert(events, now)
 
     def started(self, attempt_id, now):
         a = self.attempts.get(attempt_id)

@@ -15,8 +15,10 @@ the burst runs (equal weights: half each is fair, while both want more than half
 from __future__ import annotations
 
 import pathlib
+import re
 import tempfile
 import time
+import urllib.request
 
 from bouncer.bench.goodput import fleet_capacity, tokens_served
 from bouncer.bench.live import (
@@ -87,14 +89,28 @@ def run(load: float = LOAD, duration_s: float = 60.0, fleet: LiveFleet = FLEET, 
                 route = lambda i, req, home=home: (home[req.tenant], req.tenant)  # noqa: E731 (its key: its name)
                 live, refusals = replay(requests, route, prof.block_size)
                 table = _with_attempts(_table(scenario, live, duration_s), refusals)
+                claims = _claims(urls) if shared else None
             finally:
                 procs.stop()
                 if redis is not None:
                     redis.stop()
             result["runs"].append({"setup": label, "gateways": n, "shared": shared,
                                    "wall_s": round(time.monotonic() - started, 1), **table,
-                                   "band0_token_shares": band_shares(live, ("steady", "bursty"), lo, hi)})
+                                   "band0_token_shares": band_shares(live, ("steady", "bursty"), lo, hi),
+                                   "claims": claims})
     return result
+
+
+def _claims(urls: list[str]) -> dict[str, int]:
+    """The gateways' claims on nearly full replicas (`bouncer.core.claims`), held and refused, from
+    their /metrics."""
+    counts = {"held": 0, "refused": 0}
+    for url in urls:
+        with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
+            text = resp.read().decode()
+        for m in re.finditer(r'^bouncer_shared_state_claims_total\{result="(\w+)"\} ([\d.e+]+)$', text, re.M):
+            counts[m.group(1)] = counts.get(m.group(1), 0) + int(float(m.group(2)))
+    return counts
 
 
 def report(result: dict) -> str:
@@ -108,5 +124,9 @@ def report(result: dict) -> str:
         s = r["band0_token_shares"]
         lines.append(f"| {r['setup']} | {r['goodput_rps']:.2f} | {t['top']['slo_attainment']:.1%} | "
                      f"{t['steady']['slo_attainment']:.1%} | {s['steady']:.1%} / {s['bursty']:.1%} |")
+    claimed = [(r["setup"], r["claims"]) for r in result["runs"] if r.get("claims")]
+    if claimed:
+        lines += ["", "Claims on nearly full replicas (held / refused): " + "; ".join(
+            f"{setup}: {c['held']} / {c['refused']}" for setup, c in claimed)]
     return "\n".join(lines)
 

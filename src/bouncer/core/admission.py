@@ -28,12 +28,13 @@ shell calls these from one thread (the event loop).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 from bouncer.config import BouncerConfig, Tenant
-from bouncer.core import deadlines, feedback, intake, sharing
+from bouncer.core import claims, deadlines, feedback, intake, sharing
 from bouncer.core.agent_gate import WindowGate, make_gate
 from bouncer.core.dispatch import Dispatcher, grant
 from bouncer.core.finaliser import UNKNOWN_TENANT, CoreStats, Finaliser
@@ -254,12 +255,18 @@ class AdmissionCore:
         return deadlines.act_on_late(adm, self.tenants.get(adm.tenant), self.models[adm.info.model], self.policy,
                                      self.stats, self.finaliser, late_by, now)
 
-    def _grant(self, adm: Admission, replica: ReplicaState, cached: dict[str, int], now: float) -> Dispatch:
-        if self.shares.enabled:
-            self.shares.served((adm.info.model, adm.priority, adm.tenant),
-                               adm.cost_tokens / self.tenants.weight(adm.tenant), now)
-        return grant(adm, replica, cached, self.models[adm.info.model], self.finaliser, self.permits, self.policy,
-                     self.stats, now, self.sent_prefixes if self.shares.enabled else None)
+    def _grant(self, adm: Admission, replica: ReplicaState, cached: dict[str, int], now: float,
+               usage: float) -> Dispatch:
+        """`usage`: the replica's KV usage before it, as placement saw it."""
+        if not self.shares.enabled:
+            return grant(adm, replica, cached, self.models[adm.info.model], self.finaliser, self.permits, self.policy,
+                         self.stats, now)
+        self.shares.served((adm.info.model, adm.priority, adm.tenant),
+                           adm.cost_tokens / self.tenants.weight(adm.tenant), now)
+        d = grant(adm, replica, cached, self.models[adm.info.model], self.finaliser, self.permits, self.policy,
+                  self.stats, now, self.sent_prefixes)
+        claim = claims.claim_for(adm, replica, cached[replica.name], usage, self.policy.kv_busy_threshold)
+        return d if claim is None else d._replace(claim=claim)
 
     # -- lifecycle of admitted requests -------------------------------------------------------
     def started(self, request_id: str, now: float, measured: bool = True) -> None:
@@ -327,6 +334,33 @@ class AdmissionCore:
         if refusal is not None:
             return [self.finaliser.refuse(adm, refusal, now, Terminal.FAILED), *self._dispatcher.run(ms, now)]
         self.stats.note("requeued", Layer.UPSTREAM.value, Reason.UPSTREAM_REFUSED.value, adm.tenant, adm.priority)
+        return self._hold_again(ms, adm, now)
+
+    def unclaimed(self, request_id: str, others_blocks: int, now: float) -> list[Event]:
+        """Its claim failed (`bouncer.core.claims`): the other gateways hold `others_blocks` on
+        its replica, more than this gateway's view left room for. The permit goes back and the
+        request waits at the head of its queue again, the replica counted as full as they hold
+        it until the next sync brings their parts."""
+        adm = self.permits.release(request_id, self.replicas)
+        if adm is None:
+            return []
+        ms = self.models[adm.info.model]
+        if adm.session is not None and isinstance(ms.agents, WindowGate):
+            ms.agents.finished(adm, now)
+        r = self.replicas[adm.replica]  # type: ignore[index]
+        added = others_blocks - r.peers.blocks
+        if added > 0:  # sent there since this gateway's view: not in any sample it has (and the
+            # replica is not idle, which would take any one request)
+            r.set_peers(dataclasses.replace(r.peers, requests=max(1, r.peers.requests), blocks=others_blocks,
+                                            recent_blocks=r.peers.recent_blocks + added), now)
+        self.stats.note("requeued", Layer.FLOW.value, "claimed_elsewhere", adm.tenant, adm.priority)
+        return self._hold_again(ms, adm, now)
+
+    def _hold_again(self, ms: ModelState, adm: Admission, now: float) -> list[Event]:
+        """A dispatched request, its permit released, back in its queue (where its order puts
+        it: its first place, as it keeps its arrival and deadline). Its replica did not compute
+        its prompt: the blocks recorded there for it are forgotten."""
+        self.replicas[adm.replica].prefix.forget(adm.info.block_digests[adm.first_new_block:])  # type: ignore[index]
         adm.replica = adm.dispatched_at = adm.first_token_at = adm.decode_replica = adm.prefill_replica = None
         adm.blocks = adm.prefill_tokens = 0
         ms.flow.push(adm, self.tenants.weight(adm.tenant))

@@ -42,7 +42,7 @@ class Dispatcher:
     permits and ends), so that this module only decides the order."""
 
     def __init__(self, placement: Placement, saturation: SaturationDetector,
-                 grant: Callable[[Admission, ReplicaState, dict[str, int], float], Dispatch],
+                 grant: Callable[[Admission, ReplicaState, dict[str, int], float, float], Dispatch],
                  on_late: Callable[[Admission, float, float], list[Event]],
                  acts_on_late: Callable[[Admission], bool], shares: FleetShares) -> None:
         self.placement = placement
@@ -107,7 +107,7 @@ class Dispatcher:
                     continue
                 flow.fairness.charge(band, q, adm)
                 replica, cached = placed
-                events.append(self.grant(adm, replica, cached, now))
+                events.append(self.grant(adm, replica, cached, now, view.usage(replica)))
                 view.granted(replica)
             if band.count:
                 break
@@ -173,7 +173,7 @@ def grant(adm: Admission, replica: ReplicaState, cached: dict[str, int], ms: Mod
     blocks_and_prefill(adm, replica, cached)
     feedback.at_dispatch(adm, replica, now)
     digests = adm.info.block_digests
-    held = replica.prefix.record(digests, now)
+    held = adm.first_new_block = replica.prefix.record(digests, now)
     if sent is not None and held < len(digests):
         sent.sent(replica.name, digests[held:], now)
     decode = ms.replicas[adm.decode_replica] if adm.decode_replica is not None else None

@@ -143,6 +143,16 @@ class Refusal(NamedTuple):
         return "invalid_request_error"
 
 
+class Claim(NamedTuple):
+    """With several gateways: what a dispatch asks of the state they share before it goes
+    (`bouncer.core.claims`). The replica was placed on a view of the other gateways' load a sync
+    old; the claim holds only if they have not added more there since than the room it left."""
+
+    blocks: int  # the KV blocks this request will hold there (prompt and expected output)
+    others_seen: int  # the blocks the other gateways held there, in the view it was placed on
+    slack: int  # blocks the replica had left beyond this request, in that view
+
+
 class Dispatch(NamedTuple):
     """Send this request to `replica` now."""
 
@@ -158,6 +168,7 @@ class Dispatch(NamedTuple):
     predicted_tpot_s: float | None = None
     predicted_late: bool = False  # found unable to meet its TTFT SLO and let through (not acted on)
     decode_replica: str | None = None  # disaggregated: the decode worker; `replica` is the prefill worker
+    claim: Claim | None = None  # several gateways, the replica nearly full: claim it first (`core.claims`)
 
 
 class Reject(NamedTuple):

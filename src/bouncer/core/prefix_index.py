@@ -49,6 +49,11 @@ class ApproxPrefixIndex:
             blocks.popitem(last=False)
         return len(digests) if held is None else held
 
+    def forget(self, digests: list[int]) -> None:
+        """What `record` added was not sent after all (a claim that failed, `core.claims`)."""
+        for d in digests:
+            self._blocks.pop(d, None)
+
 
 class ReplicaPrefixIndex:
     """The engine's KV events while they flow, else what we sent there.
@@ -87,6 +92,10 @@ class ReplicaPrefixIndex:
         if self.unanswered_since is None:
             self.unanswered_since = now
         return self.approx.record(digests)
+
+    def forget(self, digests: list[int]) -> None:
+        """Blocks recorded for a dispatch that did not go after all."""
+        self.approx.forget(digests)
 
     def _precise(self) -> PreciseIndex:
         if self.precise is None:

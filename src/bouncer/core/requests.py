@@ -61,6 +61,7 @@ class Admission:
     first_token_at: float | None = None
     blocks: int = 0  # projected KV blocks reserved on its replica
     prefill_tokens: int = 0  # uncached prompt tokens it adds to its replica's prefill queue
+    first_new_block: int = 0  # of its block digests, the first its replica's prefix index did not hold
     seq: int = 0  # arrival order, for FCFS ties
     session: str | None = None  # the agent it is a step of, when agent-level admission applies
     parent_session: str | None = None  # a subagent's step: the agent in whose slot it runs

@@ -222,6 +222,12 @@ class _SharedStateCollector:
                                   "fleet's load and read the others'.", value=link.syncs)
         yield GaugeMetricFamily("bouncer_shared_state_peers", "Other gateways whose part of the fleet's load this "
                                 "gateway counted at the last sync.", value=link.peers_seen)
+        claims = CounterMetricFamily("bouncer_shared_state_claims", "Dispatches to a nearly full replica claimed "
+                                     "on the shared state first: held, or refused (another gateway filled it first; "
+                                     "the request waited again).", labels=["result"])
+        for result, n in link.claims.items():
+            claims.add_metric([result], n)
+        yield claims
 
 
 class GatewayMetrics:

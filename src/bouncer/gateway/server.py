@@ -396,6 +396,11 @@ class Gateway:
         while True:
             if isinstance(decision, Reject):
                 return self._refused(decision, line)
+            if decision.claim is not None and self.shared is not None:
+                others = await self._claim(decision)
+                if others is not None:  # another gateway filled the replica first: held again
+                    decision = await self._decision(rid, lambda o=others: self.core.unclaimed(rid, o, self.clock()))
+                    continue
             line.update(tenant=decision.tenant, band=decision.band)
             wait = decision.dispatched_at - decision.arrival
             self.metrics.observe_queue_wait(decision.tenant, decision.band, wait)
@@ -405,6 +410,17 @@ class Gateway:
                 return result
             # the replica refused it: the core holds it again until it fits elsewhere, or ends it
             decision = await self._decision(rid, lambda r=result: self.core.requeue(rid, self.clock(), r.retry_after))
+
+    async def _claim(self, d: Dispatch) -> int | None:
+        """Claim the nearly full replica `d` goes to (`bouncer.core.claims`); the permit is this
+        request's meanwhile, so a client that leaves gives it back."""
+        assert self.shared is not None and d.claim is not None
+        try:
+            return await self.shared.claim(d.replica, d.claim)
+        except asyncio.CancelledError:
+            self.apply(self.core.finished(d.request_id, self.clock(), Terminal.CANCELLED,
+                                          reason=Reason.CLIENT_DISCONNECTED))
+            raise
 
     async def _decision(self, rid: str, call: Callable[[], list[Event]]) -> Dispatch | Reject:
         """Run a core call and wait for this request's decision; a client that goes away while

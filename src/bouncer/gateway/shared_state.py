@@ -14,6 +14,10 @@ LiteLLM's users report of its multi-instance rate limits). With `shared_state` s
 - a retry (its client says so) costs one Redis call before the offer: its first attempt's
   arrival, wherever it came (`SharedRetries`); first attempts and completions are written back in
   the background, one pipelined call per turn of the loop;
+- a dispatch that would leave its replica nearly full (`bouncer.core.claims`) costs one Redis
+  call before it is sent (`CLAIM`: what the other gateways hold there now, against what the core
+  counted; the blocks added to this gateway's if it holds). Each sync writes every replica's
+  blocks of this gateway in full (`CLAIMS_SET`), with its lease;
 - every sync_ms, off the request path, each gateway writes its part (`AdmissionCore.own_share`:
   its requests on each replica, its tenants' decayed service, its queued heads) and reads the
   others' in the same call (`SYNC`); a part not rewritten within lease_s is dropped, so a killed
@@ -42,7 +46,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import NoScriptError, RedisError
 
 from bouncer.config import SharedState as SharedStateConfig
-from bouncer.core.outcomes import Reason
+from bouncer.core.outcomes import Claim, Reason
 from bouncer.core.peers import GatewayShare
 from bouncer.core.rate_limit import Bucket
 from bouncer.core.retries import RetryKey
@@ -121,6 +125,46 @@ redis.call('PEXPIRE', KEYS[1], math.ceil(lease * 2000))
 return others
 """
 
+# A replica's claims (`bouncer.core.claims`): a hash per replica, one field per gateway, "expiry
+# blocks" (Redis's time). Every sync writes each gateway's blocks there in full; a claim adds to
+# them. All in one hash slot, for Redis Cluster: a sync writes every replica's in one call.
+CLAIM = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local me, blocks, seen = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
+local slack, lease = tonumber(ARGV[4]), tonumber(ARGV[5])
+local all = redis.call('HGETALL', KEYS[1])
+local others, mine = 0, 0
+for i = 1, #all, 2 do
+  local id, v = all[i], all[i + 1]
+  local sp = string.find(v, ' ', 1, true)
+  local held = sp and tonumber(string.sub(v, sp + 1))
+  if held == nil or tonumber(string.sub(v, 1, sp - 1)) < now then
+    redis.call('HDEL', KEYS[1], id)
+  elseif id == me then
+    mine = held
+  else
+    others = others + held
+  end
+end
+if others - seen > slack then return {0, others} end
+redis.call('HSET', KEYS[1], me, string.format('%.6f', now + lease) .. ' ' .. (mine + blocks))
+redis.call('PEXPIRE', KEYS[1], math.ceil(lease * 2000))
+return {1, others}
+"""
+
+CLAIMS_SET = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local lease = tonumber(ARGV[2])
+local expiry = string.format('%.6f', now + lease)
+for i = 1, #KEYS do
+  redis.call('HSET', KEYS[i], ARGV[1], expiry .. ' ' .. ARGV[i + 2])
+  redis.call('PEXPIRE', KEYS[i], math.ceil(lease * 2000))
+end
+return #KEYS
+"""
+
 REASONS = {1: Reason.RATE_LIMITED_REQUESTS, 2: Reason.RATE_LIMITED_TOKENS}
 
 
@@ -168,12 +212,15 @@ class SharedState:
         self.available = False
         self.calls_failed = 0
         self.refunds_lost = 0  # charges that could not be given back (Redis went away meanwhile)
+        self.claims = {"held": 0, "refused": 0}  # dispatches to a nearly full replica (`core.claims`)
         self._redis = aioredis.from_url(cfg.url, socket_timeout=cfg.timeout_ms / 1000,
                                         socket_connect_timeout=cfg.timeout_ms / 1000, retry_on_timeout=False)
         self._take = self._redis.register_script(TAKE)
         self._refund = self._redis.register_script(REFUND)
         self._heartbeat = self._redis.register_script(HEARTBEAT)
         self._sync = self._redis.register_script(SYNC)
+        self._claim = self._redis.register_script(CLAIM)
+        self._claims_set = self._redis.register_script(CLAIMS_SET)
         self._task: asyncio.Task | None = None
         self._sync_task: asyncio.Task | None = None
         # set before the tasks are cancelled: a loop ends at its next turn even if a cancellation
@@ -186,6 +233,9 @@ class SharedState:
         self._background: set[asyncio.Task] = set()
         self._pending: list[tuple[str, int, asyncio.Future]] = []  # takes asked in this turn of the loop
         store.degraded = True  # until Redis first answers
+
+    def _claims_key(self, replica: str) -> str:
+        return f"{self.cfg.key_prefix}{{claims}}:{replica}"
 
     def _keys(self, tenant: str) -> list[str]:
         # one hash tag per tenant: both of its buckets on one Redis Cluster slot, for the script
@@ -264,9 +314,18 @@ class SharedState:
         """Publish this gateway's part and take the others' (one call). Failing, the last view
         holds for lease_s, then is dropped: this gateway then counts only its own."""
         assert self.own_part is not None and self.seen is not None
-        part = json.dumps(self.own_part().to_wire(), separators=(",", ":"))
+        share = self.own_part()
+        part = json.dumps(share.to_wire(), separators=(",", ":"))
+        names = sorted(share.replicas)
         try:
-            raw = await self._sync(keys=[self.cfg.key_prefix + "parts"], args=[self.gateway_id, part, self.cfg.lease_s])
+            pipe = self._redis.pipeline(transaction=False)
+            await self._sync(keys=[self.cfg.key_prefix + "parts"], args=[self.gateway_id, part, self.cfg.lease_s],
+                             client=pipe)  # (queued: the pipeline sends both at once)
+            if names:  # what it holds on each replica, in full: its claims since the last sync folded in
+                await self._claims_set(keys=[self._claims_key(n) for n in names],
+                                       args=[self.gateway_id, self.cfg.lease_s,
+                                             *(share.replicas[n].blocks for n in names)], client=pipe)
+            raw = (await pipe.execute())[0]
         except (RedisError, OSError) as exc:
             self._failed(exc)
             if self._synced_at is not None and self.clock() - self._synced_at > self.cfg.lease_s:
@@ -348,6 +407,26 @@ class SharedState:
             await self._redis.script_load(TAKE)
             answers = await pipeline().execute(raise_on_error=False)
         return answers
+
+    # -- claims -----------------------------------------------------------------------------------
+    async def claim(self, replica: str, claim: Claim) -> int | None:
+        """Claim a dispatch to a nearly full replica (`bouncer.core.claims`): None if it holds
+        (or Redis is away: the local view decides, as one gateway alone would), else the blocks
+        the other gateways hold there now, for `AdmissionCore.unclaimed`."""
+        if not self.available:
+            return None
+        try:
+            held, others = await self._claim(keys=[self._claims_key(replica)],
+                                             args=[self.gateway_id, claim.blocks, claim.others_seen, claim.slack,
+                                                   self.cfg.lease_s])
+        except (TimeoutError, RedisError, OSError) as exc:
+            self._failed(exc)
+            return None
+        if int(held):
+            self.claims["held"] += 1
+            return None
+        self.claims["refused"] += 1
+        return int(others)
 
     # -- retries ----------------------------------------------------------------------------------
     def _retry_key(self, key: RetryKey) -> str:

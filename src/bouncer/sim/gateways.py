@@ -12,18 +12,22 @@ Each gateway scrapes every replica and hears every replica's KV events itself. W
 - or, as several Bouncer gateways on Redis do: one rate-limit store and one retry ledger (each
   request's verdict is one atomic call there, so no staleness is modelled, only sharing), and
   every `sync_s` each gateway's part of the fleet's load and tenants' service
-  (`bouncer.core.peers`), seen by the others `delay_s` later.
+  (`bouncer.core.peers`), seen by the others `delay_s` later; and a dispatch to a nearly full
+  replica claims it first (`bouncer.core.claims`), checked at once against what the others hold.
 """
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from bouncer.core import claims
 from bouncer.core.fleet import Telemetry
+from bouncer.core.outcomes import Claim
 from bouncer.core.peers import GatewayShare
 from bouncer.core.stores import Stores
 from bouncer.sim.fleet import PolicyEvent, SimRequest
@@ -72,6 +76,9 @@ class Gateways:
                 own = Stores.local()
                 stores = Stores(own.permits, shared.rate_limits, own.credit, shared.retries, own.backlog)
             self.gateways.append(make(stores))
+        if setup.shared:
+            for i, g in enumerate(self.gateways):
+                g.claimer = functools.partial(self._claim, i)
         self.name = self.gateways[0].name
         self._tenants: dict[str, int] = {}  # tenant -> its gateway, for spread "tenant"
         self._sessions: dict[str, int] = {}
@@ -162,6 +169,16 @@ class Gateways:
             g.kv_events(replica, stored, removed, now)
 
     # -- the shared state ---------------------------------------------------------------------------
+    def _claim(self, i: int, replica: str, claim: Claim) -> int | None:
+        """Gateway `i`'s claim (`bouncer.core.claims`), atomic and at once (its round trip is not
+        modelled): what the others hold on the replica is their own count of it now."""
+        others = 0
+        for j, g in enumerate(self.gateways):
+            if j != i:
+                r = g.core.replicas[replica]
+                others += r.inflight_blocks - r.peers.blocks
+        return None if claims.holds(claim, others) else others
+
     def _sync(self, now: float) -> list[PolicyEvent]:
         """Publish every gateway's part when a sync period is due; deliver what has become
         visible: each gateway sees the others' parts."""

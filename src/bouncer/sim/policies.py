@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Callable
 
 import xxhash
 
@@ -16,7 +17,7 @@ from bouncer.config import BouncerConfig, key_digest, parse_config
 from bouncer.core.admission import AdmissionCore, Exemption
 from bouncer.core.dispatch import blocks_and_prefill
 from bouncer.core.fleet import ReplicaState, Telemetry
-from bouncer.core.outcomes import Dispatch, Reject, Terminal
+from bouncer.core.outcomes import Claim, Dispatch, Reject, Terminal
 from bouncer.core.peers import GatewayShare
 from bouncer.core.permits import LocalPermits
 from bouncer.core.pool import PoolView
@@ -51,6 +52,9 @@ class CorePolicy:
         self._keys = {t.name: t.api_keys_sha256[0] for t in config.tenants}
         self._renew_every = config.policy.permit_lease_s / 4
         self._next_renew = 0.0
+        # several gateways sharing state (`sim.gateways`): a dispatch's claim, checked there
+        # (None: it holds; else the blocks the others hold on its replica)
+        self.claimer: Callable[[str, Claim], int | None] | None = None
 
     @property
     def replica_names(self) -> list[str]:
@@ -60,10 +64,15 @@ class CorePolicy:
     def queued(self) -> int:
         return self.core.view.queued
 
-    def _convert(self, events) -> list[PolicyEvent]:
+    def _convert(self, events, now: float) -> list[PolicyEvent]:
         out: list[PolicyEvent] = []
         for e in events:
             if isinstance(e, Dispatch):
+                if e.claim is not None and self.claimer is not None:
+                    others = self.claimer(e.replica, e.claim)
+                    if others is not None:  # another gateway filled the replica first
+                        out.extend(self._convert(self.core.unclaimed(e.request_id, others, now), now))
+                        continue
                 out.append(Dispatched(e.request_id, e.replica, e.decode_replica))
             else:
                 assert isinstance(e, Reject)
@@ -84,10 +93,10 @@ class CorePolicy:
                            retry_count=req.attempt - 1, prompt_digest=prompt_digest(req))
 
     def offer(self, req: SimRequest, now: float) -> list[PolicyEvent]:
-        return self._convert(self.core.offer(self._info(req), now))
+        return self._convert(self.core.offer(self._info(req), now), now)
 
     def tick(self, now):
-        return self._convert(self.core.tick(now))
+        return self._convert(self.core.tick(now), now)
 
     def next_wakeup(self):
         return self.core.next_wakeup()
@@ -96,23 +105,23 @@ class CorePolicy:
         self.core.started(attempt_id, now)
 
     def handed_over(self, attempt_id, now):
-        return self._convert(self.core.handed_over(attempt_id, now))
+        return self._convert(self.core.handed_over(attempt_id, now), now)
 
     def finished(self, attempt_id, now, completed, completion_tokens):
         terminal = Terminal.COMPLETED if completed else Terminal.CANCELLED
-        return self._convert(self.core.finished(attempt_id, now, terminal, completion_tokens))
+        return self._convert(self.core.finished(attempt_id, now, terminal, completion_tokens), now)
 
     def cancel(self, attempt_id, now):
-        return self._convert(self.core.cancel(attempt_id, now))
+        return self._convert(self.core.cancel(attempt_id, now), now)
 
     def engine_refused(self, attempt_id, now):
-        return self._convert(self.core.requeue(attempt_id, now))
+        return self._convert(self.core.requeue(attempt_id, now), now)
 
     def observe(self, replica: str, telemetry: Telemetry, now: float):
         if now >= self._next_renew:  # as the gateway does: what runs keeps its permit
             self._next_renew = now + self._renew_every
             self.core.renew(self.core.view.inflight_ids(), now)
-        return self._convert(self.core.observe(replica, telemetry, now))
+        return self._convert(self.core.observe(replica, telemetry, now), now)
 
     def kv_events(self, replica: str, stored: list[tuple[str, int]], removed: list[tuple[str, int]],
                   now: float) -> None:
@@ -120,7 +129,7 @@ class CorePolicy:
 
     def peers(self, others: list[GatewayShare], now: float) -> list[PolicyEvent]:
         """Several gateways (`bouncer.sim.gateways`): the others' parts of the shared state."""
-        return self._convert(self.core.peers(others, now))
+        return self._convert(self.core.peers(others, now), now)
 
 
 class _Passthrough:
