@@ -12,6 +12,7 @@ Entry points (those that decide return `list[Event]`):
   fits. Call it at `next_wakeup()` at the latest.
 - `started(id, now)`: first token seen. `finished(id, now, terminal, ...)`: the request is over;
   its permit returns and room may open. `requeue(id, now)`: a backend refused it for load.
+  `unclaimed(id, others, now)`: its claim on a nearly full replica failed (`bouncer.core.claims`).
 - `cancel(id, now)`: the client left while queued. `observe(replica, telemetry, now)`: a scrape.
   `kv_events` / `kv_digests`: an engine's prefix-cache changes. `renew(ids, now)`: the shell still
   serves these. `drain(model)` / `undrain(model)`: model swaps. `reload(config, now)`.
@@ -28,7 +29,6 @@ shell calls these from one thread (the event loop).
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -323,12 +323,10 @@ class AdmissionCore:
         front of its queue instead of passing the refusal on. It still leaves at its original TTL.
         The replica rests (`placement.rest`); a request no replica will take ends now
         (`placement.nowhere_to_go`)."""
-        adm = self.permits.release(request_id, self.replicas)
-        if adm is None:
+        taken = self._take_back(request_id, now)
+        if taken is None:
             return []
-        ms = self.models[adm.info.model]
-        if adm.session is not None and isinstance(ms.agents, WindowGate):
-            ms.agents.finished(adm, now)
+        adm, ms = taken
         rest(self.replicas[adm.replica], self.policy, now, retry_after)  # type: ignore[index]
         refusal = nowhere_to_go(ms.replicas, adm, self.policy, now)
         if refusal is not None:
@@ -341,20 +339,23 @@ class AdmissionCore:
         its replica, more than this gateway's view left room for. The permit goes back and the
         request waits at the head of its queue again, the replica counted as full as they hold
         it until the next sync brings their parts."""
+        taken = self._take_back(request_id, now)
+        if taken is None:
+            return []
+        adm, ms = taken
+        claims.count_others(self.replicas[adm.replica], others_blocks, now)  # type: ignore[index]
+        self.stats.note("requeued", Layer.FLOW.value, "claimed_elsewhere", adm.tenant, adm.priority)
+        return self._hold_again(ms, adm, now)
+
+    def _take_back(self, request_id: str, now: float) -> tuple[Admission, ModelState] | None:
+        """A dispatched request's permit, released: it did not run where it was sent."""
         adm = self.permits.release(request_id, self.replicas)
         if adm is None:
-            return []
+            return None
         ms = self.models[adm.info.model]
         if adm.session is not None and isinstance(ms.agents, WindowGate):
             ms.agents.finished(adm, now)
-        r = self.replicas[adm.replica]  # type: ignore[index]
-        added = others_blocks - r.peers.blocks
-        if added > 0:  # sent there since this gateway's view: not in any sample it has (and the
-            # replica is not idle, which would take any one request)
-            r.set_peers(dataclasses.replace(r.peers, requests=max(1, r.peers.requests), blocks=others_blocks,
-                                            recent_blocks=r.peers.recent_blocks + added), now)
-        self.stats.note("requeued", Layer.FLOW.value, "claimed_elsewhere", adm.tenant, adm.priority)
-        return self._hold_again(ms, adm, now)
+        return adm, ms
 
     def _hold_again(self, ms: ModelState, adm: Admission, now: float) -> list[Event]:
         """A dispatched request, its permit released, back in its queue (where its order puts

@@ -19,6 +19,8 @@ full at every sync and expires with its lease, so a killed gateway's claims are 
 
 from __future__ import annotations
 
+import dataclasses
+
 from bouncer.core.blocks import num_blocks
 from bouncer.core.fleet import ReplicaState
 from bouncer.core.outcomes import Claim
@@ -46,3 +48,15 @@ def holds(claim: Claim, others_now: int) -> bool:
     """Whether a claim holds, the other gateways holding `others_now` blocks on its replica at
     the moment it is made (the shared state's scripts apply the same rule)."""
     return others_now - claim.others_seen <= claim.slack
+
+
+def count_others(replica: ReplicaState, others_blocks: int, now: float) -> None:
+    """A claim on `replica` failed: the other gateways hold `others_blocks` there, sent since this
+    gateway's view of them, so in no sample it has. Counted as theirs, and as sent recently
+    (what the KV usage it projects adds), until the next sync brings their parts; and the
+    replica is not idle (an idle one takes any one request)."""
+    peers = replica.peers
+    added = others_blocks - peers.blocks
+    if added > 0:
+        replica.set_peers(dataclasses.replace(peers, requests=max(1, peers.requests), blocks=others_blocks,
+                                              recent_blocks=peers.recent_blocks + added), now)
