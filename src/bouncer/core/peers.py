@@ -13,7 +13,9 @@ decide well only when counted fleet-wide:
 Each gateway hands out `GatewayShare`, its own part, on a period; the shell (the Redis link, or
 the simulator's delayed bus) brings the others' back and the core takes their sum
 (`AdmissionCore.peers`). What is seen of the others is a sync period and a round trip old, so it
-is not a reservation: two gateways may both send to a replica within that moment.
+is not a reservation: two gateways may both send to a replica within that moment. Where that
+would overfill it (a dispatch leaving it nearly full), the dispatch is claimed first
+(`bouncer.core.claims`).
 
 Served tokens decay with a time constant (`window_s`), so shares are fair over the recent past
 and a gateway that restarts (its part gone from the sum) leaves no debt that lasts: a tenant
