@@ -558,12 +558,8 @@ def test_5_access_lines_written_directly_read_as_logging_writes_them_and_are_rat
         for _ in range(3 * logs.RATE_BURST):  # refusals of one kind: the burst, then dropped and counted
             logs.access(dict(fields, outcome="refused", reason="saturated", status=429))
         assert len(stream.getvalue().splitlines()) == 2 + logs.RATE_BURST
-    finally:  # as it was: for the other tests' caplog
-        for name in ("bouncer", "aiohttp", "aiohttp.server", "aiohttp.access"):
-            logger = logging.getLogger(name)
-            logger.handlers.clear()
-            logger.propagate = True
-            logger.setLevel(logging.NOTSET)
+    finally:
+        _unconfigure_logs()
         del configure_handler
     logs.access(fields)  # handlers changed since: through logging again, not to the old stream
     assert len(stream.getvalue().splitlines()) == 2 + logs.RATE_BURST
@@ -606,6 +602,15 @@ def test_8_the_readme_documents_the_admin_api():
 
 
 
+def _unconfigure_logs() -> None:
+    """Undo `logs.configure`: the loggers as they were, for the other tests' caplog."""
+    for name in ("bouncer", "aiohttp", "aiohttp.server", "aiohttp.access"):
+        logger = logging.getLogger(name)
+        logger.handlers.clear()
+        logger.propagate = True
+        logger.setLevel(logging.NOTSET)
+
+
 def test_5_a_flood_of_one_kind_of_log_line_is_cut_to_a_few_a_second_and_counted():
     import io
 
@@ -640,10 +645,6 @@ def test_5_a_flood_of_one_kind_of_log_line_is_cut_to_a_few_a_second_and_counted(
         configure("info", "json", stream)
         logging.getLogger("bouncer.access").info("request", extra={"event": "request", "tenant": "t"})
         assert json.loads(stream.getvalue().strip().splitlines()[-1])["tenant"] == "t"
-    finally:  # as it was: for the other tests' caplog
-        for name in ("bouncer", "aiohttp", "aiohttp.server", "aiohttp.access"):
-            logger = logging.getLogger(name)
-            logger.handlers.clear()
-            logger.propagate = True
-            logger.setLevel(logging.NOTSET)
+    finally:
+        _unconfigure_logs()
         del handler

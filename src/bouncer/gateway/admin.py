@@ -89,6 +89,9 @@ class Admin:
         return web.Response(body=dumps(snap), content_type="application/json")
 
     async def _model_from(self, request: web.Request) -> str | web.Response:
+        """The model an admin call names (admin keys checked first), or the error answer."""
+        if (denied := self._admin_denied(request)) is not None:
+            return denied
         model = request.query.get("model")
         if model is None and request.can_read_body:
             try:
@@ -102,8 +105,6 @@ class Admin:
         return model
 
     async def handle_drain(self, request: web.Request) -> web.Response:
-        if (denied := self._admin_denied(request)) is not None:
-            return denied
         model = await self._model_from(request)
         if isinstance(model, web.Response):
             return model
@@ -112,8 +113,6 @@ class Admin:
         return web.json_response({"model": model, "draining": True})
 
     async def handle_undrain(self, request: web.Request) -> web.Response:
-        if (denied := self._admin_denied(request)) is not None:
-            return denied
         model = await self._model_from(request)
         if isinstance(model, web.Response):
             return model
