@@ -201,15 +201,28 @@ class BandSLOs:
         recently (inf where none); the highest one's TTFT SLO counted as `STRAINED_SLO_SHARE` of
         it while that band is `strained` (the top band's only: it is the one whose promise the
         reserves are for; every band that misses holding the ones below it would stack up)."""
-        if not self.ttft and not self.tpot and not self.peer_ttft and not self.peer_tpot:
-            return INF, INF
-        active = [(band, slo) for slos in (self.ttft, self.peer_ttft) for band, (slo, seen) in slos.items()
-                  if band > priority and now - seen <= BAND_ACTIVE_S]
-        top = max((band for band, _ in active), default=None)
-        ttft = min((slo * (STRAINED_SLO_SHARE if band == top and self.strained(band, now) else 1.0)
-                    for band, slo in active), default=INF)
-        return ttft, min((slo for slos in (self.tpot, self.peer_tpot) for band, (slo, seen) in slos.items()
-                          if band > priority and now - seen <= BAND_ACTIVE_S), default=INF)
+        # (plain loops over a band or two: this runs for every band on every dispatch loop)
+        top, top_ttft, ttft = None, INF, INF  # the highest active band's strictest SLO, the others'
+        for slos in (self.ttft, self.peer_ttft):
+            for band, (slo, seen) in slos.items():
+                if band <= priority or now - seen > BAND_ACTIVE_S:
+                    continue
+                if top is None or band > top:
+                    if top is not None:
+                        ttft = min(ttft, top_ttft)
+                    top, top_ttft = band, slo
+                elif band == top:
+                    top_ttft = min(top_ttft, slo)
+                else:
+                    ttft = min(ttft, slo)
+        if top is not None:
+            ttft = min(ttft, top_ttft * STRAINED_SLO_SHARE if self.strained(top, now) else top_ttft)
+        tpot = INF
+        for slos in (self.tpot, self.peer_tpot):
+            for band, (slo, seen) in slos.items():
+                if band > priority and now - seen <= BAND_ACTIVE_S and slo < tpot:
+                    tpot = slo
+        return ttft, tpot
 
     # -- several gateways ------------------------------------------------------------------------
     def own(self, now: float) -> list[list]:

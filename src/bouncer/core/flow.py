@@ -209,4 +209,9 @@ class FlowQueues:
 
     def count_ahead(self, priority: int) -> int:
         """Queued requests in bands at or above `priority`: the backlog a newcomer waits behind."""
-        return sum(self.bands[p].count for p in self._bands_desc if p >= priority)
+        n, bands = 0, self.bands
+        for p in self._bands_desc:  # (highest first: a loop, as this runs several times per offer)
+            if p < priority:
+                break
+            n += bands[p].count
+        return n

@@ -8,15 +8,14 @@ usability, instead of each recomputing it. A replica's KV usage (and the pool's 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 from bouncer.config import Policy
 from bouncer.core.fleet import ReplicaState
 
 
 class PoolView:
     __slots__ = ("replicas", "now", "_fresh", "_answering", "_usable", "_reserve", "_project", "_usage",
-                 "_pool_usage", "saturation")
+                 "_pool_usage", "saturation",
+                 "_usable_list", "_prompt_workers")
 
     def __init__(self, replicas: dict[str, ReplicaState], policy: Policy | None, now: float) -> None:
         self.replicas = replicas
@@ -27,6 +26,8 @@ class PoolView:
         self._fresh: dict[str, bool] = {}
         self._answering: dict[str, bool] = {}
         self._usable: dict[str, bool] = {}  # it may be sent work: listed, and answering (or failing open)
+        self._usable_list: list[ReplicaState] | None = None
+        self._prompt_workers: list[ReplicaState] | None = None
         if policy is None:  # a router deployed on its own (a baseline): it trusts what it has
             self._reserve, self._project = False, True
             for name, r in replicas.items():
@@ -60,15 +61,18 @@ class PoolView:
         """It may be sent work: listed, and answering (or stale and not failed, failing open)."""
         return self._usable[r.name]
 
-    def usable_replicas(self) -> Iterable[ReplicaState]:
-        usable = self._usable
-        return (r for name, r in self.replicas.items() if usable[name])
+    def usable_replicas(self) -> list[ReplicaState]:
+        if self._usable_list is None:  # (a list kept: several layers of one call walk it)
+            usable = self._usable
+            self._usable_list = [r for name, r in self.replicas.items() if usable[name]]
+        return self._usable_list
 
-    def prompt_workers(self) -> Iterable[ReplicaState]:
+    def prompt_workers(self) -> list[ReplicaState]:
         """The usable replicas that compute prompts (all but a disaggregated fleet's decode
         workers): where a request's TTFT is decided."""
-        usable = self._usable
-        return (r for name, r in self.replicas.items() if usable[name] and r.role != "decode")
+        if self._prompt_workers is None:
+            self._prompt_workers = [r for r in self.usable_replicas() if r.role != "decode"]
+        return self._prompt_workers
 
     def any_usable(self) -> bool:
         return any(self._usable.values())
