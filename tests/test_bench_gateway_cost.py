@@ -28,3 +28,14 @@ def test_the_rogue_drill_reports_what_the_flood_got_and_what_the_gateway_spent()
     assert abs(sum(ended.values()) - answered_by_status) <= 2
     assert r["gateway_cpu_s"] > 0 and r["interactive_in_gateway"]["loop_lag_p99_s_at_most"] is not None
     assert "rogue drill" in flood.report(r)
+
+
+def test_long_prompts_reports_the_tokenizers_floor_and_the_real_sessions_step_sizes():
+    # the floor: the bundled tokenizer's own CPU time for 10k tokens, so the table can be read
+    # against what no cache can save (a step's new tokens must be tokenized)
+    floor = long_prompts.tokenizer_floor(10_000)
+    assert 0.5 < floor < 200
+    adds = long_prompts.real_increments(above=100_000)
+    assert len(adds) > 100 and adds == sorted(adds) and adds[0] > 0
+    # most real steps add little: the table's "~1k" rows are the common case, "~10k" the tail
+    assert adds[len(adds) // 2] < 2_000 < adds[int(len(adds) * 0.9)] < 10_000

@@ -188,13 +188,52 @@ def report(steps: list[Step]) -> str:
     return "\n".join(lines)
 
 
+def tokenizer_floor(tokens: int = 10_000, seed: int = 0) -> float:
+    """CPU ms the bundled tokenizer alone takes, in this process, for about `tokens` new tokens
+    of the sessions' text (best of 10): what a step adding that much costs at the least, whatever
+    the gateway caches."""
+    tok = PromptTokenizer(segment_cache=False)
+    text = _text(random.Random(seed), tokens * 3 // 8)  # (the sessions' text: about 2.7 tokens a word)
+    n = len(tok.encode(text))
+    best = min(_cpu(lambda: tok.encode(text)) for _ in range(10))
+    return best * 1e3 * tokens / n
+
+
+def _cpu(call) -> float:
+    t0 = time.process_time()
+    call()
+    return time.process_time() - t0
+
+
+def real_increments(above: int = 100_000) -> list[int]:
+    """What each step of the bundled WEKA Claude Code sessions adds to the step before, in
+    tokens, where its prompt is over `above`: the sizes this benchmark's steps stand for."""
+    from bouncer.sim.scenarios import TRACES
+    from bouncer.sim.traces import load_weka
+
+    out = []
+    for session in load_weka(TRACES / "weka-claude-code" / "traces"):
+        for prev, step in zip(session.steps, session.steps[1:], strict=False):
+            if step.prompt_len > above and step.prompt_len > prev.prompt_len:
+                out.append(step.prompt_len - prev.prompt_len)
+    return sorted(out)
+
+
 def main(n_sessions: int, steps: int, out: str | None) -> None:
     result = run(n_sessions, steps)
     print(report(result))
+    floor = tokenizer_floor()
+    print(f"the bundled tokenizer alone, in this process: {floor:.1f} ms of CPU for 10k new tokens")
+    adds = real_increments()
+    real = {"steps": len(adds), "p50": adds[len(adds) // 2], "p90": adds[int(len(adds) * 0.9)]} if adds else None
+    if real:
+        print(f"in the bundled WEKA sessions, a step over 100k tokens adds {real['p50']:,} tokens at the median, "
+              f"{real['p90']:,} at p90 ({real['steps']} steps)")
     mismatched = sum(not s.counts_match for s in result)
     print(f"{len(result)} steps of {n_sessions} sessions, {min(s.prompt_tokens for s in result):,} to "
           f"{max(s.prompt_tokens for s in result):,} prompt tokens; token counts differing from a full "
           f"tokenization: {mismatched}")
     if out:
-        pathlib.Path(out).write_text(json.dumps([asdict(s) for s in result], indent=2))
+        pathlib.Path(out).write_text(json.dumps({"tokenizer_ms_per_10k": floor, "weka_steps_over_100k_added": real,
+                                                 "steps": [asdict(s) for s in result]}, indent=2))
         print(f"saved {out}")
