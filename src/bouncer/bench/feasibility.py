@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 from bouncer.bench.goodput import fleet_capacity, fleet_config, tenant_configs
 from bouncer.config import BouncerConfig
-from bouncer.core.admission import Exemption
+from bouncer.core.arrivals import Exemption
 from bouncer.core.outcomes import Dispatch, Reject
 from bouncer.sim.fleet import FleetSim, PolicyEvent, SimRequest
 from bouncer.sim.policies import BOUNCER_POLICY, CorePolicy, core_config

@@ -21,21 +21,21 @@ Entry points (those that decide return `list[Event]`):
   they share, and the others' as last seen (`bouncer.core.peers`).
 - `view`: what the shells may read (`bouncer.core.view`).
 
-This class holds only the entry points and the glue between the parts; each layer lives in its
-own module (intake, deadlines, waiting_room, dispatch, placement, saturation, feedback, backlog,
-agent_gate), every end goes through `finaliser`, and the state lives in `stores`. One writer: the
+This class holds only the entry points and the glue between the parts: a new request's layers
+run in `arrivals`, each layer lives in its own module (intake, deadlines, waiting_room, dispatch,
+placement, saturation, feedback, backlog, agent_gate), every end goes through `finaliser`, and
+the state lives in `stores`. One writer: the
 shell calls these from one thread (the event loop).
 """
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 from bouncer.config import BouncerConfig, Tenant
-from bouncer.core import claims, deadlines, feedback, intake, sharing
+from bouncer.core import claims, feedback, intake, sharing
 from bouncer.core.agent_gate import WindowGate, make_gate
+from bouncer.core.arrivals import Arrivals, Exemption
 from bouncer.core.dispatch import Dispatcher, grant
 from bouncer.core.finaliser import UNKNOWN_TENANT, CoreStats, Finaliser
 from bouncer.core.fleet import ReplicaState, Telemetry
@@ -46,24 +46,14 @@ from bouncer.core.outcomes import Dispatch, Event, Layer, Reason, Refusal, Rejec
 from bouncer.core.peers import FleetShares, GatewayShare
 from bouncer.core.placement import Placement, nowhere_to_go, rest
 from bouncer.core.pool import PoolView
-from bouncer.core.precheck import cheap_refusal
-from bouncer.core.pressure import PressureSignal, pressure_refusal, reconfigured
+from bouncer.core.pressure import PressureSignal, reconfigured
 from bouncer.core.registry import make_fairness, make_ordering, make_router, make_saturation
-from bouncer.core.requests import STEP_OTHER, Admission, RequestInfo
-from bouncer.core.retries import first_arrival
+from bouncer.core.requests import Admission, RequestInfo
 from bouncer.core.shared_prefixes import PeerPrefixes, SentPrefixes
 from bouncer.core.stores import Stores
 from bouncer.core.tenant_book import TenantBook
 from bouncer.core.view import CoreView
-from bouncer.core.waiting_room import door
-
-
-@dataclass(frozen=True, slots=True)
-class Exemption:
-    """A paired benchmark run's one request that is not refused as late (`bench feasibility`)."""
-
-    request_id: str
-    keep_queued: bool = False  # and it stays queued as long as its TTL allows, not its SLO's budget
+from bouncer.core.waiting_room import leave
 
 
 class AdmissionCore:
@@ -80,9 +70,8 @@ class AdmissionCore:
         self.pressures: dict[str, PressureSignal] = {}  # outside signals by name (`observe_pressure`)
         self.finaliser = Finaliser(self.stats, self.permits, self.stores.rate_limits, self.stores.backlog,
                                    self.tenants.breakers, self.replicas, self.models)
-        self._gate = intake.TenantGate(self.stores.rate_limits)
-        self._seq = itertools.count()
-        self._exemption = exemption
+        self.gate = intake.TenantGate(self.stores.rate_limits)
+        self.arrivals = Arrivals(self, exemption)
         self._next_lease_check = now
         self._routing_cfg = None
         self.shares = FleetShares(config.policy.fleet_shares_window_s, config.policy.fleet_shares_slack_tokens)
@@ -109,8 +98,8 @@ class AdmissionCore:
         self.pressures = reconfigured(self.pressures, config.pressure)
         self.tenants.reconfigure(config, now)
         self.placement = Placement(p, router, self.tenants.by_name, self.permits)
-        self._dispatcher = Dispatcher(self.placement, self.saturation, self._grant, self._late, self._acts_on_late,
-                                      self.shares)
+        self.dispatcher = Dispatcher(self.placement, self.saturation, self._grant, self.arrivals.late,
+                                     self.arrivals.acts_on_late, self.shares)
         for m in config.models:
             ms = self.models.get(m.name)
             if ms is None:
@@ -119,141 +108,19 @@ class AdmissionCore:
             ms.reconfigure(m, config, fairness, ordering, self.stores.credit, make_gate(p, ms.agents), self.replicas)
         return self.tick(now)
 
-    # -- a new request, layer by layer -------------------------------------------------------------
+    # -- a new request, layer by layer (`bouncer.core.arrivals`) ------------------------------------
     def precheck(self, info: RequestInfo, now: float) -> Reject | Tenant:
         """A new request's cheap layers, before its prompt is tokenized (`prompt_tokens` and its
         blocks are not read): who it is, its model, its tenant's breaker and rate limits (looked
         at, not taken: `offer` takes them), the waiting room's doors; its arrival counted. A
         flood that these refuse costs the gateway no tokenizing. Returns the refusal, or the
         tenant for `offer`, which runs this itself when not given one."""
-        return self._precheck(info, now)[0]
-
-    def _precheck(self, info: RequestInfo, now: float) -> tuple[Reject | Tenant, PoolView | None]:
-        """`precheck`, and the pool view it judged by (None where it did not get that far), which
-        `offer` may use on: nothing between them moves a replica."""
-        t = self.tenants.identify(info.key_digest)
-        self.stats.arrive(UNKNOWN_TENANT if t is None else t.name)
-        if t is None:
-            return self._refuse_new(info, UNKNOWN_TENANT, None, Refusal(
-                Layer.VALIDATION, Reason.UNAUTHENTICATED, "invalid or missing API key")), None
-        ms = self.models.get(info.model)
-        refusal = intake.validate_model(info.model, t, ms.cfg if ms else None) or pressure_refusal(
-            self.pressures, t, now)
-        if refusal is not None:
-            return self._refuse_new(info, t.name, t.priority, refusal), None
-        view = PoolView(ms.replicas, self.policy, now)  # type: ignore[union-attr]
-        refusal = cheap_refusal(ms, t, info, self._gate, self.tenants.breakers[t.name], self.saturation, self.policy,
-                                self.policy.refuse_infeasible and self._exemption is None, view, now)
-        if refusal is not None:
-            # as offer remembers what the gate or the door refuses
-            first_arrival(self.finaliser.retries, t.name, info, now)
-            return self.finaliser.refuse_unadmitted(info.request_id, t.name, t.priority, refusal, info.model,
-                                                    now), None
-        return t, view
+        return self.arrivals.precheck(info, now)[0]
 
     def offer(self, info: RequestInfo, now: float, checked: Tenant | None = None) -> list[Event]:
         """A new request, layer by layer; `checked`: its tenant as `precheck` found it, where the
         shell ran that first (else it runs here)."""
-        view: PoolView | None = None
-        if checked is None:
-            found, view = self._precheck(info, now)
-            if isinstance(found, Reject):
-                return [found]
-            checked = found
-        t = self.tenants.get(checked.name)  # (a reload may have come since the precheck)
-        if t is None:
-            return [self._refuse_new(info, UNKNOWN_TENANT, None, Refusal(
-                Layer.VALIDATION, Reason.UNAUTHENTICATED, "invalid or missing API key"))]
-        ms = self.models.get(info.model)
-        refusal = intake.validate(info, t, ms.cfg if ms else None, self.config.limits)  # layer 1
-        if refusal is not None or ms is None:
-            return [self._refuse_new(info, t.name, t.priority, refusal)]
-        max_tokens = intake.context_budget(info, t, ms.cfg)  # layer 2
-        if isinstance(max_tokens, Refusal):
-            return [self._refuse_new(info, t.name, t.priority, max_tokens)]
-        retry_key, first_arrival_at = first_arrival(self.finaliser.retries, t.name, info, now)
-        refusal, probe = self._gate.enter(t, self.tenants.breakers[t.name], info.prompt_tokens + max_tokens,
-                                          now)  # rate
-        if refusal is not None:
-            return [self._refuse_new(info, t.name, t.priority, refusal)]
-        lengths = self.tenants.output_models[t.name]
-        adm, ttft_left = deadlines.new_admission(
-            info, t, self.policy, max_tokens, feedback.expected_output(lengths, self.policy, info.model, max_tokens),
-            first_arrival_at, retry_key, next(self._seq), now)
-        adm.breaker_probe, adm.rate_charge, adm.context_limit = probe, info.prompt_tokens + max_tokens, \
-            ms.cfg.max_model_len
-        if ms.cfg.disaggregated:
-            adm.mean_output = feedback.mean_output(lengths, self.policy, info.model, max_tokens)
-        ms.band_slos.note(adm, now)
-        if ttft_left is not None and ttft_left <= 0:  # a retry past its first attempt's deadline
-            refusal = deadlines.past_first_deadline(adm, t, self.policy, self._acts_on_late(adm),
-                                                    now - first_arrival_at)  # type: ignore[operator]
-            if refusal is not None:
-                return [self.finaliser.refuse(adm, refusal, now)]
-            self.stats.note("demoted", Layer.SLO.value, Reason.RETRY_PAST_DEADLINE.value, adm.tenant, adm.priority)
-            ttft_left = None
-        if view is None or view.replicas is not ms.replicas:
-            view = PoolView(ms.replicas, self.policy, now)
-        best_ttft = self.placement.best_ttft(ms.replicas, adm, view) if ttft_left else None
-        if ttft_left and not self._exempt(adm, keeping_queued=True):
-            deadlines.queue_budget(adm, ttft_left, best_ttft, ms, self.policy, now)
-        ms.agents.classify(adm)
-        return self._enter_waiting_room(ms, adm, view, ttft_left, best_ttft, now)  # layers 4 and 5
-
-    def _refuse_new(self, info: RequestInfo, tenant: str, band: int | None, refusal: Refusal) -> Reject:
-        return self.finaliser.refuse_unadmitted(info.request_id, tenant, band, refusal)
-
-    def _enter_waiting_room(self, ms: ModelState, adm: Admission, view: PoolView, ttft_left: float | None,
-                            best_ttft: float | None, now: float) -> list[Event]:
-        entry = door(ms, adm, view, self.saturation, self.policy, now)
-        if isinstance(entry, Refusal):
-            return [self.finaliser.refuse(adm, entry, now)]
-        events: list[Event] = [self._out_of_the_room(ms, victim, Terminal.EVICTED, Reason.EVICTED,
-                                                     "evicted from the queue by higher-priority traffic", now)
-                               for victim in entry]
-        ms.flow.push(adm, self.tenants.weight(adm.tenant))
-        events.extend(self._dispatcher.run(ms, now, view))
-        queued = adm.request_id in ms.flow
-        if queued and adm.queue_rank == STEP_OTHER and adm.session is not None and isinstance(ms.agents, WindowGate):
-            outwaits = ms.agents.outwaits_ttl(adm, ms.flow.waiting_agents, now)
-            if outwaits is not None:
-                ahead, wait = outwaits
-                events.append(self.finaliser.refuse(adm, Refusal(
-                    Layer.FLOW, Reason.AGENT_WINDOW_FULL, f"{ahead} agents wait for a slot in the agent window "
-                    f"before this one; expected wait ~{wait:.0f} s", wait), now, flow=ms.flow))
-                queued = False
-        if ttft_left and queued and not ms.draining and adm.ttft_deadline is not None:
-            # It has to wait. If the backlog ahead and the prefill work on the best replica already
-            # add up to more than its TTFT SLO, say so now (before any prefill), and when to come
-            # back: once enough of it has drained.
-            late = deadlines.late_by(ms, adm, ttft_left, best_ttft, self.policy, now)
-            if late is not None:
-                events.extend(self._late(adm, now, late))
-        return events
-
-    def _out_of_the_room(self, ms: ModelState, adm: Admission, terminal: Terminal, reason: Reason, message: str,
-                         now: float) -> Reject:
-        """A queued request leaves the waiting room with an error; its Retry-After counts the
-        room without it."""
-        return self.finaliser.refuse(adm, lambda: Refusal(Layer.FLOW, reason, message, ms.backlog.retry_after(
-            adm.priority, now, adm.tenant)), now, terminal, ms.flow)
-
-    def _acts_on_late(self, adm: Admission) -> bool:
-        """Whether a request predicted to miss its deadline is refused or demoted (else only
-        flagged)."""
-        return self.policy.refuse_infeasible and (self._exemption is None or not self._exempt(adm))
-
-    def _exempt(self, adm: Admission, keeping_queued: bool = False) -> bool:
-        e = self._exemption
-        return e is not None and e.request_id == adm.request_id and (e.keep_queued or not keeping_queued)
-
-    def _late(self, adm: Admission, now: float, late_by: float) -> list[Event]:
-        """`adm` (queued) is predicted to miss its TTFT deadline (`deadlines.act_on_late`)."""
-        adm.predicted_infeasible = True
-        if not self._acts_on_late(adm):
-            return []
-        return deadlines.act_on_late(adm, self.tenants.get(adm.tenant), self.models[adm.info.model], self.policy,
-                                     self.stats, self.finaliser, late_by, now)
+        return self.arrivals.offer(info, now, checked)
 
     def _grant(self, adm: Admission, replica: ReplicaState, cached: dict[str, int], now: float,
                usage: float) -> Dispatch:
@@ -288,7 +155,7 @@ class AdmissionCore:
         if adm is None or adm.decode_replica is None:
             return []
         self.permits.hand_over(adm, self.replicas, now)
-        return self._dispatcher.run(self.models[adm.info.model], now)
+        return self.dispatcher.run(self.models[adm.info.model], now)
 
     def finished(self, request_id: str, now: float, terminal: Terminal, completion_tokens: int = 0,
                  reason: str | None = None) -> list[Event]:
@@ -303,7 +170,7 @@ class AdmissionCore:
             ms.agents.finished(adm, now)
         if terminal is Terminal.COMPLETED:
             self._learn(ms, adm, now, completion_tokens)
-        return self._dispatcher.run(ms, now)
+        return self.dispatcher.run(ms, now)
 
     def _learn(self, ms: ModelState, adm: Admission, now: float, completion_tokens: int) -> None:
         replica = self.replicas[adm.replica]  # type: ignore[index]
@@ -330,7 +197,7 @@ class AdmissionCore:
         rest(self.replicas[adm.replica], self.policy, now, retry_after)  # type: ignore[index]
         refusal = nowhere_to_go(ms.replicas, adm, self.policy, now)
         if refusal is not None:
-            return [self.finaliser.refuse(adm, refusal, now, Terminal.FAILED), *self._dispatcher.run(ms, now)]
+            return [self.finaliser.refuse(adm, refusal, now, Terminal.FAILED), *self.dispatcher.run(ms, now)]
         self.stats.note("requeued", Layer.UPSTREAM.value, Reason.UPSTREAM_REFUSED.value, adm.tenant, adm.priority)
         return self._hold_again(ms, adm, now)
 
@@ -373,7 +240,7 @@ class AdmissionCore:
             adm = ms.flow.get(request_id)
             if adm is not None:
                 self.finaliser.cancel_queued(adm, ms.flow, now)
-                return self._dispatcher.run(ms, now)
+                return self.dispatcher.run(ms, now)
         return []
 
     def renew(self, request_ids: Iterable[str], now: float) -> None:
@@ -395,7 +262,7 @@ class AdmissionCore:
         ms = self.models[r.model]
         if ms.agents.enabled:
             ms.agents.observe(PoolView(ms.replicas, self.policy, now), now)
-        return self._dispatcher.run(ms, now)
+        return self.dispatcher.run(ms, now)
 
     def kv_events(self, replica: str, events: list[KVEvent], now: float) -> None:
         """KV-cache events an engine published (decoded from its wire format): they make the
@@ -422,7 +289,7 @@ class AdmissionCore:
         """The other gateways' parts, as last seen (`bouncer.core.sharing`); room they freed is used."""
         sharing.take_peers(self.models, self.replicas, self.shares, self.tenants.breakers, self.peer_prefixes, others,
                            now)
-        return [e for ms in self.models.values() for e in self._dispatcher.run(ms, now)]
+        return [e for ms in self.models.values() for e in self.dispatcher.run(ms, now)]
 
     # -- time --------------------------------------------------------------------------------------
     def tick(self, now: float) -> list[Event]:
@@ -433,8 +300,8 @@ class AdmissionCore:
                     reason, message = Reason.DRAINING, f"model `{adm.info.model}` is draining for a swap"
                 else:
                     reason, message = Reason.TTL_EXPIRED, "queued longer than its TTL"
-                events.append(self._out_of_the_room(ms, adm, Terminal.EXPIRED, reason, message, now))
-            events.extend(self._dispatcher.run(ms, now))
+                events.append(leave(self.finaliser, ms, adm, Terminal.EXPIRED, reason, message, now))
+            events.extend(self.dispatcher.run(ms, now))
         return events
 
     def _reclaim(self, now: float) -> list[Event]:
@@ -447,7 +314,7 @@ class AdmissionCore:
             ms = self.models[adm.info.model]
             if adm.session is not None and isinstance(ms.agents, WindowGate):
                 ms.agents.finished(adm, now)
-            events.extend(self._dispatcher.run(ms, now))
+            events.extend(self.dispatcher.run(ms, now))
         return events
 
     def next_wakeup(self) -> float | None:
@@ -463,7 +330,7 @@ class AdmissionCore:
     def undrain(self, model: str, now: float) -> list[Event]:
         self.drain(model)  # (checks the name)
         self.models[model].draining = False
-        return self._dispatcher.run(self.models[model], now)
+        return self.dispatcher.run(self.models[model], now)
 
     def observe_pressure(self, name: str, value: float, at: float) -> None:
         """An outside signal's value, from `at` (the shell polls it); unknown names are ignored."""

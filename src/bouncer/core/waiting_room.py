@@ -9,12 +9,17 @@ sheddable request evicts it instead of being refused.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from bouncer.config import Policy
 from bouncer.core.model_state import ModelState
-from bouncer.core.outcomes import Layer, Reason, Refusal
+from bouncer.core.outcomes import Layer, Reason, Refusal, Reject, Terminal
 from bouncer.core.pool import PoolView
 from bouncer.core.requests import Admission
 from bouncer.core.saturation import SaturationDetector, ceiling
+
+if TYPE_CHECKING:
+    from bouncer.core.finaliser import Finaliser
 
 
 def door_shut(ms: ModelState, tenant: str, band: int, view: PoolView, saturation: SaturationDetector,
@@ -72,3 +77,11 @@ def door(ms: ModelState, adm: Admission, view: PoolView, saturation: SaturationD
         count, tokens = count - 1, tokens - victim.info.prompt_tokens
     return victims
 
+
+
+def leave(finaliser: Finaliser, ms: ModelState, adm: Admission, terminal: Terminal, reason: Reason, message: str,
+          now: float) -> Reject:
+    """A queued request leaves the waiting room with an error (evicted, expired, drained); its
+    Retry-After counts the room without it."""
+    return finaliser.refuse(adm, lambda: Refusal(Layer.FLOW, reason, message, ms.backlog.retry_after(
+        adm.priority, now, adm.tenant)), now, terminal, ms.flow)

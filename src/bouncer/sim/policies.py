@@ -14,7 +14,8 @@ from collections.abc import Callable
 import xxhash
 
 from bouncer.config import BouncerConfig, key_digest, parse_config
-from bouncer.core.admission import AdmissionCore, Exemption
+from bouncer.core.admission import AdmissionCore
+from bouncer.core.arrivals import Exemption
 from bouncer.core.dispatch import blocks_and_prefill
 from bouncer.core.fleet import ReplicaState, Telemetry
 from bouncer.core.outcomes import Claim, Dispatch, Reject, Terminal

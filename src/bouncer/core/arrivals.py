@@ -1,0 +1,178 @@
+"""A new request, layer by layer: what the core's `precheck` and `offer` run.
+
+The layers in order (the table in docs/architecture.md):
+1. who it is and its model (`intake`), then its parameters and its context budget;
+2. its tenant's breaker and rate limits (`intake.TenantGate`);
+3. its deadline: a retry past its first attempt's is refused or demoted (`deadlines`), and the
+   rest get their queue budget;
+4-5. the waiting room's doors (`waiting_room`), then the dispatch loop (`dispatch`): it may go
+   at once;
+and a request that has to wait is refused or demoted at once when the backlog ahead and the
+prefill on its best replica already make it late (`late`, which the dispatch loop also calls for
+a head that placement finds late).
+
+The layers that need no prompt run first, on their own (`precheck`, `bouncer.core.precheck`), so
+that the gateway refuses a flood before it tokenizes it. Reads the core's parts through the core,
+since a reload rebuilds them; keeps only the arrival sequence numbers and the benchmarks'
+exemption.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from bouncer.config import Tenant
+from bouncer.core import deadlines, feedback, intake
+from bouncer.core.agent_gate import WindowGate
+from bouncer.core.finaliser import UNKNOWN_TENANT
+from bouncer.core.model_state import ModelState
+from bouncer.core.outcomes import Event, Layer, Reason, Refusal, Reject, Terminal
+from bouncer.core.pool import PoolView
+from bouncer.core.precheck import cheap_refusal
+from bouncer.core.pressure import pressure_refusal
+from bouncer.core.requests import STEP_OTHER, Admission, RequestInfo
+from bouncer.core.retries import first_arrival
+from bouncer.core.waiting_room import door, leave
+
+if TYPE_CHECKING:
+    from bouncer.core.admission import AdmissionCore
+
+
+@dataclass(frozen=True, slots=True)
+class Exemption:
+    """A paired benchmark run's one request that is not refused as late (`bench feasibility`)."""
+
+    request_id: str
+    keep_queued: bool = False  # and it stays queued as long as its TTL allows, not its SLO's budget
+
+
+class Arrivals:
+    def __init__(self, core: AdmissionCore, exemption: Exemption | None = None) -> None:
+        self.core = core
+        self._seq = itertools.count()  # arrival order, for FCFS ties
+        self._exemption = exemption
+
+    def precheck(self, info: RequestInfo, now: float) -> tuple[Reject | Tenant, PoolView | None]:
+        """`AdmissionCore.precheck`, and the pool view it judged by (None where it did not get
+        that far), which `offer` may use on: nothing between them moves a replica."""
+        c = self.core
+        t = c.tenants.identify(info.key_digest)
+        c.stats.arrive(UNKNOWN_TENANT if t is None else t.name)
+        if t is None:
+            return self._refuse_new(info, UNKNOWN_TENANT, None, Refusal(
+                Layer.VALIDATION, Reason.UNAUTHENTICATED, "invalid or missing API key")), None
+        ms = c.models.get(info.model)
+        refusal = intake.validate_model(info.model, t, ms.cfg if ms else None) or pressure_refusal(
+            c.pressures, t, now)
+        if refusal is not None:
+            return self._refuse_new(info, t.name, t.priority, refusal), None
+        view = PoolView(ms.replicas, c.policy, now)  # type: ignore[union-attr]
+        refusal = cheap_refusal(ms, t, info, c.gate, c.tenants.breakers[t.name], c.saturation, c.policy,  # type: ignore[arg-type]
+                                c.policy.refuse_infeasible and self._exemption is None, view, now)
+        if refusal is not None:
+            # as offer remembers what the gate or the door refuses
+            first_arrival(c.finaliser.retries, t.name, info, now)
+            return c.finaliser.refuse_unadmitted(info.request_id, t.name, t.priority, refusal, info.model,
+                                                 now), None
+        return t, view
+
+    def offer(self, info: RequestInfo, now: float, checked: Tenant | None = None) -> list[Event]:
+        """`AdmissionCore.offer`: `checked` is its tenant as `precheck` found it, where the shell
+        ran that first (else it runs here)."""
+        c = self.core
+        view: PoolView | None = None
+        if checked is None:
+            found, view = self.precheck(info, now)
+            if isinstance(found, Reject):
+                return [found]
+            checked = found
+        t = c.tenants.get(checked.name)  # (a reload may have come since the precheck)
+        if t is None:
+            return [self._refuse_new(info, UNKNOWN_TENANT, None, Refusal(
+                Layer.VALIDATION, Reason.UNAUTHENTICATED, "invalid or missing API key"))]
+        ms = c.models.get(info.model)
+        refusal = intake.validate(info, t, ms.cfg if ms else None, c.config.limits)  # layer 1
+        if refusal is not None or ms is None:
+            return [self._refuse_new(info, t.name, t.priority, refusal)]
+        max_tokens = intake.context_budget(info, t, ms.cfg)  # layer 2
+        if isinstance(max_tokens, Refusal):
+            return [self._refuse_new(info, t.name, t.priority, max_tokens)]
+        retry_key, first_arrival_at = first_arrival(c.finaliser.retries, t.name, info, now)
+        refusal, probe = c.gate.enter(t, c.tenants.breakers[t.name], info.prompt_tokens + max_tokens, now)  # rate
+        if refusal is not None:
+            return [self._refuse_new(info, t.name, t.priority, refusal)]
+        lengths = c.tenants.output_models[t.name]
+        adm, ttft_left = deadlines.new_admission(
+            info, t, c.policy, max_tokens, feedback.expected_output(lengths, c.policy, info.model, max_tokens),
+            first_arrival_at, retry_key, next(self._seq), now)
+        adm.breaker_probe, adm.rate_charge, adm.context_limit = probe, info.prompt_tokens + max_tokens, \
+            ms.cfg.max_model_len
+        if ms.cfg.disaggregated:
+            adm.mean_output = feedback.mean_output(lengths, c.policy, info.model, max_tokens)
+        ms.band_slos.note(adm, now)
+        if ttft_left is not None and ttft_left <= 0:  # a retry past its first attempt's deadline
+            refusal = deadlines.past_first_deadline(adm, t, c.policy, self.acts_on_late(adm),
+                                                    now - first_arrival_at)  # type: ignore[operator]
+            if refusal is not None:
+                return [c.finaliser.refuse(adm, refusal, now)]
+            c.stats.note("demoted", Layer.SLO.value, Reason.RETRY_PAST_DEADLINE.value, adm.tenant, adm.priority)
+            ttft_left = None
+        if view is None or view.replicas is not ms.replicas:
+            view = PoolView(ms.replicas, c.policy, now)
+        best_ttft = c.placement.best_ttft(ms.replicas, adm, view) if ttft_left else None
+        if ttft_left and not self.exempt(adm, keeping_queued=True):
+            deadlines.queue_budget(adm, ttft_left, best_ttft, ms, c.policy, now)
+        ms.agents.classify(adm)
+        return self._enter_waiting_room(ms, adm, view, ttft_left, best_ttft, now)  # layers 4 and 5
+
+    def _refuse_new(self, info: RequestInfo, tenant: str, band: int | None, refusal: Refusal) -> Reject:
+        return self.core.finaliser.refuse_unadmitted(info.request_id, tenant, band, refusal)
+
+    def _enter_waiting_room(self, ms: ModelState, adm: Admission, view: PoolView, ttft_left: float | None,
+                            best_ttft: float | None, now: float) -> list[Event]:
+        c = self.core
+        entry = door(ms, adm, view, c.saturation, c.policy, now)
+        if isinstance(entry, Refusal):
+            return [c.finaliser.refuse(adm, entry, now)]
+        events: list[Event] = [leave(c.finaliser, ms, victim, Terminal.EVICTED, Reason.EVICTED,
+                                     "evicted from the queue by higher-priority traffic", now) for victim in entry]
+        ms.flow.push(adm, c.tenants.weight(adm.tenant))
+        events.extend(c.dispatcher.run(ms, now, view))
+        queued = adm.request_id in ms.flow
+        if queued and adm.queue_rank == STEP_OTHER and adm.session is not None and isinstance(ms.agents, WindowGate):
+            outwaits = ms.agents.outwaits_ttl(adm, ms.flow.waiting_agents, now)
+            if outwaits is not None:
+                ahead, wait = outwaits
+                events.append(c.finaliser.refuse(adm, Refusal(
+                    Layer.FLOW, Reason.AGENT_WINDOW_FULL, f"{ahead} agents wait for a slot in the agent window "
+                    f"before this one; expected wait ~{wait:.0f} s", wait), now, flow=ms.flow))
+                queued = False
+        if ttft_left and queued and not ms.draining and adm.ttft_deadline is not None:
+            # It has to wait. If the backlog ahead and the prefill work on the best replica already
+            # add up to more than its TTFT SLO, say so now (before any prefill), and when to come
+            # back: once enough of it has drained.
+            late = deadlines.late_by(ms, adm, ttft_left, best_ttft, c.policy, now)
+            if late is not None:
+                events.extend(self.late(adm, now, late))
+        return events
+
+    # -- lateness: at arrival, and for a head the dispatch loop finds late ------------------------
+    def acts_on_late(self, adm: Admission) -> bool:
+        """Whether a request predicted to miss its deadline is refused or demoted (else only
+        flagged)."""
+        return self.core.policy.refuse_infeasible and (self._exemption is None or not self.exempt(adm))
+
+    def exempt(self, adm: Admission, keeping_queued: bool = False) -> bool:
+        e = self._exemption
+        return e is not None and e.request_id == adm.request_id and (e.keep_queued or not keeping_queued)
+
+    def late(self, adm: Admission, now: float, late_by: float) -> list[Event]:
+        """`adm` (queued) is predicted to miss its TTFT deadline (`deadlines.act_on_late`)."""
+        adm.predicted_infeasible = True
+        if not self.acts_on_late(adm):
+            return []
+        c = self.core
+        return deadlines.act_on_late(adm, c.tenants.get(adm.tenant), c.models[adm.info.model], c.policy, c.stats,
+                                     c.finaliser, late_by, now)
