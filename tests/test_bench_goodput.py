@@ -12,7 +12,8 @@ import pytest
 from bouncer.bench import goodput
 
 REQUIRED = {"scenario", "policy", "load", "seed", "replicas", "sim_seconds", "wall_seconds", "offered", "lost",
-            "outcomes", "refused_by_reason", "goodput_rps", "goodput_tokens_per_s", "throughput_tokens_per_s",
+            "outcomes", "refused_by_reason", "goodput_rps", "goodput_tokens_per_s", "goodput_prompt_tokens_per_s",
+            "throughput_tokens_per_s",
             "prefix_hit_rate", "preemptions", "wasted_tokens", "tenants"}
 TENANT_KEYS = {"priority", "offered", "slo_attainment", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s",
                "served_token_share", "weight"}
@@ -89,6 +90,10 @@ def test_report_writes_markdown_and_plots(tmp_path):
     assert proc.returncode == 0, proc.stderr
     md = (tmp_path / "report" / "report.md").read_text()
     assert "## surge" in md and "| bouncer |" in md and "| none |" in md
+    # goodput in prompt tokens, as the runs counted it (thousands a second, two decimals)
+    r = json.loads((results / "surge-bouncer-2.0.json").read_text())
+    assert 0 < r["goodput_prompt_tokens_per_s"] and "The same in prompt tokens" in md
+    assert f"{r['goodput_prompt_tokens_per_s'] / 1000:.2f}" in md.split("The same in prompt tokens")[1]
     for png in ("goodput-vs-load.png", "tenant-slo.png", "timeline-surge.png"):
         assert (tmp_path / "report" / png).stat().st_size > 10_000
 

@@ -399,6 +399,10 @@ def summarize(scenario: Scenario, policy: str, load: float, seed: int, replicas:
         "refused_by_reason": dict(result.refused_by_reason.most_common()),
         "goodput_rps": len(good) / span,
         "goodput_tokens_per_s": sum(r.output_len for r in good) / span,
+        # the same in prompt tokens: what the engines' prefill spent on answers that counted, which
+        # does not depend on which requests filled it (where bands' prompts differ in size, goodput
+        # in requests does)
+        "goodput_prompt_tokens_per_s": sum(r.prompt_len for r in good) / span,
         "throughput_tokens_per_s": sum(r.output_len for r in completed) / span,
         "prefix_hit_rate": result.prefix_hits / result.prefix_queries if result.prefix_queries else 0.0,
         # over the requests the engines were sent: those are what their hit rate counts (a

@@ -42,7 +42,7 @@ def _fmt(x, pct: bool = False) -> str:
     return f"{x:.1%}" if pct else f"{x:.2f}"
 
 
-def goodput_table(results: list[dict], scenario: str) -> list[str]:
+def goodput_table(results: list[dict], scenario: str, key: str = "goodput_rps", scale: float = 1.0) -> list[str]:
     rows = [r for r in results if r["scenario"] == scenario]
     loads = sorted({r["load"] for r in rows})
     by = {(r["policy"], r["load"]): r for r in rows}
@@ -51,9 +51,18 @@ def goodput_table(results: list[dict], scenario: str) -> list[str]:
         cells = []
         for x in loads:
             r = by.get((pol, x))
-            cells.append("-" if r is None else f"{r['goodput_rps']:.2f}")
+            cells.append("-" if r is None else f"{r[key] * scale:.2f}")
         lines.append(f"| {pol} | " + " | ".join(cells) + " |")
     return lines
+
+
+def prompt_goodput_table(results: list[dict], scenario: str) -> list[str]:
+    """Goodput in prompt tokens (thousands a second), where every run of the scenario has it
+    (results saved before it was recorded do not)."""
+    rows = [r for r in results if r["scenario"] == scenario]
+    if not all("goodput_prompt_tokens_per_s" in r for r in rows):
+        return []
+    return goodput_table(results, scenario, "goodput_prompt_tokens_per_s", 1e-3)
 
 
 MAX_TENANT_COLUMNS = 6  # beyond this (a ServeGen pool of clients), tenants are shown by band
@@ -364,7 +373,12 @@ def write_report(paths: list[str], out_dir: str) -> pathlib.Path:
         top = max(r["load"] for r in rows)
         lines += [f"## {sc}", "", f"Goodput (req/s), capacity {rows[0]['capacity_rps']:.1f} req/s "
                   f"on {rows[0]['replicas']} replicas:", ""]
-        lines += goodput_table(results, sc) + ["", f"Per tenant at load {top:g}:", ""]
+        lines += goodput_table(results, sc) + [""]
+        prompt_goodput = prompt_goodput_table(results, sc)
+        if prompt_goodput:
+            lines += ["The same in prompt tokens (thousands a second within SLO: the prefill spent on answers "
+                      "that counted):", ""] + prompt_goodput + [""]
+        lines += [f"Per tenant at load {top:g}:", ""]
         lines += tenant_table(results, sc, top) + [""]
         late = ttft_minus_slo_table(results, sc, top)
         if late:
