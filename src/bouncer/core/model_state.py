@@ -107,12 +107,21 @@ def next_wakeup(models: dict[str, ModelState], replicas: dict[str, ReplicaState]
     """When the core's `tick` must run next at the latest: the earliest queue TTL, or the end of
     a replica's rest after a refusal while work is queued for it, or an idle agent freeing its
     slot."""
-    times = [d for ms in models.values() if (d := ms.flow.next_deadline()) is not None]
-    times += [r.cooldown_until for r in replicas.values()
-              if r.cooldown_until is not None and len(models[r.model].flow)]
-    times += [t for ms in models.values() if len(ms.flow)
-              and (t := ms.agents.next_wakeup(ms.flow.waiting_sessions)) is not None]
-    return min(times) if times else None
+    # (plain loops: the simulator asks after every event it handles)
+    wake = None
+    for ms in models.values():
+        d = ms.flow.next_deadline()
+        if d is not None and (wake is None or d < wake):
+            wake = d
+        if len(ms.flow):
+            t = ms.agents.next_wakeup(ms.flow.waiting_sessions)
+            if t is not None and (wake is None or t < wake):
+                wake = t
+    for r in replicas.values():
+        t = r.cooldown_until
+        if t is not None and (wake is None or t < wake) and len(models[r.model].flow):
+            wake = t
+    return wake
 
 
 def backend_name(model: str, index: int, explicit: str | None) -> str:
