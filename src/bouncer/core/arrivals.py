@@ -69,7 +69,7 @@ class Arrivals:
         if refusal is not None:
             return self._refuse_new(info, t.name, t.priority, refusal), None
         view = PoolView(ms.replicas, c.policy, now)  # type: ignore[union-attr]
-        refusal = cheap_refusal(ms, t, info, c.gate, c.tenants.breakers[t.name], c.saturation, c.policy,  # type: ignore[arg-type]
+        refusal = cheap_refusal(ms, t, info, c.gate, c.tenants.breakers[t.name], c.saturation, c.policy,
                                 c.policy.refuse_infeasible and self._exemption is None, view, now)
         if refusal is not None:
             # as offer remembers what the gate or the door refuses
