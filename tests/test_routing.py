@@ -107,6 +107,29 @@ def test_precise_index_falls_back_to_approximate_when_events_stop():
     assert view.events_live(107.0) and view.match(DIGESTS, 107.0) == 12
 
 
+def test_a_replicas_remembered_match_follows_every_change_of_either_index():
+    """`ReplicaPrefixIndex.match` remembers its last answer for the same prompt (a long prompt is
+    matched twice per core call): any change to what either index holds must be seen at once."""
+    view = ReplicaPrefixIndex(1000, 16, events_staleness_s=5.0)
+    view.record(DIGESTS[:4], now=0.0)
+    assert view.match(DIGESTS, 0.0) == 4 and view.match(DIGESTS, 0.0) == 4
+    view.record(DIGESTS[:9], now=0.1)  # sent more of it
+    assert view.match(DIGESTS, 0.2) == 9
+    view.forget(DIGESTS[6:9])  # a claim failed: not sent after all
+    assert view.match(DIGESTS, 0.3) == 6
+    view.approx.record(DIGESTS[:7])  # another gateway's blocks, recorded straight into the index
+    assert view.match(DIGESTS, 0.4) == 7
+    view.apply_digests([("GPU", d) for d in DIGESTS[:20]], [], now=1.0)  # the engine's events take over
+    assert view.match(DIGESTS, 1.0) == 20
+    view.apply_digests([], [("GPU", DIGESTS[3])], now=1.1)  # it evicted block 3
+    assert view.match(DIGESTS, 1.1) == 3
+    view.apply_events([AllBlocksCleared()], now=1.2)
+    assert view.match(DIGESTS, 1.2) == 0
+    other = DIGESTS[:5]  # an equal prompt in another list: asked afresh, same answer
+    view.apply_digests([("GPU", d) for d in DIGESTS[:5]], [], now=1.3)
+    assert view.match(other, 1.3) == 5 and view.match(DIGESTS, 1.3) == 5
+
+
 def test_precise_index_is_bounded_even_if_removals_are_lost():
     idx = PreciseIndex(16, 5)
     for d in DIGESTS[:8]:

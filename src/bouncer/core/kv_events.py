@@ -53,7 +53,8 @@ class PreciseIndex:
     chain and is counted in `unplaced` rather than guessed. `capacity` bounds memory should
     removals be lost: the oldest entries go first."""
 
-    __slots__ = ("block_size", "capacity", "_ours", "_by_engine_key", "_media", "last_event_at", "events", "unplaced")
+    __slots__ = ("block_size", "capacity", "_ours", "_by_engine_key", "_media", "last_event_at", "events", "unplaced",
+                 "version")
 
     def __init__(self, block_size: int, capacity_blocks: int) -> None:
         self.block_size = block_size
@@ -65,6 +66,7 @@ class PreciseIndex:
         self.last_event_at: float | None = None
         self.events = 0
         self.unplaced = 0
+        self.version = 0  # moves with every change of what it holds
 
     def __len__(self) -> int:
         return len(self._ours)
@@ -89,6 +91,7 @@ class PreciseIndex:
         """The engine block `engine_key` (medium, key) holds our blocks `digests`."""
         if engine_key in self._by_engine_key:
             return
+        self.version += 1
         self._by_engine_key[engine_key] = digests
         ours = self._ours
         for d in digests:
@@ -100,6 +103,7 @@ class PreciseIndex:
         digests = self._by_engine_key.pop(engine_key, None)
         if digests is None:
             return
+        self.version += 1
         ours = self._ours
         for d in digests:
             left = ours[d] - 1
@@ -109,6 +113,7 @@ class PreciseIndex:
                 del ours[d]
 
     def clear(self) -> None:
+        self.version += 1
         self._ours.clear()
         self._by_engine_key.clear()
 

@@ -18,13 +18,14 @@ from bouncer.core.kv_events import KVEvent, PreciseIndex
 
 
 class ApproxPrefixIndex:
-    __slots__ = ("capacity", "_blocks")
+    __slots__ = ("capacity", "_blocks", "version")
 
     def __init__(self, capacity_blocks: int) -> None:
         if capacity_blocks <= 0:
             raise ValueError("capacity_blocks must be positive")
         self.capacity = capacity_blocks
         self._blocks: OrderedDict[int, None] = OrderedDict()
+        self.version = 0  # moves with every change of what it holds (`ReplicaPrefixIndex.match` remembers by it)
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -37,6 +38,7 @@ class ApproxPrefixIndex:
         """The prompt was sent here: its blocks become the most recently used. Returns how many
         of its leading blocks were held already (the rest are new here)."""
         blocks = self._blocks
+        self.version += 1
         held = None
         for i, d in enumerate(digests):
             if d in blocks:
@@ -51,6 +53,7 @@ class ApproxPrefixIndex:
 
     def forget(self, digests: list[int]) -> None:
         """What `record` added was not sent after all (a claim that failed, `core.claims`)."""
+        self.version += 1
         for d in digests:
             self._blocks.pop(d, None)
 
@@ -62,7 +65,7 @@ class ReplicaPrefixIndex:
     `events_staleness_s` (an idle engine has nothing to report, so silence alone proves nothing).
     Once they stop, the approximate index, fed all along, takes over without a cold start."""
 
-    __slots__ = ("approx", "precise", "block_size", "events_staleness_s", "unanswered_since")
+    __slots__ = ("approx", "precise", "block_size", "events_staleness_s", "unanswered_since", "_last_match")
 
     def __init__(self, capacity_blocks: int, block_size: int, events_staleness_s: float) -> None:
         self.approx = ApproxPrefixIndex(capacity_blocks)
@@ -70,6 +73,10 @@ class ReplicaPrefixIndex:
         self.block_size = block_size
         self.events_staleness_s = events_staleness_s
         self.unanswered_since: float | None = None  # first send after the latest event
+        # the last answer of `match`: (digests, the index asked, its version, held). One request's
+        # prompt is matched here more than once in a core call (its best TTFT, then its
+        # placement), and a 130k-token prompt is 8,500 lookups each time
+        self._last_match: tuple[list[int], ApproxPrefixIndex | PreciseIndex, int, int] | None = None
 
     def resize(self, capacity_blocks: int) -> None:
         self.approx.capacity = capacity_blocks
@@ -83,9 +90,13 @@ class ReplicaPrefixIndex:
         return self.unanswered_since is None or now - self.unanswered_since <= self.events_staleness_s
 
     def match(self, digests: list[int], now: float) -> int:
-        if self.events_live(now):
-            return self.precise.match(digests)  # type: ignore[union-attr]
-        return self.approx.match(digests)
+        index: ApproxPrefixIndex | PreciseIndex = self.precise if self.events_live(now) else self.approx  # type: ignore[assignment]
+        last = self._last_match
+        if last is not None and last[0] is digests and last[1] is index and last[2] == index.version:
+            return last[3]
+        held = index.match(digests)
+        self._last_match = (digests, index, index.version, held)
+        return held
 
     def record(self, digests: list[int], now: float) -> int:
         """What was sent here; returns how many of its leading blocks the index held already."""
