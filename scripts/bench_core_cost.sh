@@ -36,5 +36,8 @@ for name in ("offer", "tick", "finished", "observe", "started"):
               f"{new['n']} calls)")
 print(f"  {'all':>10}: {best['old']['total_seconds']:9.2f} s   {best['new']['total_seconds']:9.2f} s   "
       f"({best['new']['total_seconds'] / best['old']['total_seconds']:.2f}x)")
+digests = {tree: {r["decisions_sha256"] for r in runs if r["tree"] == tree} for tree in ("old", "new")}
+print("decisions: " + ("identical on every call" if digests["old"] == digests["new"] and len(digests["old"]) == 1
+                       else "DIFFER between the trees (or between replays): not an exact change"))
 json.dump({"revision": sys.argv[2], "best": best, "runs": runs}, open("docs/bench/core-cost.json", "w"), indent=1)
 PY

@@ -6,7 +6,10 @@ calls:
   every call the simulator makes on the core written down (entry point, arguments) with the config;
 - `replay`: a fresh core fed those calls in order, each timed. The core is deterministic, so a
   replay decides exactly what the recorded run decided, on any revision whose entry points take
-  the same arguments; nothing but the core runs while it is timed.
+  the same arguments; nothing but the core runs while it is timed. It also digests every call's
+  events (`decisions_sha256`, hashed outside the timed span): two revisions whose digests are
+  equal decided alike on every call, the check that a change meant only to be faster is exact
+  (a change to an event's fields or their repr shows as a difference too).
 
 `scripts/bench_core_cost.sh REV` records once and replays on REV and on this tree, alternating,
 and reports the fastest replay of each (the least disturbed by a noisy machine), per entry point.
@@ -16,6 +19,7 @@ A replay also sorts each `offer` and `tick` by how many requests were queued whe
 
 from __future__ import annotations
 
+import hashlib
 import json
 import pickle
 import statistics
@@ -74,12 +78,14 @@ def replay(path: str) -> dict:
     counts: dict[str, int] = defaultdict(int)
     by_queue: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0.0])  # (entry, bucket) -> [n, s]
     clock = time.perf_counter
+    decisions = hashlib.sha256()
     for entry, args, kwargs in recorded["calls"]:
         call = getattr(core, entry)
         depth = core.view.queued if entry in BY_QUEUE else 0  # outside the timed span
         t0 = clock()
-        call(*args, **kwargs)
+        events = call(*args, **kwargs)
         took = clock() - t0
+        decisions.update(repr(events).encode())
         spent[entry] += took
         counts[entry] += 1
         if entry in BY_QUEUE:
@@ -89,7 +95,8 @@ def replay(path: str) -> dict:
     return {"calls": {e: {"n": counts[e], "seconds": spent[e], "mean_us": spent[e] / counts[e] * 1e6}
                       for e in counts}, "total_seconds": sum(spent.values()),
             "by_queue": {e: {b: {"n": n, "mean_us": s / n * 1e6} for (e2, b), (n, s) in by_queue.items() if e2 == e}
-                         for e in BY_QUEUE}}
+                         for e in BY_QUEUE},
+            "decisions_sha256": decisions.hexdigest()}
 
 
 def _bucket(depth: int) -> str:
