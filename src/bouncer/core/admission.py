@@ -24,8 +24,7 @@ Entry points (those that decide return `list[Event]`):
 This class holds only the entry points and the glue between the parts: a new request's layers
 run in `arrivals`, each layer lives in its own module (intake, deadlines, waiting_room, dispatch,
 placement, saturation, feedback, backlog, agent_gate), every end goes through `finaliser`, and
-the state lives in `stores`. One writer: the
-shell calls these from one thread (the event loop).
+the state lives in `stores`. One writer: the shell calls these from one thread (the event loop).
 """
 
 from __future__ import annotations
