@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import random
+from collections import OrderedDict
+
+import pytest
+
 from bouncer.config import Routing
-from bouncer.core.blocks import chain_block_hashes
+from bouncer.core.blocks import chain_block_hashes, leading_run
 from bouncer.core.fleet import ReplicaState
 from bouncer.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, PreciseIndex
 from bouncer.core.pool import PoolView
@@ -56,6 +61,76 @@ def test_approximate_index_is_bounded_and_ages_out_least_recently_used():
     idx.record(a[:2])  # touched again: now the most recent
     idx.record(chain_block_hashes(list(range(500, 500 + 5 * 16))))  # 5 more evict b's oldest, not a's
     assert idx.match(a) == 2 and idx.match(b) == 0
+
+
+class OrderedDictLRU:
+    """The approximate index as first written, one `OrderedDict` moved block by block: the
+    specification `ApproxPrefixIndex`'s per-record bookkeeping must agree with exactly."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity, self.blocks = capacity, OrderedDict()
+
+    def match(self, digests: list[int]) -> int:
+        return leading_run(digests, self.blocks)
+
+    def record(self, digests: list[int]) -> int:
+        held = None
+        for i, d in enumerate(digests):
+            if d in self.blocks:
+                self.blocks.move_to_end(d)
+            else:
+                self.blocks[d] = None
+                held = i if held is None else held
+        while len(self.blocks) > self.capacity:
+            self.blocks.popitem(last=False)
+        return len(digests) if held is None else held
+
+    def forget(self, digests: list[int]) -> None:
+        for d in digests:
+            self.blocks.pop(d, None)
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_approximate_index_agrees_with_a_block_by_block_lru_on_random_conversations(seed):
+    """Conversations that extend, fork and retry each other, failed claims forgotten, capacity
+    changed: every answer, what is held and its eviction order equal the reference's."""
+    rng = random.Random(seed)
+    capacity = rng.choice([5, 50, 300, 2000, 10**6])
+    shortcuts = type("Index", (ApproxPrefixIndex,), {"__slots__": (), "SHORTCUT_MIN": rng.choice([1, 4, 64]),
+                                                     "PROBE_BLOCKS": rng.choice([3, 50, 1024]),
+                                                     "COMPACT_RATIO": rng.choice([0.01, 2.0])})
+    index, reference = shortcuts(capacity), OrderedDictLRU(capacity)
+    chains, fresh = [[]], iter(range(1, 10**9))
+    for step in range(400):
+        base = rng.choice(chains)
+        if rng.random() < 0.3:  # a fork from somewhere in it
+            base = base[:rng.randrange(len(base) + 1)]
+        prompt = base + [next(fresh) for _ in range(rng.randrange(0, 120))]  # distinct ids: a chain's digests
+        chains.append(prompt)
+        if len(chains) > 30:
+            chains.pop(rng.randrange(len(chains)))
+        op = rng.random()
+        if op < 0.6:
+            assert index.record(prompt) == reference.record(prompt), step
+        elif op < 0.65:
+            index.forget(prompt)
+            reference.forget(prompt)
+        elif op < 0.7:
+            index.capacity = reference.capacity = rng.choice([5, 50, 300, 2000])
+        for other in rng.sample(chains, min(5, len(chains))):
+            assert index.match(other) == reference.match(other), step
+        assert len(index) == len(reference.blocks)
+    # then one new block at a time, each evicting the least recently used: the same one, in the
+    # reference's order
+    index.capacity = reference.capacity = max(1, len(reference.blocks))
+    while len(reference.blocks) > 1:
+        oldest, after = list(reference.blocks)[:2]
+        assert index.match([oldest]) == 1
+        newest = [next(fresh)]
+        index.record(newest), reference.record(newest)
+        assert index.match([oldest]) == 0 and index.match([after]) == 1
+        reference.forget(newest), index.forget(newest)
+        index.capacity = reference.capacity = len(reference.blocks)
 
 
 def test_kv_events_in_engine_keys_map_onto_our_digests():

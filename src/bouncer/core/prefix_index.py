@@ -12,50 +12,156 @@ block digests from the start: a replica holding only later blocks scores zero.
 from __future__ import annotations
 
 from collections import OrderedDict
+from itertools import repeat
 
 from bouncer.core.blocks import leading_run
 from bouncer.core.kv_events import KVEvent, PreciseIndex
 
 
 class ApproxPrefixIndex:
-    __slots__ = ("capacity", "_blocks", "version")
+    """Blocks held least-recently-used first, in the order an `OrderedDict` moved to its end at
+    every `record` would keep them, at a cost that follows what is new rather than the prompt.
+
+    An agent's step resends its whole conversation (8,500 blocks at 130k tokens) and adds a few
+    dozen blocks; walking every block in `match` and moving every one in `record` made this index
+    the largest cost of such a step in the gateway. So the LRU order is kept per record rather
+    than per block: `_records` lists the records oldest first, each with its blocks and an owner
+    cell, and a block belongs to the record whose cell it points to (`_owner`); entries left
+    behind in older records are stale, skipped when evicting and compacted away. Each record's
+    last block is remembered (`_tails`), which gives two shortcuts for a prompt that extends one
+    recorded before: it is held up to that record's end without a lookup per block, as long as
+    eviction has not reached that record since (eviction takes the oldest records first, so that
+    is one comparison of ticks); and recording it takes over that record's cell, which moves all
+    its blocks to the end at once."""
+
+    __slots__ = ("capacity", "_owner", "_records", "_recorded", "_tails", "_tick", "_evicted_upto", "version")
+
+    # how far back from a prompt's end to look for the end of a recorded prompt it extends (in
+    # blocks; 16k tokens of 16): past it, or for prompts under SHORTCUT_MIN blocks, blocks are walked
+    PROBE_BLOCKS = 1024
+    SHORTCUT_MIN = 64
+    # entries kept, stale ones included, before they are compacted, per block the index may hold
+    COMPACT_RATIO = 2.0
 
     def __init__(self, capacity_blocks: int) -> None:
         if capacity_blocks <= 0:
             raise ValueError("capacity_blocks must be positive")
         self.capacity = capacity_blocks
-        self._blocks: OrderedDict[int, None] = OrderedDict()
+        self._owner: dict[int, list[int]] = {}  # block -> its record's cell, [the record's tick]
+        # record tick -> [its blocks, the first not yet evicted, its cell], oldest first; a cell is
+        # in one record at most, and an entry whose block points elsewhere is stale
+        self._records: OrderedDict[int, list] = OrderedDict()
+        self._recorded = 0  # entries in _records from their first not yet evicted, stale ones included
+        self._tails: dict[int, tuple[int, int]] = {}  # a record's last block -> (its length, its tick)
+        self._tick = 0
+        self._evicted_upto = 0  # records at or before this tick may have lost blocks
         self.version = 0  # moves with every change of what it holds (`ReplicaPrefixIndex.match` remembers by it)
 
     def __len__(self) -> int:
-        return len(self._blocks)
+        return len(self._owner)
 
     def match(self, digests: list[int]) -> int:
         """Leading blocks of `digests` believed cached here."""
-        return leading_run(digests, self._blocks)
+        held = self._owner
+        if not digests or digests[0] not in held:
+            return 0
+        extended = self._extends(digests)
+        known = 0 if extended is None else extended[0]
+        return known + leading_run(digests[known:] if known else digests, held)
+
+    def _extends(self, digests: list[int]) -> tuple[int, int] | None:
+        """(length, tick) of the longest recorded prompt that `digests` extends and that is
+        still held whole (chained digests: the same block at the same place is the same prefix)."""
+        n = len(digests)
+        if n < self.SHORTCUT_MIN:
+            return None
+        tails, evicted_upto = self._tails, self._evicted_upto
+        for i in range(n - 1, max(0, n - self.PROBE_BLOCKS) - 1, -1):
+            tail = tails.get(digests[i])
+            if tail is not None and tail[0] == i + 1 and tail[1] > evicted_upto:
+                return tail
+        return None
 
     def record(self, digests: list[int]) -> int:
         """The prompt was sent here: its blocks become the most recently used. Returns how many
         of its leading blocks were held already (the rest are new here)."""
-        blocks = self._blocks
         self.version += 1
-        held = None
-        for i, d in enumerate(digests):
-            if d in blocks:
-                blocks.move_to_end(d)
-            else:
-                blocks[d] = None
-                if held is None:
-                    held = i
-        while len(blocks) > self.capacity:
-            blocks.popitem(last=False)
-        return len(digests) if held is None else held
+        if not digests:
+            return 0
+        held = self._owner
+        extended = self._extends(digests) if digests[0] in held else None
+        known = 0 if extended is None else extended[0]
+        # the chain's digests are distinct: what was held before is what `record` would find block by block
+        found = known + leading_run(digests[known:] if known else digests, held)
+        self._tick = tick = self._tick + 1
+        digests = list(digests)  # kept in the LRU order: the caller's list may change
+        taken = self._records.pop(extended[1], None) if extended is not None else None
+        if taken is None:
+            cell = [tick]
+            held.update(zip(digests, repeat(cell)))
+        else:
+            # the record it extends moves to the end whole, under this tick; of its blocks only
+            # a leading run can belong to a later record (one that shared a prefix with it), and
+            # those come back to it one by one
+            old, start, cell = taken
+            self._recorded -= len(old) - start
+            cell[0] = tick
+            for d in digests[:known]:  # (its own list may be compacted: the prompt has them all)
+                if held[d] is cell:
+                    break
+                held[d] = cell
+            held.update(zip(digests[known:], repeat(cell)))
+        self._records[tick] = [digests, 0, cell]
+        self._recorded += len(digests)
+        self._tails[digests[-1]] = (len(digests), tick)
+        if len(held) > self.capacity:
+            self._evict()
+        if self._recorded > self.COMPACT_RATIO * max(self.capacity, len(held)):
+            self._compact()
+        return found
 
     def forget(self, digests: list[int]) -> None:
         """What `record` added was not sent after all (a claim that failed, `core.claims`)."""
         self.version += 1
         for d in digests:
-            self._blocks.pop(d, None)
+            self._owner.pop(d, None)
+        self._evicted_upto = self._tick  # blocks left any record: no recorded end vouches for its prefix
+
+    def _evict(self) -> None:
+        held, records, tails = self._owner, self._records, self._tails
+        excess = len(held) - self.capacity
+        while excess > 0:
+            tick, rec = next(iter(records.items()))
+            digests, i, cell = rec
+            if tick > self._evicted_upto:  # (a `forget` may have set it later already)
+                self._evicted_upto = tick
+            start = i
+            while i < len(digests) and excess > 0:
+                d = digests[i]
+                if held.get(d) is cell:
+                    del held[d]
+                    excess -= 1
+                i += 1
+            self._recorded -= i - start
+            if i == len(digests):
+                records.popitem(last=False)
+                if tails.get(digests[-1], (0, 0))[1] == tick:
+                    del tails[digests[-1]]
+            else:
+                rec[1] = i
+
+    def _compact(self) -> None:
+        """Drop the stale entries, keeping the order of the rest."""
+        held, kept = self._owner, OrderedDict()
+        for tick, (digests, i, cell) in self._records.items():
+            live = [d for d in digests[i:] if held.get(d) is cell]
+            if live:
+                kept[tick] = [live, 0, cell]
+        self._records = kept
+        self._recorded = sum(len(r[0]) for r in kept.values())
+        # a record whose last block went elsewhere no longer ends there
+        self._tails = {d: t for d, t in self._tails.items()
+                       if t[1] in kept and held.get(d) is kept[t[1]][2]}
 
 
 class ReplicaPrefixIndex:
