@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
 from bouncer.gateway.scrapers import parse_llamacpp, parse_sglang, parse_tgi, parse_vllm
 
@@ -33,6 +34,21 @@ def test_vllm_sums_data_parallel_engines_and_reads_pool_size():
     assert t.kv_usage == pytest.approx(0.7)
     assert (t.num_blocks, t.block_size) == (24766, 16)
     assert (t.prefix_queries, t.prefix_hits, t.preemptions) == (1000.0, 250.0, 4.0)
+
+
+def test_a_whole_vllm_page_reads_as_its_few_lines_do():
+    """What the parser skips (histograms, other families, names that merely start like one it
+    reads, indented lines) changes nothing."""
+    registry = CollectorRegistry()
+    for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_prompt_tokens"):
+        h = Histogram(f"vllm:{name}", name, ["model_name"], buckets=[0.01 * 2**i for i in range(20)],
+                      registry=registry)
+        h.labels("m").observe(0.5)
+    Counter("vllm:num_requests_running_by_lora", "a longer name", registry=registry).inc(40)
+    page = generate_latest(registry).decode() + VLLM.replace("vllm:num_requests_waiting{engine=\"0\"",
+                                                             "  vllm:num_requests_waiting{engine=\"0\"")
+    assert len(page) > 5 * len(VLLM)
+    assert parse_vllm(page, 12.5) == parse_vllm(VLLM, 12.5)
 
 
 def test_vllm_pre_0_10_name():
