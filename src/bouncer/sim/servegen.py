@@ -20,10 +20,12 @@ from __future__ import annotations
 import ast
 import bisect
 import csv
+import functools
 import json
 import math
 import pathlib
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from bouncer.sim.traces import TraceRequest, open_trace, trace_file
@@ -43,11 +45,7 @@ class Window:
 @dataclass(slots=True)
 class Distribution:
     values: list[int]
-    cumulative: list[float]  # normalised to end at 1
-
-    def draw(self, rng: random.Random) -> int:
-        i = bisect.bisect_left(self.cumulative, rng.random())
-        return self.values[min(i, len(self.values) - 1)]
+    cumulative: list[float]  # normalised to end at 1 (a draw is the first value whose share passes a uniform one)
 
 
 @dataclass(slots=True)
@@ -66,26 +64,36 @@ class Client:
     def requests(self, start_s: float, span_s: float, rng: random.Random) -> list[TraceRequest]:
         """Arrivals in [start_s, start_s + span_s), t relative to start_s."""
         out: list[TraceRequest] = []
+        append, uniform = out.append, rng.random
         for w in self.windows:
             lo, hi = max(w.start_s, start_s), min(w.start_s + WINDOW_S, start_s + span_s)
             if w.rate <= 0 or lo >= hi:
                 continue
             sizes = self.sizes_at(w.start_s)
-            t = lo + _inter_arrival(w, rng) * rng.random()  # a renewal process entered at a random phase
+            # sizes drawn inline from the cumulative shares (a busy pool's hour is ten million
+            # requests); the last value, repeated, answers a draw past the rounded end
+            in_cum, out_cum = sizes["input_tokens"].cumulative, sizes["output_tokens"].cumulative
+            in_values = [max(1, v) for v in sizes["input_tokens"].values]
+            out_values = [max(1, v) for v in sizes["output_tokens"].values]
+            in_values.append(in_values[-1])
+            out_values.append(out_values[-1])
+            gap = _inter_arrival(w, rng)
+            t = lo + gap() * uniform()  # a renewal process entered at a random phase
             while t < hi:
-                out.append(TraceRequest(t - start_s, max(1, sizes["input_tokens"].draw(rng)),
-                                        max(1, sizes["output_tokens"].draw(rng))))
-                t += _inter_arrival(w, rng)
+                append(TraceRequest(t - start_s, in_values[bisect.bisect_left(in_cum, uniform())],
+                                    out_values[bisect.bisect_left(out_cum, uniform())]))
+                t += gap()
         return out
 
 
-def _inter_arrival(w: Window, rng: random.Random) -> float:
+def _inter_arrival(w: Window, rng: random.Random) -> Callable[[], float]:
+    """The window's inter-arrival draw."""
     mean = 1.0 / w.rate
     if w.pattern == "Gamma" and w.shape > 0:
-        return rng.gammavariate(w.shape, mean / w.shape)
+        return functools.partial(rng.gammavariate, w.shape, mean / w.shape)
     if w.pattern == "Weibull" and w.shape > 0:
-        return rng.weibullvariate(mean / math.gamma(1 + 1 / w.shape), w.shape)
-    return rng.expovariate(w.rate)  # no fit recorded: Poisson
+        return functools.partial(rng.weibullvariate, mean / math.gamma(1 + 1 / w.shape), w.shape)
+    return functools.partial(rng.expovariate, w.rate)  # no fit recorded: Poisson
 
 
 def is_servegen(path: str | pathlib.Path) -> bool:
