@@ -92,8 +92,9 @@ class OrderedDictLRU:
 
 @pytest.mark.parametrize("seed", range(60))
 def test_approximate_index_agrees_with_a_block_by_block_lru_on_random_conversations(seed):
-    """Conversations that extend, fork and retry each other, failed claims forgotten, capacity
-    changed: every answer, what is held and its eviction order equal the reference's."""
+    """Conversations that extend (all but their last block, too), fork and retry each other,
+    failed claims forgotten, capacity changed: every answer, what is held and its eviction order
+    equal the reference's."""
     rng = random.Random(seed)
     capacity = rng.choice([5, 50, 300, 2000, 10**6])
     shortcuts = type("Index", (ApproxPrefixIndex,), {"__slots__": (), "SHORTCUT_MIN": rng.choice([1, 4, 64]),
@@ -102,9 +103,11 @@ def test_approximate_index_agrees_with_a_block_by_block_lru_on_random_conversati
     index, reference = shortcuts(capacity), OrderedDictLRU(capacity)
     chains, fresh = [[]], iter(range(1, 10**9))
     for step in range(400):
-        base = rng.choice(chains)
-        if rng.random() < 0.3:  # a fork from somewhere in it
+        base, fork = rng.choice(chains), rng.random()
+        if fork < 0.3:  # a fork from somewhere in it
             base = base[:rng.randrange(len(base) + 1)]
+        elif fork < 0.5:  # its last block differs (a chat's generation prompt, answered)
+            base = base[:-1]
         prompt = base + [next(fresh) for _ in range(rng.randrange(0, 120))]  # distinct ids: a chain's digests
         chains.append(prompt)
         if len(chains) > 30:
@@ -131,6 +134,19 @@ def test_approximate_index_agrees_with_a_block_by_block_lru_on_random_conversati
         assert index.match([oldest]) == 0 and index.match([after]) == 1
         reference.forget(newest), index.forget(newest)
         index.capacity = reference.capacity = len(reference.blocks)
+
+
+def test_agent_sessions_keep_the_approximate_indexs_bookkeeping_bounded():
+    """Each step of a session extends its last one: the record it extends is taken over, so a
+    gateway serving sessions for days keeps one record (and one remembered end) per session."""
+    index, fresh = ApproxPrefixIndex(10**6), iter(range(1, 10**9))
+    sessions = [[next(fresh) for _ in range(100)] for _ in range(5)]
+    for step in range(400):
+        k = step % 5
+        sessions[k] = sessions[k] + [next(fresh) for _ in range(3)]
+        assert index.record(sessions[k]) == (len(sessions[k]) - 3 if step >= 5 else 0)
+    assert len(index) == sum(len(s) for s in sessions)
+    assert len(index._records) == 5 and len(index._tails) == 10  # (internal: what it keeps besides the blocks)
 
 
 def test_kv_events_in_engine_keys_map_onto_our_digests():

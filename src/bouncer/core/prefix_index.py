@@ -28,11 +28,13 @@ class ApproxPrefixIndex:
     than per block: `_records` lists the records oldest first, each with its blocks and an owner
     cell, and a block belongs to the record whose cell it points to (`_owner`); entries left
     behind in older records are stale, skipped when evicting and compacted away. Each record's
-    last block is remembered (`_tails`), which gives two shortcuts for a prompt that extends one
-    recorded before: it is held up to that record's end without a lookup per block, as long as
-    eviction has not reached that record since (eviction takes the oldest records first, so that
-    is one comparison of ticks); and recording it takes over that record's cell, which moves all
-    its blocks to the end at once."""
+    last two blocks are remembered (`_tails`), which gives two shortcuts for a prompt that extends
+    one recorded before: it is held up to there without a lookup per block, as long as eviction
+    has not reached that record since (eviction takes the oldest records first, so that is one
+    comparison of ticks); and recording it takes over that record's cell, which moves all its
+    blocks to the end at once. Two, because a chat prompt ends with the generation prompt,
+    which the next step's prompt carries as the start of the assistant's answer, tokenized
+    with what follows: the previous prompt's last block may not be the next one's."""
 
     __slots__ = ("capacity", "_owner", "_records", "_recorded", "_tails", "_tick", "_evicted_upto", "version")
 
@@ -47,12 +49,13 @@ class ApproxPrefixIndex:
         if capacity_blocks <= 0:
             raise ValueError("capacity_blocks must be positive")
         self.capacity = capacity_blocks
-        self._owner: dict[int, list[int]] = {}  # block -> its record's cell, [the record's tick]
+        self._owner: dict[int, object] = {}  # block -> its record's cell (an object of its own)
         # record tick -> [its blocks, the first not yet evicted, its cell], oldest first; a cell is
         # in one record at most, and an entry whose block points elsewhere is stale
         self._records: OrderedDict[int, list] = OrderedDict()
         self._recorded = 0  # entries in _records from their first not yet evicted, stale ones included
-        self._tails: dict[int, tuple[int, int]] = {}  # a record's last block -> (its length, its tick)
+        # a record's last two blocks -> (blocks up to there, the record's tick)
+        self._tails: dict[int, tuple[int, int]] = {}
         self._tick = 0
         self._evicted_upto = 0  # records at or before this tick may have lost blocks
         self.version = 0  # moves with every change of what it holds (`ReplicaPrefixIndex.match` remembers by it)
@@ -95,30 +98,50 @@ class ApproxPrefixIndex:
         found = known + leading_run(digests[known:] if known else digests, held)
         self._tick = tick = self._tick + 1
         digests = list(digests)  # kept in the LRU order: the caller's list may change
-        taken = self._records.pop(extended[1], None) if extended is not None else None
+        taken = self._records.get(extended[1]) if extended is not None else None
         if taken is None:
-            cell = [tick]
+            cell = object()
             held.update(zip(digests, repeat(cell)))
         else:
-            # the record it extends moves to the end whole, under this tick; of its blocks only
-            # a leading run can belong to a later record (one that shared a prefix with it), and
-            # those come back to it one by one
-            old, start, cell = taken
-            self._recorded -= len(old) - start
-            cell[0] = tick
-            for d in digests[:known]:  # (its own list may be compacted: the prompt has them all)
-                if held[d] is cell:
-                    break
-                held[d] = cell
+            cell = self._take_over(extended[1], taken, digests, known)
             held.update(zip(digests[known:], repeat(cell)))
         self._records[tick] = [digests, 0, cell]
         self._recorded += len(digests)
-        self._tails[digests[-1]] = (len(digests), tick)
+        tails = self._tails
+        tails[digests[-1]] = (len(digests), tick)
+        if len(digests) > 1:
+            tails[digests[-2]] = (len(digests) - 1, tick)
         if len(held) > self.capacity:
             self._evict()
-        if self._recorded > self.COMPACT_RATIO * max(self.capacity, len(held)):
+        if (self._recorded > self.COMPACT_RATIO * max(self.capacity, len(held))
+                or len(self._tails) > 4 * len(self._records) + 64):  # (ends of records gone, left by eviction)
             self._compact()
         return found
+
+    def _take_over(self, old_tick: int, taken: list, digests: list[int], known: int) -> object:
+        """The record `old_tick`, whose first `known` blocks `digests` starts with, gives them
+        to the record `digests` is becoming, moved to the end whole; its cell is returned. Of
+        its blocks, only a leading run can belong to a later record (one that shared a prefix
+        with it): those come back one by one. Its last block, where `digests` parts from it
+        there, stays where it was, in its place in the order."""
+        held, tails = self._owner, self._tails
+        old, start, cell = taken
+        self._recorded -= len(old) - start
+        last = old[-1]  # (its own list may be compacted: it is the record's last block if it is live)
+        if held.get(last) is cell and last != digests[known - 1]:
+            left = held[last] = object()
+            self._records[old_tick] = [[last], 0, left]
+            self._recorded += 1
+        else:
+            del self._records[old_tick]
+        for d in digests[max(0, known - 2):known]:  # its remembered ends, where they are this prompt's
+            if tails.get(d, (0, 0))[1] == old_tick:
+                del tails[d]
+        for d in digests[:known]:  # (the prompt has them all, where the record's list may be compacted)
+            if held[d] is cell:
+                break
+            held[d] = cell
+        return cell
 
     def forget(self, digests: list[int]) -> None:
         """What `record` added was not sent after all (a claim that failed, `core.claims`)."""
@@ -145,8 +168,9 @@ class ApproxPrefixIndex:
             self._recorded -= i - start
             if i == len(digests):
                 records.popitem(last=False)
-                if tails.get(digests[-1], (0, 0))[1] == tick:
-                    del tails[digests[-1]]
+                for d in digests[-2:]:
+                    if tails.get(d, (0, 0))[1] == tick:
+                        del tails[d]
             else:
                 rec[1] = i
 
@@ -209,6 +233,31 @@ class ReplicaPrefixIndex:
         if self.unanswered_since is None:
             self.unanswered_since = now
         return self.approx.record(digests)
+
+    def _take_over(self, old_tick: int, taken: list, digests: list[int], known: int) -> object:
+        """The record `old_tick`, whose first `known` blocks `digests` starts with, gives them
+        to the record `digests` is becoming, moved to the end whole; its cell is returned. Of
+        its blocks, only a leading run can belong to a later record (one that shared a prefix
+        with it): those come back one by one. Its last block, where `digests` parts from it
+        there, stays where it was, in its place in the order."""
+        held, tails = self._owner, self._tails
+        old, start, cell = taken
+        self._recorded -= len(old) - start
+        last = old[-1]  # (its own list may be compacted: it is the record's last block if it is live)
+        if held.get(last) is cell and last != digests[known - 1]:
+            left = held[last] = object()
+            self._records[old_tick] = [[last], 0, left]
+            self._recorded += 1
+        else:
+            del self._records[old_tick]
+        for d in digests[max(0, known - 2):known]:  # its remembered ends, where they are this prompt's
+            if tails.get(d, (0, 0))[1] == old_tick:
+                del tails[d]
+        for d in digests[:known]:  # (the prompt has them all, where the record's list may be compacted)
+            if held[d] is cell:
+                break
+            held[d] = cell
+        return cell
 
     def forget(self, digests: list[int]) -> None:
         """Blocks recorded for a dispatch that did not go after all."""
