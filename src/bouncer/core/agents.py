@@ -255,6 +255,8 @@ class AgentWindow:
 
     def next_expiry(self, waiting: Container[str] = ()) -> float | None:
         """When the next idle agent times out (a dispatch opportunity)."""
+        if not self.active:  # (no agents: asked after every event the simulator handles)
+            return None
         times = [a.last_seen + self.cfg.idle_timeout_s for s, a in self.active.items()
                  if not a.inflight and not a.branches and s not in waiting]
         return min(times) if times else None

@@ -75,7 +75,7 @@ class PoolView:
         return self._prompt_workers
 
     def any_usable(self) -> bool:
-        return any(self._usable.values())
+        return bool(self.usable_replicas())  # (the list kept: asked at every arrival)
 
     def usage(self, r: ReplicaState, fresh: bool | None = None) -> float:
         """KV usage it is heading for (`ReplicaState.projected_usage`, as policy says); `fresh`
