@@ -234,31 +234,6 @@ class ReplicaPrefixIndex:
             self.unanswered_since = now
         return self.approx.record(digests)
 
-    def _take_over(self, old_tick: int, taken: list, digests: list[int], known: int) -> object:
-        """The record `old_tick`, whose first `known` blocks `digests` starts with, gives them
-        to the record `digests` is becoming, moved to the end whole; its cell is returned. Of
-        its blocks, only a leading run can belong to a later record (one that shared a prefix
-        with it): those come back one by one. Its last block, where `digests` parts from it
-        there, stays where it was, in its place in the order."""
-        held, tails = self._owner, self._tails
-        old, start, cell = taken
-        self._recorded -= len(old) - start
-        last = old[-1]  # (its own list may be compacted: it is the record's last block if it is live)
-        if held.get(last) is cell and last != digests[known - 1]:
-            left = held[last] = object()
-            self._records[old_tick] = [[last], 0, left]
-            self._recorded += 1
-        else:
-            del self._records[old_tick]
-        for d in digests[max(0, known - 2):known]:  # its remembered ends, where they are this prompt's
-            if tails.get(d, (0, 0))[1] == old_tick:
-                del tails[d]
-        for d in digests[:known]:  # (the prompt has them all, where the record's list may be compacted)
-            if held[d] is cell:
-                break
-            held[d] = cell
-        return cell
-
     def forget(self, digests: list[int]) -> None:
         """Blocks recorded for a dispatch that did not go after all."""
         self.approx.forget(digests)
