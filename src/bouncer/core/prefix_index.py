@@ -65,12 +65,17 @@ class ApproxPrefixIndex:
 
     def match(self, digests: list[int]) -> int:
         """Leading blocks of `digests` believed cached here."""
+        return self._held(digests)[1]
+
+    def _held(self, digests: list[int]) -> tuple[tuple[int, int] | None, int]:
+        """The recorded prompt `digests` extends (`_extends`), and how many of its leading blocks
+        are held."""
         held = self._owner
         if not digests or digests[0] not in held:
-            return 0
+            return None, 0
         extended = self._extends(digests)
         known = 0 if extended is None else extended[0]
-        return known + leading_run(digests[known:] if known else digests, held)
+        return extended, known + leading_run(digests[known:] if known else digests, held)
 
     def _extends(self, digests: list[int]) -> tuple[int, int] | None:
         """(length, tick) of the longest recorded prompt that `digests` extends and that is
@@ -92,10 +97,9 @@ class ApproxPrefixIndex:
         if not digests:
             return 0
         held = self._owner
-        extended = self._extends(digests) if digests[0] in held else None
-        known = 0 if extended is None else extended[0]
         # the chain's digests are distinct: what was held before is what `record` would find block by block
-        found = known + leading_run(digests[known:] if known else digests, held)
+        extended, found = self._held(digests)
+        known = 0 if extended is None else extended[0]
         self._tick = tick = self._tick + 1
         digests = list(digests)  # kept in the LRU order: the caller's list may change
         taken = self._records.get(extended[1]) if extended is not None else None

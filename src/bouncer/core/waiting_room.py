@@ -78,7 +78,6 @@ def door(ms: ModelState, adm: Admission, view: PoolView, saturation: SaturationD
     return victims
 
 
-
 def leave(finaliser: Finaliser, ms: ModelState, adm: Admission, terminal: Terminal, reason: Reason, message: str,
           now: float) -> Reject:
     """A queued request leaves the waiting room with an error (evicted, expired, drained); its

@@ -29,7 +29,7 @@ def _samples(text: str, names: tuple[str, ...]) -> dict[str, list[tuple[dict[str
     """The samples of the metrics `names` (a sample's full name, `_total` included). Only their
     lines go to the parser: a vLLM page is about 40 KB of histograms, which took 8 ms to parse
     whole here, at every scrape of every replica (4 a second by default), for a dozen lines read.
-    Comment lines go too: without its `# TYPE` a sample keeps its own name."""
+    Comment lines are left out as well: without its `# TYPE` a sample keeps its own name."""
     lines = "\n".join(line for line in text.splitlines() if line.lstrip().startswith(names))
     out: dict[str, list[tuple[dict[str, str], float]]] = {}
     for family in text_string_to_metric_families(lines):

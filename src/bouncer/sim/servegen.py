@@ -45,7 +45,14 @@ class Window:
 @dataclass(slots=True)
 class Distribution:
     values: list[int]
-    cumulative: list[float]  # normalised to end at 1 (a draw is the first value whose share passes a uniform one)
+    cumulative: list[float]  # normalised to end at 1
+
+    def table(self) -> tuple[list[float], list[int]]:
+        """(cumulative shares, sizes of at least 1 token): a draw is `sizes[bisect_left(shares,
+        u)]` for a uniform `u`, the last size repeated for a draw past the rounded end. Inlined
+        by `Client.requests`, as a busy pool's hour is ten million requests."""
+        sizes = [max(1, v) for v in self.values]
+        return self.cumulative, sizes + sizes[-1:]
 
 
 @dataclass(slots=True)
@@ -70,13 +77,7 @@ class Client:
             if w.rate <= 0 or lo >= hi:
                 continue
             sizes = self.sizes_at(w.start_s)
-            # sizes drawn inline from the cumulative shares (a busy pool's hour is ten million
-            # requests); the last value, repeated, answers a draw past the rounded end
-            in_cum, out_cum = sizes["input_tokens"].cumulative, sizes["output_tokens"].cumulative
-            in_values = [max(1, v) for v in sizes["input_tokens"].values]
-            out_values = [max(1, v) for v in sizes["output_tokens"].values]
-            in_values.append(in_values[-1])
-            out_values.append(out_values[-1])
+            (in_cum, in_values), (out_cum, out_values) = sizes["input_tokens"].table(), sizes["output_tokens"].table()
             gap = _inter_arrival(w, rng)
             t = lo + gap() * uniform()  # a renewal process entered at a random phase
             while t < hi:
