@@ -46,7 +46,12 @@ def test_clients_become_request_traces_with_their_rates_and_sizes(pool):
     heavy, light = traces["0"], traces["1"]
     assert 20 * 3600 * 0.8 < len(heavy) < 20 * 3600 * 1.2
     assert 3600 * 0.8 < len(light) < 3600 * 1.2
-    assert all(0 <= r.t < 3600 for r in heavy + light)
+    assert all(0 <= r.t < 3600 for r in [*heavy, *light])
+    # kept as arrays, read as requests: by index from either end, by slice, in order
+    assert heavy[-1] == heavy[len(heavy) - 1] and heavy[-1].t == max(r.t for r in heavy)
+    assert heavy[2:5] == [heavy[2], heavy[3], heavy[4]] and heavy[0].block_digests == []
+    with pytest.raises(IndexError):
+        heavy[len(heavy)]
     assert {r.prompt_len for r in heavy} == {100, 300} and {r.prompt_len for r in light} == {1000}
     assert 0.65 < sum(r.output_len == 20 for r in light) / len(light) < 0.85
     # Gamma with shape 0.25 is bursty: inter-arrival CV near 1 / sqrt(0.25) = 2, where Poisson gives 1

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from bouncer.sim.profiles import EngineProfile
@@ -53,9 +54,9 @@ class Scenario:
     # separate prefill and decode workers: `--replicas` engines split between the pools so that
     # both run equally loaded on the scenario's mix (`pd_split`)
     disaggregated: bool = False
-    loaded: dict[str, list[TraceRequest]] = field(default_factory=dict)
+    loaded: dict[str, Sequence[TraceRequest]] = field(default_factory=dict)
 
-    def load(self, override: str | None = None) -> dict[str, list[TraceRequest]]:
+    def load(self, override: str | None = None) -> dict[str, Sequence[TraceRequest]]:
         """The scenario's traces; `override` replaces its first (main) trace, or, as a ServeGen
         folder, all of them and the tenants (module doc)."""
         if not self.loaded:
@@ -99,7 +100,7 @@ def merged_clients(folder: str | pathlib.Path) -> list[TraceRequest]:
 BULK_CLIENT_SHARE = 0.10  # a ServeGen client with at least this share of the requests is bulk (band 0)
 
 
-def servegen_tenants(traces: dict[str, list[TraceRequest]], template: TenantSpec) -> list[TenantSpec]:
+def servegen_tenants(traces: dict[str, Sequence[TraceRequest]], template: TenantSpec) -> list[TenantSpec]:
     total = sum(len(t) for t in traces.values())
     return [replace(template, name=f"client-{cid}", priority=0 if len(reqs) / total >= BULK_CLIENT_SHARE else 1,
                     share=len(reqs) / total, trace=cid, weight=1.0, min_prompt=None, bursts=())

@@ -12,6 +12,7 @@ from __future__ import annotations
 import bisect
 import math
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from bouncer.sim.fleet import FleetConfig, FleetSim, SimRequest
@@ -41,7 +42,7 @@ class TenantSpec:
     bursts: tuple[Burst, ...] = ()
 
 
-def _scaled_arrivals(trace: list[TraceRequest], rate: float, start: float, end: float,
+def _scaled_arrivals(trace: Sequence[TraceRequest], rate: float, start: float, end: float,
                      offset: int) -> list[tuple[float, TraceRequest]]:
     """The trace's own arrival pattern, time-scaled to `rate` and cycled to cover [start, end)."""
     if rate <= 0 or not trace:
@@ -67,7 +68,7 @@ def _scaled_arrivals(trace: list[TraceRequest], rate: float, start: float, end: 
             k += 1
 
 
-def make_requests(tenants: list[TenantSpec], traces: dict[str, list[TraceRequest]], total_rate: float,
+def make_requests(tenants: list[TenantSpec], traces: dict[str, Sequence[TraceRequest]], total_rate: float,
                   duration_s: float, seed: int) -> list[SimRequest]:
     rng = random.Random(seed)
     out: list[SimRequest] = []
@@ -98,7 +99,7 @@ def make_requests(tenants: list[TenantSpec], traces: dict[str, list[TraceRequest
 
 
 def measure_capacity(cfg: FleetConfig, policy_factory, tenants: list[TenantSpec],
-                     traces: dict[str, list[TraceRequest]], seed: int, warmup_s: float = 60.0,
+                     traces: dict[str, Sequence[TraceRequest]], seed: int, warmup_s: float = 60.0,
                      measure_s: float = 240.0) -> float:
     """Completions per second of the fleet under a saturating closed loop of the scenario's mix,
     with no admission control: each client sends, waits for the answer, sends again. The number
