@@ -116,3 +116,21 @@ def test_a_goodput_run_on_a_servegen_folder_accounts_for_every_client(pool, tmp_
     r = goodput.run("surge", "bouncer", 2.0, duration_s=20, replicas=1, trace=str(pool))
     assert r["lost"] == 0 and sum(r["outcomes"].values()) == r["offered"] > 0
     assert {name: t["priority"] for name, t in r["tenants"].items()} == {"client-0": 0, "client-1": 1}
+
+
+def test_a_goodput_run_replays_the_hour_it_is_given(pool, tmp_path, monkeypatch):
+    monkeypatch.setattr(goodput, "CACHE_DIR", tmp_path / "capacity")
+    # from 2:00 only the light client sends: one tenant, whose share makes it bulk
+    r = goodput.run("surge", "bouncer", 1.0, duration_s=20, replicas=1, trace=str(pool), trace_start_h=2)
+    assert set(r["tenants"]) == {"client-1"} and r["tenants"]["client-1"]["priority"] == 0
+    assert r["trace_start_h"] == 2 and r["lost"] == 0 and r["offered"] > 0
+    # the default is the busiest hour, 10:00, where both send
+    assert set(goodput.run("surge", "bouncer", 1.0, duration_s=20, replicas=1, trace=str(pool))["tenants"]) == \
+        {"client-0", "client-1"}
+    with pytest.raises(ValueError, match="ServeGen"):
+        goodput.run("surge", "bouncer", 1.0, duration_s=20, replicas=1, trace_start_h=2)
+    silent = tmp_path / "silent"
+    silent.mkdir()
+    write_client(silent, "0", {600.0: 5.0})
+    with pytest.raises(ValueError, match="no client sends a request in the hour from 5 h"):
+        goodput.run("surge", "bouncer", 1.0, duration_s=20, replicas=1, trace=str(silent), trace_start_h=5)

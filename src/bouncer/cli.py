@@ -231,6 +231,9 @@ def cmd_bench_run(args) -> None:
     from bouncer.recorder.timeline import Timeline
 
     if args.scenario == "agents":
+        if args.trace_start is not None:
+            raise SystemExit("bouncer bench run: --trace-start picks an hour of a ServeGen trace; the agents "
+                             "scenario replays agent sessions")
         return _bench_agents(args)
     timeline = None
     if args.record:
@@ -242,7 +245,7 @@ def cmd_bench_run(args) -> None:
                      kv_events=args.kv_events,
                      only_tenants=args.only_tenants.split(",") if args.only_tenants else None,
                      policy_set=_policy_settings(args.set), step_time=args.step_time, record=timeline,
-                     gateways=_gateway_setup(args))
+                     gateways=_gateway_setup(args), trace_start_h=args.trace_start)
     except ValueError as exc:
         raise SystemExit(f"bouncer bench run: {exc}") from None
     if timeline is not None:
@@ -426,6 +429,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--load", type=float, default=1.0, help="offered load as a multiple of the fleet's capacity")
     p.add_argument("--trace", help="replace the scenario's main trace (same format); a ServeGen client folder "
                                     "replaces its tenants: one per client")
+    p.add_argument("--trace-start", type=float, metavar="HOURS",
+                   help="a ServeGen trace: replay the hour from this many hours into it (default: its busiest)")
     p.add_argument("--replicas", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--duration", type=float, default=300.0, help="simulated seconds of arrivals")

@@ -247,16 +247,19 @@ def _misses(requests: list[SimRequest]) -> dict[str, int]:
 def run(scenario_name: str, policy: str, load: float, seed: int = 0, replicas: int = 4, duration_s: float = 300.0,
         trace: str | None = None, profile: str | EngineProfile = DEFAULT_PROFILE, routing: str | None = None,
         kv_events: bool = False, only_tenants: list[str] | None = None, policy_set: dict | None = None,
-        step_time: str = "given", record: Timeline | None = None, gateways: GatewaySetup | None = None) -> dict:
+        step_time: str = "given", record: Timeline | None = None, gateways: GatewaySetup | None = None,
+        trace_start_h: float | None = None) -> dict:
     """One run, summarized. `routing` overrides the policy's router; `kv_events` has the engines
     publish their prefix-cache changes, which Bouncer's core uses to make its prefix index precise;
     `only_tenants` drops the other tenants' requests (capacity and arrivals stay those of the
     whole mix); `policy_set` changes policy settings (nested, as in the config's `policy`);
     `step_time` is what Bouncer knows of the engine's step time (`make_policy`); `gateways`: several
-    gateways, each with its own core, sharing state or not (`bouncer.sim.gateways`)."""
+    gateways, each with its own core, sharing state or not (`bouncer.sim.gateways`);
+    `trace_start_h`: the hour of a ServeGen trace replayed, from that many hours in (default:
+    its busiest)."""
     scenario, capacity, requests, result = simulate(scenario_name, policy, load, seed, replicas, duration_s, trace,
                                                     profile, routing, kv_events, only_tenants, policy_set, step_time,
-                                                    record, gateways)
+                                                    record, gateways, trace_start_h)
     out = summarize(scenario, policy, load, seed, replicas, duration_s, capacity, requests, result, routing)
     out["kv_events"] = kv_events
     out["only_tenants"] = only_tenants
@@ -265,19 +268,22 @@ def run(scenario_name: str, policy: str, load: float, seed: int = 0, replicas: i
         out["step_time"] = step_time
     if gateways is not None and gateways.count > 1:
         out["gateways"] = gateways.describe()
+    if trace_start_h is not None:
+        out["trace_start_h"] = trace_start_h
     return out
 
 
 def simulate(scenario_name: str, policy: str, load: float, seed: int, replicas: int, duration_s: float,
              trace: str | None = None, profile: str | EngineProfile = DEFAULT_PROFILE, routing: str | None = None,
              kv_events: bool = False, only_tenants: list[str] | None = None, policy_set: dict | None = None,
-             step_time: str = "given", record: Timeline | None = None, gateways: GatewaySetup | None = None):
+             step_time: str = "given", record: Timeline | None = None, gateways: GatewaySetup | None = None,
+             trace_start_h: float | None = None):
     """The run itself, as `run` describes it: (scenario, capacity in req/s, requests with their
     outcomes, the fleet's result). With `record`, Bouncer's core is sampled into it every
     `record.step_s` of simulated time, as the gateway's flight recorder samples it."""
     _check_policy_set(policy, policy_set)
     scenario = get_scenario(scenario_name, duration_s)
-    traces = scenario.load(trace)
+    traces = scenario.load(trace, trace_start_h)
     capacity = fleet_capacity(scenario, traces, replicas, profile, seed, trace)
     requests = make_requests(scenario.tenants, traces, load * capacity, duration_s, seed)
     if only_tenants:

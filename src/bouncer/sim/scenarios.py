@@ -56,12 +56,18 @@ class Scenario:
     disaggregated: bool = False
     loaded: dict[str, Sequence[TraceRequest]] = field(default_factory=dict)
 
-    def load(self, override: str | None = None) -> dict[str, Sequence[TraceRequest]]:
+    def load(self, override: str | None = None, start_h: float | None = None) -> dict[str, Sequence[TraceRequest]]:
         """The scenario's traces; `override` replaces its first (main) trace, or, as a ServeGen
-        folder, all of them and the tenants (module doc)."""
+        folder, all of them and the tenants (module doc), over the hour from `start_h` hours
+        into the trace (default: its busiest hour)."""
+        if start_h is not None and not (override and is_servegen(override)):
+            raise ValueError("a start time picks an hour of a ServeGen trace: give its folder as the trace")
         if not self.loaded:
             if override and is_servegen(override):
-                self.loaded = client_traces(load_servegen(override), seed=0)
+                start_s = None if start_h is None else start_h * 3600
+                self.loaded = client_traces(load_servegen(override), seed=0, start_s=start_s)
+                if not self.loaded:
+                    raise ValueError(f"{override}: no client sends a request in the hour from {start_h:g} h")
                 self.tenants = servegen_tenants(self.loaded, self.tenants[0])
                 self.traces = {}
                 return self.loaded
