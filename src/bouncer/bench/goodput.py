@@ -284,7 +284,9 @@ def simulate(scenario_name: str, policy: str, load: float, seed: int, replicas: 
     _check_policy_set(policy, policy_set)
     scenario = get_scenario(scenario_name, duration_s)
     traces = scenario.load(trace, trace_start_h)
-    capacity = fleet_capacity(scenario, traces, replicas, profile, seed, trace)
+    # another hour of a trace is another mix: measured apart
+    capacity = fleet_capacity(scenario, traces, replicas, profile, seed,
+                              trace if trace_start_h is None else f"{trace}@{trace_start_h:g}h")
     requests = make_requests(scenario.tenants, traces, load * capacity, duration_s, seed)
     if only_tenants:
         unknown = set(only_tenants) - {t.name for t in scenario.tenants}
