@@ -134,3 +134,20 @@ def test_a_goodput_run_replays_the_hour_it_is_given(pool, tmp_path, monkeypatch)
     write_client(silent, "0", {600.0: 5.0})
     with pytest.raises(ValueError, match="no client sends a request in the hour from 5 h"):
         goodput.run("surge", "bouncer", 1.0, duration_s=20, replicas=1, trace=str(silent), trace_start_h=5)
+
+
+def test_volume_weighted_tenancy_puts_every_client_in_one_band_weighted_by_its_requests(pool, tmp_path,
+                                                                                      monkeypatch):
+    monkeypatch.setattr(goodput, "CACHE_DIR", tmp_path / "capacity")
+    r = goodput.run("surge", "bouncer", 1.0, duration_s=20, replicas=1, trace=str(pool), tenancy="volume-weighted")
+    tenants = r["tenants"]
+    assert {t["priority"] for t in tenants.values()} == {1} and r["tenancy"] == "volume-weighted"
+    heavy, light = tenants["client-0"]["weight"], tenants["client-1"]["weight"]
+    # client 0 sends about 20 requests a second in that hour, client 1 about one: weights in that
+    # proportion, averaging 1
+    assert 15 < heavy / light < 25 and heavy + light == pytest.approx(2.0)
+    assert r["lost"] == 0 and r["offered"] > 0
+    with pytest.raises(ValueError, match="unknown tenancy"):
+        goodput.run("surge", "bouncer", 1.0, duration_s=20, replicas=1, trace=str(pool), tenancy="by-size")
+    with pytest.raises(ValueError, match="ServeGen"):
+        goodput.run("surge", "bouncer", 1.0, duration_s=20, replicas=1, tenancy="volume-weighted")

@@ -231,9 +231,9 @@ def cmd_bench_run(args) -> None:
     from bouncer.recorder.timeline import Timeline
 
     if args.scenario == "agents":
-        if args.trace_start is not None:
-            raise SystemExit("bouncer bench run: --trace-start picks an hour of a ServeGen trace; the agents "
-                             "scenario replays agent sessions")
+        if args.trace_start is not None or args.servegen_tenancy != "banded":
+            raise SystemExit("bouncer bench run: --trace-start and --servegen-tenancy are for a ServeGen trace; "
+                             "the agents scenario replays agent sessions")
         return _bench_agents(args)
     timeline = None
     if args.record:
@@ -245,7 +245,8 @@ def cmd_bench_run(args) -> None:
                      kv_events=args.kv_events,
                      only_tenants=args.only_tenants.split(",") if args.only_tenants else None,
                      policy_set=_policy_settings(args.set), step_time=args.step_time, record=timeline,
-                     gateways=_gateway_setup(args), trace_start_h=args.trace_start)
+                     gateways=_gateway_setup(args), trace_start_h=args.trace_start,
+                     tenancy=args.servegen_tenancy)
     except ValueError as exc:
         raise SystemExit(f"bouncer bench run: {exc}") from None
     if timeline is not None:
@@ -412,7 +413,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from bouncer.bench.goodput import POLICIES, STEP_TIMES
     from bouncer.core.registry import ROUTERS
-    from bouncer.sim.scenarios import SCENARIOS
+    from bouncer.sim.scenarios import SCENARIOS, SERVEGEN_TENANCIES
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     p = bench.add_parser("engine", help="replay a trace against one engine model in virtual time")
@@ -431,6 +432,9 @@ def build_parser() -> argparse.ArgumentParser:
                                     "replaces its tenants: one per client")
     p.add_argument("--trace-start", type=float, metavar="HOURS",
                    help="a ServeGen trace: replay the hour from this many hours into it (default: its busiest)")
+    p.add_argument("--servegen-tenancy", choices=SERVEGEN_TENANCIES, default="banded",
+                   help="a ServeGen trace: banded (its heaviest clients in a band below the others, equal "
+                        "weights) or volume-weighted (one band, each client weighted by its share of requests)")
     p.add_argument("--replicas", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--duration", type=float, default=300.0, help="simulated seconds of arrivals")

@@ -248,7 +248,7 @@ def run(scenario_name: str, policy: str, load: float, seed: int = 0, replicas: i
         trace: str | None = None, profile: str | EngineProfile = DEFAULT_PROFILE, routing: str | None = None,
         kv_events: bool = False, only_tenants: list[str] | None = None, policy_set: dict | None = None,
         step_time: str = "given", record: Timeline | None = None, gateways: GatewaySetup | None = None,
-        trace_start_h: float | None = None) -> dict:
+        trace_start_h: float | None = None, tenancy: str = "banded") -> dict:
     """One run, summarized. `routing` overrides the policy's router; `kv_events` has the engines
     publish their prefix-cache changes, which Bouncer's core uses to make its prefix index precise;
     `only_tenants` drops the other tenants' requests (capacity and arrivals stay those of the
@@ -256,10 +256,10 @@ def run(scenario_name: str, policy: str, load: float, seed: int = 0, replicas: i
     `step_time` is what Bouncer knows of the engine's step time (`make_policy`); `gateways`: several
     gateways, each with its own core, sharing state or not (`bouncer.sim.gateways`);
     `trace_start_h`: the hour of a ServeGen trace replayed, from that many hours in (default:
-    its busiest)."""
+    its busiest); `tenancy`: how its clients become tenants (`servegen_tenants`)."""
     scenario, capacity, requests, result = simulate(scenario_name, policy, load, seed, replicas, duration_s, trace,
                                                     profile, routing, kv_events, only_tenants, policy_set, step_time,
-                                                    record, gateways, trace_start_h)
+                                                    record, gateways, trace_start_h, tenancy)
     out = summarize(scenario, policy, load, seed, replicas, duration_s, capacity, requests, result, routing)
     out["kv_events"] = kv_events
     out["only_tenants"] = only_tenants
@@ -270,6 +270,8 @@ def run(scenario_name: str, policy: str, load: float, seed: int = 0, replicas: i
         out["gateways"] = gateways.describe()
     if trace_start_h is not None:
         out["trace_start_h"] = trace_start_h
+    if tenancy != "banded":
+        out["tenancy"] = tenancy
     return out
 
 
@@ -277,13 +279,13 @@ def simulate(scenario_name: str, policy: str, load: float, seed: int, replicas: 
              trace: str | None = None, profile: str | EngineProfile = DEFAULT_PROFILE, routing: str | None = None,
              kv_events: bool = False, only_tenants: list[str] | None = None, policy_set: dict | None = None,
              step_time: str = "given", record: Timeline | None = None, gateways: GatewaySetup | None = None,
-             trace_start_h: float | None = None):
+             trace_start_h: float | None = None, tenancy: str = "banded"):
     """The run itself, as `run` describes it: (scenario, capacity in req/s, requests with their
     outcomes, the fleet's result). With `record`, Bouncer's core is sampled into it every
     `record.step_s` of simulated time, as the gateway's flight recorder samples it."""
     _check_policy_set(policy, policy_set)
     scenario = get_scenario(scenario_name, duration_s)
-    traces = scenario.load(trace, trace_start_h)
+    traces = scenario.load(trace, trace_start_h, tenancy)
     # another hour of a trace is another mix: measured apart
     capacity = fleet_capacity(scenario, traces, replicas, profile, seed,
                               trace if trace_start_h is None else f"{trace}@{trace_start_h:g}h")

@@ -56,19 +56,20 @@ class Scenario:
     disaggregated: bool = False
     loaded: dict[str, Sequence[TraceRequest]] = field(default_factory=dict)
 
-    def load(self, override: str | None = None, start_h: float | None = None) -> dict[str, Sequence[TraceRequest]]:
+    def load(self, override: str | None = None, start_h: float | None = None,
+             tenancy: str = "banded") -> dict[str, Sequence[TraceRequest]]:
         """The scenario's traces; `override` replaces its first (main) trace, or, as a ServeGen
-        folder, all of them and the tenants (module doc), over the hour from `start_h` hours
-        into the trace (default: its busiest hour)."""
-        if start_h is not None and not (override and is_servegen(override)):
-            raise ValueError("a start time picks an hour of a ServeGen trace: give its folder as the trace")
+        folder, all of them and the tenants (module doc; `servegen_tenants` for `tenancy`), over
+        the hour from `start_h` hours into the trace (default: its busiest hour)."""
+        if (start_h is not None or tenancy != "banded") and not (override and is_servegen(override)):
+            raise ValueError("a start time or a tenancy is for a ServeGen trace: give its folder as the trace")
         if not self.loaded:
             if override and is_servegen(override):
                 start_s = None if start_h is None else start_h * 3600
                 self.loaded = client_traces(load_servegen(override), seed=0, start_s=start_s)
                 if not self.loaded:
                     raise ValueError(f"{override}: no client sends a request in the hour from {start_h:g} h")
-                self.tenants = servegen_tenants(self.loaded, self.tenants[0])
+                self.tenants = servegen_tenants(self.loaded, self.tenants[0], tenancy)
                 self.traces = {}
                 return self.loaded
             for i, (key, path) in enumerate(self.traces.items()):
@@ -106,11 +107,26 @@ def merged_clients(folder: str | pathlib.Path) -> list[TraceRequest]:
 BULK_CLIENT_SHARE = 0.10  # a ServeGen client with at least this share of the requests is bulk (band 0)
 
 
-def servegen_tenants(traces: dict[str, Sequence[TraceRequest]], template: TenantSpec) -> list[TenantSpec]:
+SERVEGEN_TENANCIES = ("banded", "volume-weighted")
+
+
+def servegen_tenants(traces: dict[str, Sequence[TraceRequest]], template: TenantSpec,
+                     tenancy: str = "banded") -> list[TenantSpec]:
+    """A tenant per client. `banded`: clients with BULK_CLIENT_SHARE of the requests or more in
+    band 0, the others in band 1 above them, all of weight 1. `volume-weighted`: all in one band,
+    each weighted by its share of the requests (the mean weight 1), so that under overload fair
+    queueing gives each about its share of what arrives, as serving in arrival order does."""
+    if tenancy not in SERVEGEN_TENANCIES:
+        raise ValueError(f"unknown tenancy {tenancy!r}: one of {', '.join(SERVEGEN_TENANCIES)}")
     total = sum(len(t) for t in traces.values())
-    return [replace(template, name=f"client-{cid}", priority=0 if len(reqs) / total >= BULK_CLIENT_SHARE else 1,
-                    share=len(reqs) / total, trace=cid, weight=1.0, min_prompt=None, bursts=())
-            for cid, reqs in sorted(traces.items(), key=lambda kv: -len(kv[1]))]
+
+    def spec(cid: str, n: int) -> TenantSpec:
+        share = n / total
+        priority, weight = (0 if share >= BULK_CLIENT_SHARE else 1, 1.0) if tenancy == "banded" else \
+            (1, share * len(traces))
+        return replace(template, name=f"client-{cid}", priority=priority, share=share, trace=cid, weight=weight,
+                       min_prompt=None, bursts=())
+    return [spec(cid, len(reqs)) for cid, reqs in sorted(traces.items(), key=lambda kv: -len(kv[1]))]
 
 
 def _bursting(tenants: list[TenantSpec], name: str, duration_s: float, multiplier: float) -> list[TenantSpec]:
