@@ -119,14 +119,16 @@ def servegen_tenants(traces: dict[str, Sequence[TraceRequest]], template: Tenant
     if tenancy not in SERVEGEN_TENANCIES:
         raise ValueError(f"unknown tenancy {tenancy!r}: one of {', '.join(SERVEGEN_TENANCIES)}")
     total = sum(len(t) for t in traces.values())
-
-    def spec(cid: str, n: int) -> TenantSpec:
-        share = n / total
-        priority, weight = (0 if share >= BULK_CLIENT_SHARE else 1, 1.0) if tenancy == "banded" else \
-            (1, share * len(traces))
-        return replace(template, name=f"client-{cid}", priority=priority, share=share, trace=cid, weight=weight,
-                       min_prompt=None, bursts=())
-    return [spec(cid, len(reqs)) for cid, reqs in sorted(traces.items(), key=lambda kv: -len(kv[1]))]
+    tenants = []
+    for cid, reqs in sorted(traces.items(), key=lambda kv: -len(kv[1])):
+        share = len(reqs) / total
+        if tenancy == "banded":
+            priority, weight = (0 if share >= BULK_CLIENT_SHARE else 1), 1.0
+        else:
+            priority, weight = 1, share * len(traces)
+        tenants.append(replace(template, name=f"client-{cid}", priority=priority, share=share, trace=cid,
+                               weight=weight, min_prompt=None, bursts=()))
+    return tenants
 
 
 def _bursting(tenants: list[TenantSpec], name: str, duration_s: float, multiplier: float) -> list[TenantSpec]:
