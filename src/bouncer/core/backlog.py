@@ -94,7 +94,10 @@ def ahead(flow: FlowQueues, priority: int, tenant: str | None) -> float:
             n += band.count
         else:
             # the tenants with queued work (`Band.active`), not every tenant the band has seen
-            active = sum(band.queues[name].weight for name in band.active)
+            # (a plain loop: this runs two or three times per arrival, over one tenant or a few)
+            queues, active = band.queues, 0.0
+            for name in band.active:
+                active += queues[name].weight
             n += q.count * active / q.weight
     return n
 

@@ -26,13 +26,16 @@ class PoolView:
         self._fresh: dict[str, bool] = {}
         self._answering: dict[str, bool] = {}
         self._usable: dict[str, bool] = {}  # it may be sent work: listed, and answering (or failing open)
-        self._usable_list: list[ReplicaState] | None = None
+        # those, in order (every arrival asks whether there is one; several layers walk them)
+        self._usable_list: list[ReplicaState] = []
         self._prompt_workers: list[ReplicaState] | None = None
         if policy is None:  # a router deployed on its own (a baseline): it trusts what it has
             self._reserve, self._project = False, True
             for name, r in replicas.items():
                 self._fresh[name] = self._answering[name] = True
-                self._usable[name] = not r.removed and r.healthy
+                usable = self._usable[name] = not r.removed and r.healthy
+                if usable:
+                    self._usable_list.append(r)
             return
         tp = policy.telemetry
         staleness = tp.staleness_s
@@ -45,7 +48,9 @@ class PoolView:
             # a replica whose scrape is late but that streams our requests' tokens is serving
             answering = self._answering[name] = fresh or (
                 tp.alive_from_streams and r.streamed_at is not None and now - r.streamed_at <= staleness)
-            self._usable[name] = not r.removed and (answering or (r.healthy and fail_open))
+            usable = self._usable[name] = not r.removed and (answering or (r.healthy and fail_open))
+            if usable:
+                self._usable_list.append(r)
 
     def is_fresh(self, r: ReplicaState) -> bool:
         """Its telemetry is recent and its last scrape answered."""
@@ -62,9 +67,6 @@ class PoolView:
         return self._usable[r.name]
 
     def usable_replicas(self) -> list[ReplicaState]:
-        if self._usable_list is None:  # (a list kept: several layers of one call walk it)
-            usable = self._usable
-            self._usable_list = [r for name, r in self.replicas.items() if usable[name]]
         return self._usable_list
 
     def prompt_workers(self) -> list[ReplicaState]:
@@ -75,7 +77,7 @@ class PoolView:
         return self._prompt_workers
 
     def any_usable(self) -> bool:
-        return bool(self.usable_replicas())  # (the list kept: asked at every arrival)
+        return bool(self._usable_list)
 
     def usage(self, r: ReplicaState, fresh: bool | None = None) -> float:
         """KV usage it is heading for (`ReplicaState.projected_usage`, as policy says); `fresh`

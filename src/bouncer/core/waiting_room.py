@@ -27,28 +27,35 @@ def door_shut(ms: ModelState, tenant: str, band: int, view: PoolView, saturation
     """Why no request of `tenant` in `band` may join the waiting room now, whatever its size
     (of at least `min_prompt` tokens): the checks that need no prompt, so that a request they
     refuse is refused before its prompt is tokenized (`AdmissionCore.precheck`)."""
-    flow, model = ms.flow, ms.cfg.name
-
-    def refused(layer: Layer, reason: Reason, message: str) -> Refusal:
-        return Refusal(layer, reason, message, ms.backlog.retry_after(band, now, tenant))
-
+    # (no closure for the refusals: this runs at every arrival, and they are rare)
+    flow = ms.flow
     if ms.draining:
         if len(flow) >= policy.drain_queue_cap:
-            return refused(Layer.FLOW, Reason.DRAINING, f"model `{model}` is draining for a swap")
+            return _refused(ms, band, tenant, now, Layer.FLOW, Reason.DRAINING,
+                            f"model `{ms.cfg.name}` is draining for a swap")
     else:
         if not view.any_usable():
-            return refused(Layer.QUEUE, Reason.NO_BACKEND, f"no usable backend for model `{model}`")
+            return _refused(ms, band, tenant, now, Layer.QUEUE, Reason.NO_BACKEND,
+                            f"no usable backend for model `{ms.cfg.name}`")
         if band < 0 and saturation.saturation(view) >= ceiling(policy, band):
-            return refused(Layer.FLOW, Reason.SATURATED, "the fleet is saturated; sheddable traffic is refused")
+            return _refused(ms, band, tenant, now, Layer.FLOW, Reason.SATURATED,
+                            "the fleet is saturated; sheddable traffic is refused")
     q = flow.queue_of(tenant, band)
     if q is not None and (q.count >= policy.queues.tenant_max_requests
                           or (min_prompt and q.tokens + min_prompt > policy.queues.tenant_max_tokens)):
-        return refused(Layer.QUEUE, Reason.TENANT_QUEUE_FULL, f"tenant {tenant!r} has too many queued requests")
+        return _refused(ms, band, tenant, now, Layer.QUEUE, Reason.TENANT_QUEUE_FULL,
+                        f"tenant {tenant!r} has too many queued requests")
     band_state = flow.bands.get(band)
     if band_state is not None and band_state.count >= policy.queues.band_max_requests:
         # (evicting from the bands below would not make room in this one)
-        return refused(Layer.QUEUE, Reason.QUEUE_FULL, "the waiting room is full")
+        return _refused(ms, band, tenant, now, Layer.QUEUE, Reason.QUEUE_FULL, "the waiting room is full")
     return None
+
+
+def _refused(ms: ModelState, band: int, tenant: str, now: float, layer: Layer, reason: Reason,
+             message: str) -> Refusal:
+    """A door's refusal, with when to come back: once the backlog ahead has turned over."""
+    return Refusal(layer, reason, message, ms.backlog.retry_after(band, now, tenant))
 
 
 def door(ms: ModelState, adm: Admission, view: PoolView, saturation: SaturationDetector,
@@ -59,20 +66,18 @@ def door(ms: ModelState, adm: Admission, view: PoolView, saturation: SaturationD
     if shut is not None:
         return shut
 
-    def refused(layer: Layer, reason: Reason, message: str) -> Refusal:
-        return Refusal(layer, reason, message, ms.backlog.retry_after(band, now, adm.tenant))
-
     q = flow.tenant_queue(adm)
     qc = policy.queues
     prompt = adm.info.prompt_tokens
     if q is not None and q.tokens + prompt > qc.tenant_max_tokens:
-        return refused(Layer.QUEUE, Reason.TENANT_QUEUE_FULL, f"tenant {adm.tenant!r} has too many queued requests")
+        return _refused(ms, band, adm.tenant, now, Layer.QUEUE, Reason.TENANT_QUEUE_FULL,
+                        f"tenant {adm.tenant!r} has too many queued requests")
     victims: list[Admission] = []
     count, tokens = len(flow), flow.tokens
     while count >= qc.max_requests or tokens + prompt > qc.max_tokens:
         victim = flow.lowest_sheddable(below=band, excluding=victims)
         if victim is None:
-            return refused(Layer.QUEUE, Reason.QUEUE_FULL, "the waiting room is full")
+            return _refused(ms, band, adm.tenant, now, Layer.QUEUE, Reason.QUEUE_FULL, "the waiting room is full")
         victims.append(victim)
         count, tokens = count - 1, tokens - victim.info.prompt_tokens
     return victims
