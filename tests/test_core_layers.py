@@ -171,6 +171,23 @@ def _full_core(**policy):
     return core
 
 
+def test_arrival_behind_its_tenants_head_reruns_the_loop_only_when_its_last_run_is_stale():
+    from bouncer.core.arrivals import LOOP_FRESH_S
+
+    core = _full_core()
+    ms = core.models["m"]
+    assert core.offer(info("a"), 1.0) == []  # the head of a's queue: the loop runs for it
+    assert ms.looped_at == 1.0
+    assert core.offer(info("a"), 1.001) == []  # behind a's head, the loop fresh: not run again
+    assert ms.looped_at == 1.0
+    assert core.offer(info("b"), 1.002) == []  # b's head may go: run
+    assert ms.looped_at == 1.002
+    later = 1.002 + 2 * LOOP_FRESH_S
+    assert core.offer(info("a"), later) == []  # behind a's head, but the last run is stale: run
+    assert ms.looped_at == later
+    assert core.view.queued == 4
+
+
 def test_tenant_queue_bound_is_tenant_caused_429():
     core = _full_core(queues={"tenant_max_requests": 2})
     assert core.offer(info("a"), 0.0) == [] and core.offer(info("a"), 0.0) == []

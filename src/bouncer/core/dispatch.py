@@ -55,6 +55,7 @@ class Dispatcher:
     def run(self, ms: ModelState, now: float, view: PoolView | None = None) -> list[Event]:
         """`view`: the pool as the calling entry point already sees it at `now`, if it built one."""
         events: list[Event] = []
+        ms.looped_at = now
         flow: FlowQueues = ms.flow
         if ms.draining or not len(flow):
             return events

@@ -19,14 +19,15 @@ from bouncer.core.ttft_margin import TtftMargins
 
 
 class ModelState:
-    __slots__ = ("cfg", "flow", "draining", "replicas", "agents", "tpot_target", "band_slos", "backlog",
-                 "step_time", "learner", "ttft_margins", "standing")
+    __slots__ = ("cfg", "flow", "draining", "looped_at", "replicas", "agents", "tpot_target", "band_slos",
+                 "backlog", "step_time", "learner", "ttft_margins", "standing")
 
     def __init__(self, cfg: ModelConfig, flow: FlowQueues, backlog: BacklogStore,
                  shares: FleetShares | None = None) -> None:
         self.cfg = cfg
         self.flow = flow
         self.draining = False
+        self.looped_at = float("-inf")  # when its dispatch loop last ran (`Dispatcher.run`)
         self.replicas: dict[str, ReplicaState] = {}
         self.agents: AgentGate = NoAgents()
         self.tpot_target: float | None = None  # strictest TPOT SLO of its tenants, with margin
