@@ -85,9 +85,12 @@ def test_report_writes_markdown_and_plots(tmp_path):
         for load in (1.0, 2.0):
             goodput.save(goodput.run("surge", policy, load, duration_s=15, replicas=1),
                          str(results / f"surge-{policy}-{load}.json"))
+    # a measurement saved beside the runs (as scripts/servegen_wall_ratio.py saves its own) is skipped, and said so
+    (results / "wall-ratio.json").write_text(json.dumps({"load": 3.0, "rounds": []}))
     proc = subprocess.run([sys.executable, "-m", "bouncer", "bench", "report", str(results), "--out",
                            str(tmp_path / "report")], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
+    assert "skipped" in proc.stderr and "wall-ratio.json" in proc.stderr
     md = (tmp_path / "report" / "report.md").read_text()
     assert "## surge" in md and "| bouncer |" in md and "| none |" in md
     # goodput in prompt tokens, as the runs counted it (thousands a second, two decimals)
@@ -116,6 +119,16 @@ def test_prefix_scenario_compares_routers_against_the_infinite_cache_bound(tmp_p
     md = (tmp_path / "report" / "report.md").read_text()
     assert "## prefix: routers" in md and "| 0.8 | bouncer | prefix-aware |" in md
     assert "| 0.8 | bouncer | round-robin |" in md
+
+
+def test_report_refuses_a_file_that_is_not_a_run(tmp_path):
+    from bouncer.bench.report import load_results
+
+    side = tmp_path / "wall-ratio.json"
+    side.write_text(json.dumps({"load": 3.0, "rounds": []}))
+    with pytest.raises(SystemExit, match="not a `bouncer bench run` result"):
+        load_results([str(side)])
+    assert load_results([str(tmp_path)]) == []
 
 
 def test_report_groups_many_tenants_by_band():

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import sys
 from collections import defaultdict
 
 import matplotlib
@@ -29,10 +30,20 @@ AGENT_POLICY_COLORS = {"none": "tab:blue", "request-cap": "tab:orange", "bouncer
 
 
 def load_results(paths: list[str]) -> list[dict]:
+    """The `bench run` results in `paths` (files, or folders of them). Another JSON file in a
+    folder (a measurement saved beside its runs, e.g. `scripts/servegen_wall_ratio.py`'s) is
+    skipped, and said so on stderr; one named alone is an error."""
     out = []
     for p in paths:
-        for f in sorted(pathlib.Path(p).glob("*.json")) if pathlib.Path(p).is_dir() else [pathlib.Path(p)]:
-            out.append(json.loads(f.read_text()))
+        folder = pathlib.Path(p).is_dir()
+        for f in sorted(pathlib.Path(p).glob("*.json")) if folder else [pathlib.Path(p)]:
+            result = json.loads(f.read_text())
+            if not (isinstance(result, dict) and "scenario" in result and "policy" in result):
+                if not folder:
+                    raise SystemExit(f"{f} is not a `bouncer bench run` result (no scenario and policy)")
+                print(f"skipped {f}: not a `bouncer bench run` result", file=sys.stderr)
+                continue
+            out.append(result)
     return out
 
 
