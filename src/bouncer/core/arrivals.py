@@ -146,19 +146,7 @@ class Arrivals:
         events: list[Event] = [leave(c.finaliser, ms, victim, Terminal.EVICTED, Reason.EVICTED,
                                      "evicted from the queue by higher-priority traffic", now) for victim in entry]
         ms.flow.push(adm, c.tenants.weight(adm.tenant))
-        # The loop runs for a newcomer that may go now: one at the head of its tenant's queue, an
-        # agent's step (it may go past its tenant's head: `Dispatcher.next_agent_step`), or one
-        # that evicted requests (their queues have new heads). Any other waits behind its own
-        # tenant's head and moves nothing the loop reads; the loop runs for it only where its
-        # last run is older than LOOP_FRESH_S (what the clock alone changes there, a head turning
-        # late, a hold running out, is then acted on that much later at most). Under overload
-        # nearly every arrival is one of those, and a loop run for each was the largest part of
-        # an arrival's cost (ServeGen m-mid at load 3: 90k runs in 30 s, 808 placing anything).
-        # Not while gateways share state: there the loop also follows the others' service and
-        # queues, and skipping it cost three sharing gateways 10% of goodput (`surge` at load 2,
-        # 92.65 against 102.38 req/s; tests/test_sim_gateways.py).
-        if entry or adm.session is not None or c.shares.enabled or now - ms.looped_at >= LOOP_FRESH_S \
-                or ms.flow.tenant_queue(adm).head() is adm:  # type: ignore[union-attr]
+        if self._loop_due(ms, adm, bool(entry), now):
             events.extend(c.dispatcher.run(ms, now, view))
         queued = adm.request_id in ms.flow
         if queued and adm.queue_rank == STEP_OTHER and adm.session is not None and isinstance(ms.agents, WindowGate):
@@ -177,6 +165,22 @@ class Arrivals:
             if late is not None:
                 events.extend(self.late(adm, now, late))
         return events
+
+    def _loop_due(self, ms: ModelState, adm: Admission, evicted: bool, now: float) -> bool:
+        """Whether the dispatch loop runs for `adm`, just queued: where it may go now (at the head
+        of its tenant's queue; an agent's step, which may go past its tenant's head,
+        `Dispatcher.next_agent_step`; or having evicted requests, whose queues have new heads).
+        Any other waits behind its own tenant's head and moves nothing the loop reads, so the loop
+        runs for it only where its last run is older than LOOP_FRESH_S (what the clock alone
+        changes, a head turning late, a hold running out, is then acted on that much later at
+        most). Under overload nearly every arrival is one of those, and a loop run for each was
+        the largest part of an arrival's cost (ServeGen m-mid at load 3: 90k runs in 30 s, 808
+        placing anything). Always where gateways share state: there the loop also follows the
+        others' service and queues, and skipping it cost three sharing gateways 10% of goodput
+        (`surge` at load 2, 92.65 against 102.38 req/s; tests/test_sim_gateways.py)."""
+        return (evicted or adm.session is not None or self.core.shares.enabled
+                or now - ms.looped_at >= LOOP_FRESH_S
+                or ms.flow.tenant_queue(adm).head() is adm)  # type: ignore[union-attr]
 
     # -- lateness: at arrival, and for a head the dispatch loop finds late ------------------------
     def acts_on_late(self, adm: Admission) -> bool:
