@@ -8,7 +8,7 @@ import pytest
 
 from bouncer.bench import feasibility, goodput
 from bouncer.config import parse_config
-from bouncer.core import ttft_margin
+from bouncer.core import feedback, ttft_margin
 from bouncer.core.admission import AdmissionCore
 from bouncer.core.fleet import Telemetry
 from bouncer.core.latency import CORRECTION_MAX, LatencyPredictor, StepTimeModel, prefill_pairs
@@ -272,6 +272,32 @@ def test_the_tpot_guard_cuts_a_replica_for_requests_slower_than_their_own_tpot_s
     assert r.concurrency_limit == float("inf")
     complete("rt", 0.06, 0.5)  # slower than its own 50 ms (x 0.9): cut
     assert r.concurrency_limit == core.policy.min_inflight_per_replica
+    assert r.prefill_limit == float("inf")  # 101 tokens: slow over many steps, not one long step
+
+
+def test_a_short_answer_slower_than_its_tpot_slo_cuts_the_prefill_a_replica_takes_not_its_batch():
+    core = core_with_steps([tenant("a", slo={"tpot_s": 0.3})])
+    r = core.replicas["m/0"]
+    (d,) = dispatched(core.offer(info("a", prompt=10, max_tokens=4), 0.0))
+    core.started(d.request_id, 0.0)
+    core.finished(d.request_id, 3 * 0.4, Terminal.COMPLETED, 4)  # 0.4 s a token: past 0.3 s (x 0.9)
+    # a step of at most 0.3 s batches (0.3 - 0.01) / 1e-4 = 2,900 tokens, nothing decoding there
+    assert r.prefill_limit == pytest.approx(2900)
+    assert r.concurrency_limit == float("inf")
+    # /admin/state shows it
+    assert core.snapshot(1.2)["models"]["m"]["replicas"]["m/0"]["limits"] == {"inflight": None, "prefill_tokens": 2900}
+    # 2,000 prefill tokens queued there: 1,000 more would pass the limit and wait, 800 fit
+    (big,) = dispatched(core.offer(info("a", prompt=2000), 2.0))
+    held = info("a", prompt=1000)
+    assert core.offer(held, 2.0) == []
+    core.started(big.request_id, 2.2)  # its prefill is done: the held one goes
+    (d,) = dispatched(core.tick(2.2))
+    assert d.request_id == held.request_id
+    # a fast short answer: the limit grows back, by PREFILL_LIMIT_INCREASE tokens
+    (d,) = dispatched(core.offer(info("a", prompt=10, max_tokens=4), 3.0))
+    core.started(d.request_id, 3.0)
+    core.finished(d.request_id, 3.3, Terminal.COMPLETED, 4)
+    assert r.prefill_limit == pytest.approx(2900 + feedback.PREFILL_LIMIT_INCREASE)
 
 
 def test_a_request_warm_on_a_replica_passes_the_tpot_guards_limit_a_cold_one_waits():

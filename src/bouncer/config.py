@@ -404,7 +404,8 @@ class Policy(_Strict):
     slo_queue_fraction: float = Field(0.6, gt=0, le=1, description="share of the TTFT SLO a request may spend "
                                                                    "queued; the rest is for prefill")
     tpot_guard: bool = Field(True, description="per replica, cut the in-flight limit when completed requests "
-                                               "ran slower than the strictest TPOT SLO (AIMD)")
+                                               "ran slower than their TPOT SLO, or the queued prefill it "
+                                               "takes where short answers did (AIMD)")
     tpot_guard_margin: float = Field(0.9, gt=0, le=1, description="target = strictest TPOT SLO x this")
     tpot_guard_increase: float = Field(0.25, gt=0, description="in-flight limit added per fast completion")
     min_inflight_per_replica: int = Field(4, ge=1, description="the TPOT guard never cuts below this")

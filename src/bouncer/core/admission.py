@@ -180,7 +180,7 @@ class AdmissionCore:
             lengths = self.tenants.output_models[adm.tenant]
             feedback.learn_output(lengths, self.policy, adm.info.model, completion_tokens)
             self.stats.count_slo(adm, now, completion_tokens)
-        feedback.adapt_inflight_limit(self.policy, ms.tpot_target, replica, adm, now, completion_tokens)
+        feedback.adapt_limits(self.policy, ms.tpot_target, replica, adm, now, completion_tokens)
         feedback.completed(adm, replica, now, completion_tokens)
 
     def requeue(self, request_id: str, now: float, retry_after: float | None = None) -> list[Event]:

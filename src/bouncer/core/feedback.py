@@ -7,9 +7,9 @@
   deadline is its band's miss (`deadlines.BandSLOs.missed`).
 - Output lengths: KV is reserved for the output expected of a tenant on a model
   (`bouncer.core.output_length`), learned from its completions.
-- Each replica's in-flight limit (AIMD, `adapt_inflight_limit`): the TPOT guard cuts it when
-  completed requests ran slower than their TPOT SLO; a limit cut by a backend's refusals grows
-  back with completions.
+- Each replica's in-flight and prefill limits (AIMD, `adapt_limits`): the TPOT guard cuts one
+  when a completed request ran slower than its TPOT SLO, by what the slowness points to; a limit
+  cut by a backend's refusals grows back with completions.
 """
 
 from __future__ import annotations
@@ -24,6 +24,14 @@ from bouncer.core.requests import Admission
 
 if TYPE_CHECKING:
     from bouncer.core.model_state import ModelState
+
+# An answer of fewer tokens has a TPOT of a few steps' length, which one step carrying a lot of
+# prefill makes slow whatever the batch (ServeGen m-mid: every request slower than its TPOT SLO
+# had 2-13 tokens). Cutting the in-flight limit for it shrinks every batch and fixes nothing.
+SHORT_ANSWER_TOKENS = 16
+PREFILL_LIMIT_FLOOR = 1024  # tokens: a step with less prefill than this is mostly fixed cost
+# tokens per fast completion: from the floor back to vLLM's full step (8,192) in 3,584 of them
+PREFILL_LIMIT_INCREASE = 2.0
 
 
 def expected_output(models: dict[str, OutputLengthModel], policy: Policy, model: str, max_tokens: int) -> int:
@@ -113,22 +121,40 @@ def completed(adm: Admission, r: ReplicaState, now: float, completion_tokens: in
         learner.observe_tpot(round((n + end[0]) / 2), (ctx + end[1]) / 2, r.predictor.prefill_rate(now), tpot)  # type: ignore[union-attr]
 
 
-def adapt_inflight_limit(policy: Policy, model_tpot_target: float | None, r: ReplicaState, adm: Admission,
-                         now: float, tokens: int) -> None:
-    """AIMD on a replica's in-flight limit. The TPOT guard drives it by the decode speed its
-    completed requests saw: each request slower than its own TPOT SLO (x tpot_guard_margin;
-    without one, the strictest among this model's tenants) cuts the limit to 80% of what was in
-    flight (at most once per second); each fast one adds `tpot_guard_increase`. Its own SLO, not
-    the strictest: a standard request running at its own 150 ms is no sign of trouble, and the
-    TPOT hold already keeps batches within the strictest SLO running on each replica. A limit cut
-    by refusals (`placement.rest`) grows back by the same step per completion."""
+def adapt_limits(policy: Policy, model_tpot_target: float | None, r: ReplicaState, adm: Admission,
+                 now: float, tokens: int) -> None:
+    """The TPOT guard: AIMD on a replica's limits, by the decode speed its completed requests saw.
+    A request slower than its own TPOT SLO (x tpot_guard_margin; without one, the strictest among
+    this model's tenants) was slowed by one of two things:
+    - a long answer, over many steps: too many requests decode together. The in-flight limit is
+      cut to 80% of what was in flight (at most once per second);
+    - a short one (under SHORT_ANSWER_TOKENS): a step that carried too much prefill. The prefill
+      limit (the queued prefill tokens the replica takes, `placement.room`) is cut to what one
+      step may batch within that request's TPOT SLO beside what decodes there, as the step-time
+      model has it (halved without one yet), and at least PREFILL_LIMIT_FLOOR.
+    Each fast one adds `tpot_guard_increase` to the in-flight limit and PREFILL_LIMIT_INCREASE
+    tokens to the prefill limit. Its own SLO, not the strictest: a standard request running at
+    its own 150 ms is no sign of trouble, and the TPOT hold already keeps batches within the
+    strictest SLO running on each replica. A limit cut by refusals (`placement.rest`) grows back
+    by the same step per completion."""
     p = policy
     target = adm.tpot_slo * p.tpot_guard_margin if adm.tpot_slo else model_tpot_target
     guarded = p.tpot_guard and target is not None and adm.first_token_at is not None and tokens >= 2
-    if guarded and (now - adm.first_token_at) / (tokens - 1) > target:  # type: ignore[operator]
+    slow = guarded and (now - adm.first_token_at) / (tokens - 1) > target  # type: ignore[operator]
+    if slow and tokens < SHORT_ANSWER_TOKENS:
+        model = r.latency.model if r.latency is not None else None
+        fits = min(p.prefill_busy_tokens, r.prefill_limit)
+        fits = fits / 2 if model is None else \
+            min(fits, model.batch_within(adm.tpot_slo or target, r.decode_context) - r.decoding)  # type: ignore[arg-type]
+        r.prefill_limit = max(PREFILL_LIMIT_FLOOR, fits)
+        return
+    if slow:
         if now - r.last_cut >= 1.0:
             r.concurrency_limit = max(p.min_inflight_per_replica,
                                       min(r.concurrency_limit, r.requests_in_flight + 1) * 0.8)
             r.last_cut = now
-    elif (guarded or r.refusals_cut_limit) and r.concurrency_limit < p.max_inflight_per_replica:
+        return
+    if (guarded or r.refusals_cut_limit) and r.concurrency_limit < p.max_inflight_per_replica:
         r.concurrency_limit += p.tpot_guard_increase
+    if guarded and r.prefill_limit < p.prefill_busy_tokens:
+        r.prefill_limit += PREFILL_LIMIT_INCREASE

@@ -64,6 +64,9 @@ class ReplicaState:
         self.refusals_cut_limit = False  # concurrency_limit was cut by a refusal: completions grow it back
         self.concurrency_limit = float("inf")  # in-flight cap set by the TPOT guard (AIMD)
         self.last_cut = float("-inf")
+        # queued prefill tokens it takes, set by the TPOT guard (AIMD; policy.prefill_busy_tokens
+        # bounds it too)
+        self.prefill_limit = float("inf")
         # own accounting of what was dispatched here and not finished
         self.inflight: dict[str, object] = {}
         self.inflight_blocks = 0

@@ -57,6 +57,10 @@ class StepTimeModel:
     def step(self, batched_tokens: float, context_tokens: float) -> float:
         return self.a + self.b * batched_tokens + self.c * context_tokens
 
+    def batch_within(self, step_s: float, context_tokens: float) -> float:
+        """Tokens a step may batch and still take at most `step_s`, reading `context_tokens`."""
+        return (step_s - self.a - self.c * context_tokens) / self.b if self.b > 0 else float("inf")
+
 
 def prefill_steps(budget: int, prefill_ahead: int, own_prefill: int, decoding: int) -> tuple[int, int]:
     """Engine steps until a request's first token, and the tokens each batches: the prefill work

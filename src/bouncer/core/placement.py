@@ -111,11 +111,13 @@ def room(r: ReplicaState, adm: Admission, cached: int, usage: float, protected: 
     need = num_blocks(adm.info.prompt_tokens - cached + output, r.block_size) / cap if cap else 0.0
     if r.requests_in_flight and usage + need > p.kv_busy_threshold:
         return Room.LATER
-    # its prefill queue is full (what it holds cached adds no prefill work there). Sheddable
-    # work queued there does not make others wait: it was let in to use spare capacity, and a
-    # request held behind it would still wait for that prefill, then often be refused as late
-    # (in rogue-tenant: the SLA tenant's long prompts, behind the free tier's, at load 0.5).
-    if r.queued_prefill_tokens and r.queued_prefill_tokens + uncached > p.prefill_busy_tokens \
+    # its prefill queue is full (what it holds cached adds no prefill work there): about one
+    # engine step, or less where the TPOT guard found steps too long for short answers
+    # (`feedback.adapt_limits`). Sheddable work queued there does not make others wait: it was
+    # let in to use spare capacity, and a request held behind it would still wait for that
+    # prefill, then often be refused as late (in rogue-tenant: the SLA tenant's long prompts,
+    # behind the free tier's, at load 0.5).
+    if r.queued_prefill_tokens and r.queued_prefill_tokens + uncached > min(p.prefill_busy_tokens, r.prefill_limit) \
             and (adm.priority < 0 or r.unstarted_at_or_above(0)):
         return Room.LATER
     return Room.YES

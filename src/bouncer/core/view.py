@@ -133,6 +133,10 @@ def _step_time_snapshot(ms) -> dict:
             "max_batched_tokens": step.max_batched_tokens}
 
 
+def _finite(limit: float) -> float | None:
+    return None if limit == float("inf") else round(limit, 1)
+
+
 def _replica_snapshot(r: ReplicaState, view: PoolView, now: float) -> dict:
     fresh = view.is_fresh(r)
     p = r.prefix
@@ -151,5 +155,8 @@ def _replica_snapshot(r: ReplicaState, view: PoolView, now: float) -> dict:
                                                           "running": r.telemetry.running,
                                                           "waiting": r.telemetry.waiting},
             "prefix_index": index,
+            # the TPOT guard's limits (None: not cut; the prefill limit is also bounded by
+            # policy.prefill_busy_tokens)
+            "limits": {"inflight": _finite(r.concurrency_limit), "prefill_tokens": _finite(r.prefill_limit)},
             "latency": None if r.latency is None else {"ttft_factor": round(r.latency.ttft_factor, 3),
                                                         "tpot_factor": round(r.latency.tpot_factor, 3)}}
