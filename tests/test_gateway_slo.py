@@ -3,6 +3,9 @@ step-time model, and `bouncer engine` servers."""
 
 from __future__ import annotations
 
+import asyncio
+import json
+import time
 import urllib.request
 
 import openai
@@ -48,3 +51,40 @@ def test_served_requests_correct_the_replica_predictor_and_show_in_metrics(fleet
     assert fleet.call(lambda: (latency.ttft_factor, latency.tpot_factor)) != (1.0, 1.0)
     text = urllib.request.urlopen(fleet.url + "/metrics", timeout=5).read().decode()
     assert 'bouncer_replica_latency_correction{kind="ttft",replica="e0"}' in text
+
+
+def test_short_answers_slowed_by_long_prefill_steps_cut_the_prefill_a_replica_takes(bg_loop):
+    # A TPOT SLO of 20 ms: one step of a 4,000-token prompt takes about 28 ms on this engine (the
+    # default profile at SPEED), so a 3-token answer decoding beside one misses it.
+    step = {k: (v / SPEED if k in "abc" else v) for k, v in get_profile(DEFAULT_PROFILE).step_time_config.items()}
+    fleet = Fleet(bg_loop, [tenant("alice", slo={"ttft_s": 10.0, "tpot_s": 0.02})], engines=1,
+                  engine_kwargs={"num_blocks": 4096, "max_num_seqs": 32}, speed=SPEED, model={"step_time": step})
+    try:
+        client = openai.OpenAI(base_url=fleet.url + "/v1", api_key="alice", max_retries=0)
+        long_prompt = "admission " * 1000  # 4,001 tokens
+        r = fleet.call(lambda: fleet.gateway.core.replicas["e0"])
+
+        async def long_prompts():  # two at a time until the limit is cut, for at most 30 s
+            c = openai.AsyncOpenAI(base_url=fleet.url + "/v1", api_key="alice", max_retries=0)
+            end = time.monotonic() + 30
+            n = 0
+            while r.prefill_limit == float("inf") and time.monotonic() < end:
+                n += 2  # each its own first words, so that none is in the engine's prefix cache
+                await asyncio.gather(*(c.completions.create(model="demo-llm", prompt=f"{i} {long_prompt}", max_tokens=1)
+                                       for i in (n, n + 1)))
+
+        flood = fleet.bg_loop.start_task(long_prompts())
+        while not flood.done():  # short answers beside them
+            stream = client.completions.create(model="demo-llm", prompt="short", max_tokens=3, stream=True,
+                                               extra_body={"ignore_eos": True})
+            assert sum(1 for c in stream if c.choices and c.choices[0].text) == 3
+        flood.result(60)
+        req = urllib.request.Request(fleet.url + "/admin/state", headers={"Authorization": "Bearer admin"})
+        state = json.loads(urllib.request.urlopen(req, timeout=5).read())
+        limits = state["models"]["demo-llm"]["replicas"]["e0"]["limits"]
+        # cut to what one step may batch within 20 ms by the stated model (under 3,000 tokens),
+        # and no lower than the floor; short answers leave the in-flight limit alone
+        assert limits["prefill_tokens"] is not None and 1024 <= limits["prefill_tokens"] < 3000, limits
+        assert limits["inflight"] is None, limits
+    finally:
+        fleet.close()
