@@ -32,8 +32,8 @@ def main() -> None:
     args = ap.parse_args()
     _, _, requests, _ = goodput.simulate("surge", args.policy, args.load, 0, 4, args.duration, args.trace)
     print(f"{args.policy}, load {args.load:g}: TTFT of completed requests from their first attempt, seconds")
-    print("| band | arrived | completed | p50 | p90 | p99 | over 0.9 SLO | late |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| band | arrived | completed | p50 | p90 | p99 | over 0.9 SLO | of them, served on a retry | late |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for band in sorted({r.priority for r in requests}, reverse=True):
         done = [r for r in requests if r.priority == band and r.outcome == "completed" and r.first_token_at is not None]
         for label, since in (("all", float("-inf")), (f"after {args.after:g} s", args.after)):
@@ -42,8 +42,11 @@ def main() -> None:
                 continue
             ttfts = sorted(r.first_token_at - r.arrival for r in rows)  # type: ignore[operator]
             slo = rows[0].ttft_slo or float("inf")
+            # a retry keeps its first attempt's deadline, and goes first by it (earliest deadline)
+            retried = sum(r.first_token_at - r.arrival > 0.9 * slo and r.attempt > 1 for r in rows)  # type: ignore[operator]
             print(f"| {band} | {label} | {len(rows)} | {_pct(ttfts, 0.5):.2f} | {_pct(ttfts, 0.9):.2f} | "
-                  f"{_pct(ttfts, 0.99):.2f} | {sum(t > 0.9 * slo for t in ttfts)} | {sum(t > slo for t in ttfts)} |")
+                  f"{_pct(ttfts, 0.99):.2f} | {sum(t > 0.9 * slo for t in ttfts)} | {retried} | "
+                  f"{sum(t > slo for t in ttfts)} |")
 
 
 if __name__ == "__main__":
