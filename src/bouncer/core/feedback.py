@@ -142,10 +142,13 @@ def adapt_limits(policy: Policy, model_tpot_target: float | None, r: ReplicaStat
     guarded = p.tpot_guard and target is not None and adm.first_token_at is not None and tokens >= 2
     slow = guarded and (now - adm.first_token_at) / (tokens - 1) > target  # type: ignore[operator]
     if slow and tokens < SHORT_ANSWER_TOKENS:
-        model = r.latency.model if r.latency is not None else None
         fits = min(p.prefill_busy_tokens, r.prefill_limit)
-        fits = fits / 2 if model is None else \
-            min(fits, model.batch_within(adm.tpot_slo or target, r.decode_context) - r.decoding)  # type: ignore[arg-type]
+        model = r.latency.model if r.latency is not None else None
+        if model is None:  # no step-time model yet (a learner warming up)
+            fits /= 2
+        else:
+            step_s: float = adm.tpot_slo or target  # type: ignore[assignment]
+            fits = min(fits, model.batch_within(step_s, r.decode_context) - r.decoding)
         r.prefill_limit = max(PREFILL_LIMIT_FLOOR, fits)
         return
     if slow:
