@@ -91,13 +91,51 @@ def test_a_retry_of_a_request_the_precheck_refused_keeps_its_first_deadline():
     assert r.refusal.reason == "retry_past_deadline"
 
 
+def test_a_retry_past_its_first_deadline_is_refused_before_tokenizing_unless_its_tenant_demotes():
+    core = make_core(tenants=[tenant("a", slo={"ttft_s": 2.0}), tenant("b", slo={"ttft_s": 2.0, "on_infeasible":
+                                                                                    "best-effort"})])
+    for name in ("a", "b"):
+        core.finaliser.retries.arrived((name, "m", 42, 100), False, 0.0)  # its first attempt, at 0
+    observe_idle(core, 2.5)
+    r = core.precheck(head(prompt_digest=42, retry_count=1), 2.5)
+    assert isinstance(r, Reject) and r.refusal.reason == "retry_past_deadline" and r.tenant == "a"
+    assert "2.50 s after its first attempt" in r.refusal.message
+    assert core.stats.arrived["a"] == 1 and core.stats.outcomes[Terminal.REFUSED] == 1
+    # a first attempt with the same prompt, and a retry of a tenant that runs late work best-effort, pass
+    assert not isinstance(core.precheck(head(prompt_digest=42, retry_count=0), 2.5), Reject)
+    assert not isinstance(core.precheck(head(tenant_name="b", prompt_digest=42, retry_count=1), 2.5), Reject)
+    # looking recorded nothing: the retry's first attempt is still the one at 0
+    assert core.finaliser.retries.first_seen(("a", "m", 42, 100), 2.5) == 0.0
+
+
+def test_a_retry_is_judged_late_by_what_its_first_attempts_deadline_leaves():
+    """The prefill queued on the only replica takes ~0.8 s: a first attempt with a 1 s SLO fits,
+    its retry 0.5 s later does not, and is refused before tokenizing."""
+    from bouncer.sim.profiles import DEFAULT_PROFILE, get_profile
+
+    core = make_core(tenants=[tenant("a", slo={"ttft_s": 1.0}), tenant("bulk")], replicas=1, kv_blocks=100_000,
+                     max_model_len=32_768, model={"step_time": get_profile(DEFAULT_PROFILE).step_time_config},
+                     policy={"max_inflight_per_replica": 1_000, "prefill_busy_tokens": 10 ** 9})
+    for _ in range(3):
+        assert dispatched(core.offer(info("bulk", prompt=8_000, max_tokens=10), 0.0))
+    (replica,) = core.models["m"].replicas.values()
+    floor = replica.ttft_floor()
+    assert 0.5 < floor < 1.0, floor
+    core.finaliser.retries.arrived(("a", "m", 7, 100), False, 0.0)
+    assert not isinstance(core.precheck(head(prompt_digest=7, retry_count=0), 0.5), Reject)
+    r = core.precheck(head(prompt_digest=7, retry_count=1), 0.5)
+    assert isinstance(r, Reject) and r.refusal.reason == "deadline_infeasible"
+
+
 @settings(max_examples=60, deadline=None)
 @given(loaded=st.lists(st.integers(200, 30_000), min_size=0, max_size=16), queued_own=st.integers(0, 3),
        slo=st.floats(0.02, 1.0), prompt=st.integers(1, 6000), margin_seen=st.floats(0.3, 3.0),
-       replicas=st.integers(1, 2))
-def test_what_the_precheck_refuses_as_late_offer_refuses_too(loaded, queued_own, slo, prompt, margin_seen, replicas):
+       replicas=st.integers(1, 2), since_first=st.one_of(st.none(), st.floats(0.0, 1.2)))
+def test_what_the_precheck_refuses_as_late_offer_refuses_too(loaded, queued_own, slo, prompt, margin_seen, replicas,
+                                                              since_first):
     """Two cores fed the same calls: whatever the precheck of one refuses as late (its prompt
-    unknown), the other's offer (skipping the precheck) refuses as well, prompt known."""
+    unknown), the other's offer (skipping the precheck) refuses as well, prompt known, for the
+    same reason; `since_first`: the request is a retry, its first attempt that long before."""
     from bouncer.core.outcomes import Reason
     from bouncer.sim.profiles import DEFAULT_PROFILE, get_profile
 
@@ -116,13 +154,20 @@ def test_what_the_precheck_refuses_as_late_offer_refuses_too(loaded, queued_own,
         for _ in range(queued_own):
             core.offer(info("a", prompt=100, max_tokens=10, ttl_s=600), 0.0)
         cores.append(core)
+    now = 0.0
     request = info("a", prompt=prompt, max_tokens=10)
-    checked = cores[0].precheck(request, 0.0)
-    if isinstance(checked, Reject) and checked.refusal.reason == Reason.DEADLINE_INFEASIBLE:
+    if since_first is not None:
+        now = 1.5  # what was loaded at 0 is still there: nothing finishes between calls
+        request = info("a", prompt=prompt, max_tokens=10, prompt_digest=7, retry_count=1)
+        for core in cores:
+            core.finaliser.retries.arrived(("a", "m", 7, 10), False, now - since_first)
+    checked = cores[0].precheck(request, now)
+    late = (Reason.DEADLINE_INFEASIBLE, Reason.RETRY_PAST_DEADLINE)
+    if isinstance(checked, Reject) and checked.refusal.reason in late:
         t = cores[1].tenants.get("a")
-        events = cores[1].offer(request, 0.0, t)
+        events = cores[1].offer(request, now, t)
         assert not dispatched(events)
-        assert any(r.request_id == request.request_id and r.refusal.reason == Reason.DEADLINE_INFEASIBLE
+        assert any(r.request_id == request.request_id and r.refusal.reason == checked.refusal.reason
                    for r in rejected(events)), events
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from bouncer.core.outcomes import Terminal
 from bouncer.core.retries import RetryLedger
+from bouncer.core.shared_retries import SharedRetries
 from core_helpers import admission_of, dispatched, info, make_core, observe_idle, tenant
 
 FIRST_ATTEMPT = {"retries": {"deadline": "first-attempt"}}  # the default, stated
@@ -29,6 +30,21 @@ def test_ledger_keeps_the_first_arrival_for_retries_only():
     assert ledger.arrived(key, retry=False, now=5.0) == 5.0  # sent again, not as a retry: a new request
     ledger.completed(key)
     assert ledger.arrived(key, retry=True, now=6.0) == 6.0  # its first attempt is not known: it starts now
+
+
+def test_looking_up_a_first_attempt_records_nothing_and_honours_remember_s():
+    for ledger in (RetryLedger(remember_s=10, max_entries=10), SharedRetries(remember_s=10, max_entries=10)):
+        key = ("a", "m", 1, 100)
+        assert ledger.first_seen(key, 1.0) is None and len(ledger) == 0
+        ledger.arrived(key, retry=False, now=1.0)
+        assert ledger.first_seen(key, 5.0) == 1.0
+        assert ledger.first_seen(key, 11.5) is None  # older than remember_s
+    # several gateways: the earlier of what the shared store said and what this one saw
+    shared = SharedRetries(remember_s=10, max_entries=10)
+    shared.arrived(key, retry=False, now=2.0)
+    shared.prefetch(key, 0.5)
+    assert shared.first_seen(key, 3.0) == 0.5
+    assert shared.arrived(key, retry=True, now=3.0) == 0.5
 
 
 def test_ledger_forgets_old_and_excess_first_attempts():

@@ -34,7 +34,7 @@ from bouncer.core.pool import PoolView
 from bouncer.core.precheck import cheap_refusal
 from bouncer.core.pressure import pressure_refusal
 from bouncer.core.requests import STEP_OTHER, Admission, RequestInfo
-from bouncer.core.retries import first_arrival
+from bouncer.core.retries import first_arrival, first_seen
 from bouncer.core.waiting_room import door, leave
 
 if TYPE_CHECKING:
@@ -77,7 +77,8 @@ class Arrivals:
             return self._refuse_new(info, t.name, t.priority, refusal), None
         view = PoolView(ms.replicas, c.policy, now)  # type: ignore[union-attr]
         refusal = cheap_refusal(ms, t, info, c.gate, c.tenants.breakers[t.name], c.saturation, c.policy,
-                                c.policy.refuse_infeasible and self._exemption is None, view, now)
+                                c.policy.refuse_infeasible and self._exemption is None, view,
+                                first_seen(c.finaliser.retries, t.name, info, now), self._loop_fresh(ms, now), now)
         if refusal is not None:
             # as offer remembers what the gate or the door refuses
             first_arrival(c.finaliser.retries, t.name, info, now)
@@ -178,9 +179,13 @@ class Arrivals:
         placing anything). Always where gateways share state: there the loop also follows the
         others' service and queues, and skipping it cost three sharing gateways 10% of goodput
         (`surge` at load 2, 92.65 against 102.38 req/s; tests/test_sim_gateways.py)."""
-        return (evicted or adm.session is not None or self.core.shares.enabled
-                or now - ms.looped_at >= LOOP_FRESH_S
+        return (evicted or adm.session is not None or not self._loop_fresh(ms, now)
                 or ms.flow.tenant_queue(adm).head() is adm)  # type: ignore[union-attr]
+
+    def _loop_fresh(self, ms: ModelState, now: float) -> bool:
+        """The dispatch loop ran within LOOP_FRESH_S, and gateways do not share state: an arrival
+        queued behind its tenant's head does not run it again (`_loop_due`)."""
+        return not self.core.shares.enabled and now - ms.looped_at < LOOP_FRESH_S
 
     # -- lateness: at arrival, and for a head the dispatch loop finds late ------------------------
     def acts_on_late(self, adm: Admission) -> bool:

@@ -143,11 +143,14 @@ def past_first_deadline(adm: Admission, tenant: Tenant, policy: Policy, acting: 
     `acting`: refusals of late requests are on (else it is only flagged, and demoted)."""
     adm.predicted_infeasible = True
     if tenant.slo.on_infeasible == "refuse" and acting:
-        return Refusal(Layer.SLO, Reason.RETRY_PAST_DEADLINE,
-                       f"a retry {since_first:.2f} s after its first attempt, past that attempt's TTFT SLO "
-                       f"({adm.ttft_slo:g} s): another retry cannot meet it")
+        return retry_past_deadline(adm.ttft_slo, since_first)  # type: ignore[arg-type]
     demote(adm, tenant, policy)
     return None
+
+
+def retry_past_deadline(slo: float, since_first: float) -> Refusal:
+    return Refusal(Layer.SLO, Reason.RETRY_PAST_DEADLINE, f"a retry {since_first:.2f} s after its first attempt, "
+                   f"past that attempt's TTFT SLO ({slo:g} s): another retry cannot meet it")
 
 
 def demote(adm: Admission, tenant: Tenant, policy: Policy) -> None:

@@ -38,6 +38,14 @@ def first_arrival(retries: RetryStore | None, tenant: str, info: RequestInfo,
     return key, retries.arrived(key, bool(info.retry_count), now)
 
 
+def first_seen(retries: RetryStore | None, tenant: str, info: RequestInfo, now: float) -> float | None:
+    """When a retry's first attempt came, as remembered here, recording nothing (None: not a
+    retry, not remembered, or the ledger off). For the precheck, which may refuse a retry that
+    is already late before its prompt is tokenized; `first_arrival` records it later."""
+    key = retry_key(tenant, info) if info.retry_count else None
+    return None if retries is None or key is None else retries.first_seen(key, now)
+
+
 def retry_key(tenant: str, info: RequestInfo) -> RetryKey | None:
     """How the ledger knows a request again; None when its client does not number its attempts."""
     return None if info.prompt_digest is None else (tenant, info.model, info.prompt_digest, info.max_tokens)
@@ -46,7 +54,8 @@ def retry_key(tenant: str, info: RequestInfo) -> RetryKey | None:
 class RetryStore(Protocol):
     """First attempts by key. Contract: `arrived(key, retry=False)` records `now` and returns it;
     `arrived(key, retry=True)` returns the recorded first arrival (recording `now` when none is
-    remembered); `completed(key)` forgets it; nothing older than `remember_s` is returned, and
+    remembered); `first_seen(key)` returns it (None when none is remembered) and records nothing;
+    `completed(key)` forgets it; nothing older than `remember_s` is returned, and
     at most `max_entries` are kept."""
 
     remember_s: float
@@ -54,6 +63,7 @@ class RetryStore(Protocol):
 
     def __len__(self) -> int: ...
     def arrived(self, key: RetryKey, retry: bool, now: float) -> float: ...
+    def first_seen(self, key: RetryKey, now: float) -> float | None: ...
     def completed(self, key: RetryKey) -> None: ...
 
 
@@ -78,6 +88,10 @@ class RetryLedger:
             if len(self._first) > self.max_entries:
                 self._first.popitem(last=False)
         return first
+
+    def first_seen(self, key: RetryKey, now: float) -> float | None:
+        first = self._first.get(key)
+        return first if first is not None and first >= now - self.remember_s else None
 
     def completed(self, key: RetryKey) -> None:
         """Its answer was delivered: a later request with the same key is a new one."""

@@ -35,6 +35,10 @@ class SharedRetries(RetryLedger):
             self._recorded.append((key, now))
         return first
 
+    def first_seen(self, key: RetryKey, now: float) -> float | None:
+        local, shared = super().first_seen(key, now), self._fetched.get(key)
+        return shared if local is None or (shared is not None and shared < local) else local
+
     def completed(self, key: RetryKey) -> None:
         super().completed(key)
         self._completed.append(key)
