@@ -7,7 +7,7 @@ The layers in order (the table in docs/architecture.md):
    rest get their queue budget;
 4-5. the waiting room's doors (`waiting_room`), then the dispatch loop (`dispatch`) where the
    newcomer may go at once (not one queued behind its own tenant's head while the loop ran
-   in the last `LOOP_FRESH_S`, where gateways do not share state);
+   in the last `dispatch.LOOP_FRESH_S`, where gateways do not share state);
 and a request that has to wait is refused or demoted at once when the backlog ahead and the
 prefill on its best replica already make it late (`late`, which the dispatch loop also calls for
 a head that placement finds late).
@@ -40,12 +40,6 @@ from bouncer.core.waiting_room import door, leave
 if TYPE_CHECKING:
     from bouncer.core.admission import AdmissionCore
 
-# How stale the dispatch loop's last run may be for an arrival that cannot go (queued behind its
-# tenant's head) not to run it again. Measured in `consolidation` at load 3: never running it
-# there cost the realtime band (TTFT SLO 0.5 s) 0.5 points of attainment (97.61% against 98.09%);
-# with this bound it kept 97.99%, and the m-mid pool at load 3 kept the whole saving.
-LOOP_FRESH_S = 0.005
-
 
 @dataclass(frozen=True, slots=True)
 class Exemption:
@@ -77,8 +71,9 @@ class Arrivals:
             return self._refuse_new(info, t.name, t.priority, refusal), None
         view = PoolView(ms.replicas, c.policy, now)  # type: ignore[union-attr]
         refusal = cheap_refusal(ms, t, info, c.gate, c.tenants.breakers[t.name], c.saturation, c.policy,
-                                c.policy.refuse_infeasible and self._exemption is None, view,
-                                first_seen(c.finaliser.retries, t.name, info, now), self._loop_fresh(ms, now), now)
+                                c.policy.refuse_infeasible and not self._exempt_id(info.request_id), view,
+                                first_seen(c.finaliser.retries, t.name, info, now), c.dispatcher.fresh(ms, now),
+                                now)
         if refusal is not None:
             # as offer remembers what the gate or the door refuses
             first_arrival(c.finaliser.retries, t.name, info, now)
@@ -172,26 +167,24 @@ class Arrivals:
         of its tenant's queue; an agent's step, which may go past its tenant's head,
         `Dispatcher.next_agent_step`; or having evicted requests, whose queues have new heads).
         Any other waits behind its own tenant's head and moves nothing the loop reads, so the loop
-        runs for it only where its last run is older than LOOP_FRESH_S (what the clock alone
+        runs for it only where its last run is older than `dispatch.LOOP_FRESH_S` (what the clock alone
         changes, a head turning late, a hold running out, is then acted on that much later at
         most). Under overload nearly every arrival is one of those, and a loop run for each was
         the largest part of an arrival's cost (ServeGen m-mid at load 3: 90k runs in 30 s, 808
         placing anything). Always where gateways share state: there the loop also follows the
         others' service and queues, and skipping it cost three sharing gateways 10% of goodput
         (`surge` at load 2, 92.65 against 102.38 req/s; tests/test_sim_gateways.py)."""
-        return (evicted or adm.session is not None or not self._loop_fresh(ms, now)
+        return (evicted or adm.session is not None or not self.core.dispatcher.fresh(ms, now)
                 or ms.flow.tenant_queue(adm).head() is adm)  # type: ignore[union-attr]
-
-    def _loop_fresh(self, ms: ModelState, now: float) -> bool:
-        """The dispatch loop ran within LOOP_FRESH_S, and gateways do not share state: an arrival
-        queued behind its tenant's head does not run it again (`_loop_due`)."""
-        return not self.core.shares.enabled and now - ms.looped_at < LOOP_FRESH_S
 
     # -- lateness: at arrival, and for a head the dispatch loop finds late ------------------------
     def acts_on_late(self, adm: Admission) -> bool:
         """Whether a request predicted to miss its deadline is refused or demoted (else only
         flagged)."""
         return self.core.policy.refuse_infeasible and (self._exemption is None or not self.exempt(adm))
+
+    def _exempt_id(self, request_id: str) -> bool:
+        return self._exemption is not None and self._exemption.request_id == request_id
 
     def exempt(self, adm: Admission, keeping_queued: bool = False) -> bool:
         e = self._exemption

@@ -140,8 +140,7 @@ class Gateways:
 
     def started(self, attempt_id, now):
         g = self._of(attempt_id)
-        if g is not None:
-            g.started(attempt_id, now)
+        return g.started(attempt_id, now) if g is not None else []
 
     def handed_over(self, attempt_id, now):
         g = self._of(attempt_id)
