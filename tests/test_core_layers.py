@@ -172,7 +172,7 @@ def _full_core(**policy):
 
 
 def test_arrival_behind_its_tenants_head_reruns_the_loop_only_when_its_last_run_is_stale():
-    from bouncer.core.dispatch import LOOP_FRESH_S
+    from bouncer.core.arrivals import LOOP_FRESH_S
 
     core = _full_core()
     ms = core.models["m"]

@@ -108,9 +108,10 @@ def test_a_retry_past_its_first_deadline_is_refused_before_tokenizing_unless_its
     assert core.finaliser.retries.first_seen(("a", "m", 42, 100), 2.5) == 0.0
 
 
-def test_a_retry_is_judged_late_by_what_its_first_attempts_deadline_leaves():
-    """The prefill queued on the only replica takes ~0.8 s: a first attempt with a 1 s SLO fits,
-    its retry 0.5 s later does not, and is refused before tokenizing."""
+def test_a_retry_late_only_for_what_its_first_deadline_leaves_passes_the_precheck_and_offer_refuses_it():
+    """The prefill queued on the only replica takes ~0.8 s: a retry 0.5 s after its first
+    attempt (1 s SLO) cannot start in time. The precheck judges it on its whole SLO, so that
+    `offer` runs the dispatch loop for it; `offer` refuses it, before any prefill."""
     from bouncer.sim.profiles import DEFAULT_PROFILE, get_profile
 
     core = make_core(tenants=[tenant("a", slo={"ttft_s": 1.0}), tenant("bulk")], replicas=1, kv_blocks=100_000,
@@ -119,12 +120,13 @@ def test_a_retry_is_judged_late_by_what_its_first_attempts_deadline_leaves():
     for _ in range(3):
         assert dispatched(core.offer(info("bulk", prompt=8_000, max_tokens=10), 0.0))
     (replica,) = core.models["m"].replicas.values()
-    floor = replica.ttft_floor()
-    assert 0.5 < floor < 1.0, floor
+    assert 0.5 < replica.ttft_floor() < 1.0, replica.ttft_floor()
     core.finaliser.retries.arrived(("a", "m", 7, 100), False, 0.0)
-    assert not isinstance(core.precheck(head(prompt_digest=7, retry_count=0), 0.5), Reject)
-    r = core.precheck(head(prompt_digest=7, retry_count=1), 0.5)
-    assert isinstance(r, Reject) and r.refusal.reason == "deadline_infeasible"
+    retry = head(prompt_digest=7, retry_count=1)
+    checked = core.precheck(retry, 0.5)
+    assert not isinstance(checked, Reject)
+    (r,) = rejected(core.offer(dataclasses.replace(retry, prompt_tokens=100), 0.5, checked))
+    assert r.refusal.reason == "deadline_infeasible"
 
 
 @settings(max_examples=60, deadline=None)

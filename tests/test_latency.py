@@ -275,28 +275,6 @@ def test_the_tpot_guard_cuts_a_replica_for_requests_slower_than_their_own_tpot_s
     assert r.prefill_limit == float("inf")  # 101 tokens: slow over many steps, not one long step
 
 
-def test_a_first_token_sends_what_waited_for_its_prefill_room_unless_the_loop_just_ran():
-    from bouncer.core.dispatch import LOOP_FRESH_S
-
-    core = core_with_steps([tenant("a")], policy={"prefill_busy_tokens": 3000})
-    (big,) = dispatched(core.offer(info("a", prompt=2500), 0.0))
-    (other,) = dispatched(core.offer(info("a", prompt=400), 0.0))
-    held = info("a", prompt=1000)
-    assert core.offer(held, 1.0) == []  # 2,900 prefill tokens queued there: 1,000 more do not fit
-    # the big prompt's first token frees the room, but within LOOP_FRESH_S of the loop's last
-    # run: the held one goes at the next event
-    assert core.started(big.request_id, 1.0 + LOOP_FRESH_S / 2) == []
-    (d,) = dispatched(core.tick(1.0 + LOOP_FRESH_S / 2))
-    assert d.request_id == held.request_id
-    # 400 + 1,000 queued: 1,700 more wait, until the 400 start, later than that: the first token
-    # runs the loop, and they go
-    held = info("a", prompt=1700)
-    assert core.offer(held, 2.0) == []
-    (d,) = dispatched(core.started(other.request_id, 2.0 + 2 * LOOP_FRESH_S))
-    assert d.request_id == held.request_id
-    assert core.started(other.request_id, 3.0) == []  # (its first token, told twice)
-
-
 def test_a_short_answer_slower_than_its_tpot_slo_cuts_the_prefill_a_replica_takes_not_its_batch():
     core = core_with_steps([tenant("a", slo={"tpot_s": 0.3})])
     r = core.replicas["m/0"]
@@ -312,7 +290,8 @@ def test_a_short_answer_slower_than_its_tpot_slo_cuts_the_prefill_a_replica_take
     (big,) = dispatched(core.offer(info("a", prompt=2000), 2.0))
     held = info("a", prompt=1000)
     assert core.offer(held, 2.0) == []
-    (d,) = dispatched(core.started(big.request_id, 2.2))  # its prefill is done: the held one goes
+    core.started(big.request_id, 2.2)  # its prefill is done: the held one goes
+    (d,) = dispatched(core.tick(2.2))
     assert d.request_id == held.request_id
     # a fast short answer: the limit grows back, by PREFILL_LIMIT_INCREASE tokens
     (d,) = dispatched(core.offer(info("a", prompt=10, max_tokens=4), 3.0))

@@ -102,7 +102,7 @@ class LoggingCorePolicy(CorePolicy):
         a = self.attempts.get(attempt_id)
         if a is not None:
             a.first_token_at = now
-        return super().started(attempt_id, now)
+        super().started(attempt_id, now)
 
     def finished(self, attempt_id, now, completed, completion_tokens):
         a = self.attempts.get(attempt_id)

@@ -135,25 +135,17 @@ class AdmissionCore:
         return d if claim is None else d._replace(claim=claim)
 
     # -- lifecycle of admitted requests -------------------------------------------------------
-    def started(self, request_id: str, now: float, measured: bool = True) -> list[Event]:
+    def started(self, request_id: str, now: float, measured: bool = True) -> None:
         """Its first token came at `now`; `measured=False`: its whole answer came then (not
-        streamed), so its prefill is over but when it ended is not known. Its prefill left its
-        replica's queue: what waits for that room may go (the dispatch loop, unless it ran in the
-        last `dispatch.LOOP_FRESH_S`: under load first tokens come hundreds a second). Without
-        this, held requests waited for the next completion or arrival: in `rogue-tenant` at
-        load 1 the research band got 81.9% of its SLO against 95.3%."""
+        streamed), so its prefill is over but when it ended is not known."""
         adm = self.permits.get(request_id)
         if adm is None or adm.first_token_at is not None:
-            return []
+            return
         r = self.replicas[adm.replica]  # type: ignore[index]
         r.streamed_at = now
-        ms = self.models[adm.info.model]
         prefill = self.replicas[adm.prefill_replica] if adm.prefill_replica is not None else None
-        feedback.first_token(adm, r, ms, now, measured, prefill)
+        feedback.first_token(adm, r, self.models[adm.info.model], now, measured, prefill)
         self.permits.started(adm, r, now)
-        if not len(ms.flow) or self.dispatcher.fresh(ms, now):
-            return []
-        return self.dispatcher.run(ms, now)
 
     def handed_over(self, request_id: str, now: float) -> list[Event]:
         """Disaggregated: its prefill ended, and its KV goes to its decode worker (the prefill

@@ -33,13 +33,6 @@ if TYPE_CHECKING:
     from bouncer.core.finaliser import CoreStats, Finaliser
 
 AGENT_LOOKAHEAD = 16  # queued requests of a tenant looked at for an agent step that may go now
-# How stale the loop's last run may be for an event that may free room or add a head, but need
-# not, not to run it again: an arrival queued behind its tenant's head (`Arrivals._loop_due`), a
-# first token (`AdmissionCore.started`). Measured in `consolidation` at load 3: never running it
-# for such arrivals cost the realtime band (TTFT SLO 0.5 s) 0.5 points of attainment (97.61%
-# against 98.09%); with this bound it kept 97.99%, and the m-mid pool at load 3 kept the whole
-# saving.
-LOOP_FRESH_S = 0.005
 
 Placed = tuple[ReplicaState, dict[str, int]] | Late | Held
 
@@ -58,11 +51,6 @@ class Dispatcher:
         self.grant = grant
         self.on_late = on_late
         self.acts_on_late = acts_on_late
-
-    def fresh(self, ms: ModelState, now: float) -> bool:
-        """`ms`'s loop ran within LOOP_FRESH_S, and gateways do not share state (where they do,
-        the loop also follows the others' service and queues, and runs at every event)."""
-        return not self.shares.enabled and now - ms.looped_at < LOOP_FRESH_S
 
     def run(self, ms: ModelState, now: float, view: PoolView | None = None) -> list[Event]:
         """`view`: the pool as the calling entry point already sees it at `now`, if it built one."""

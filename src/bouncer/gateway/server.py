@@ -462,7 +462,7 @@ class Gateway:
 
             def first_token(at: float) -> None:
                 # a stream's first token is measured; a whole answer only says its prefill is over
-                self.apply(self.core.started(rid, at, measured=streaming))
+                self.core.started(rid, at, measured=streaming)
 
             read_timeout = self.upstream.read_timeout
             if d.decode_replica is not None:  # disaggregated: the prompt first, on the prefill worker

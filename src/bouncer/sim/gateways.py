@@ -140,7 +140,8 @@ class Gateways:
 
     def started(self, attempt_id, now):
         g = self._of(attempt_id)
-        return g.started(attempt_id, now) if g is not None else []
+        if g is not None:
+            g.started(attempt_id, now)
 
     def handed_over(self, attempt_id, now):
         g = self._of(attempt_id)

@@ -103,7 +103,7 @@ class CorePolicy:
         return self.core.next_wakeup()
 
     def started(self, attempt_id, now):
-        return self._convert(self.core.started(attempt_id, now), now)
+        self.core.started(attempt_id, now)
 
     def handed_over(self, attempt_id, now):
         return self._convert(self.core.handed_over(attempt_id, now), now)
@@ -150,7 +150,7 @@ class _Passthrough:
         return None
 
     def started(self, attempt_id, now):
-        return []
+        pass
 
     def handed_over(self, attempt_id, now):
         return []
@@ -213,7 +213,6 @@ class NoAdmission(_Passthrough):
         adm = self.permits.get(attempt_id)
         if adm is not None:
             self.permits.started(adm, self.fleet[adm.replica], now)
-        return []
 
     def finished(self, attempt_id, now, completed, completion_tokens):
         self.permits.release(attempt_id, self.fleet)
@@ -320,7 +319,6 @@ class DynamoBusy(_Passthrough):
             blocks, prefill = self._req[attempt_id]
             self._prefill[replica] -= prefill
             self._req[attempt_id] = (blocks, 0)
-        return []
 
     def finished(self, attempt_id, now, completed, completion_tokens):
         replica = self._where.pop(attempt_id, None)
