@@ -77,7 +77,7 @@ class Arrivals:
             return self._refuse_new(info, t.name, t.priority, refusal), None
         view = PoolView(ms.replicas, c.policy, now)  # type: ignore[union-attr]
         refusal = cheap_refusal(ms, t, info, c.gate, c.tenants.breakers[t.name], c.saturation, c.policy,
-                                c.policy.refuse_infeasible and not self._exempt_id(info.request_id), view,
+                                self._acts_on_late(info.request_id), view,
                                 first_seen(c.finaliser.retries, t.name, info, now), now)
         if refusal is not None:
             # as offer remembers what the gate or the door refuses
@@ -187,10 +187,12 @@ class Arrivals:
     def acts_on_late(self, adm: Admission) -> bool:
         """Whether a request predicted to miss its deadline is refused or demoted (else only
         flagged)."""
-        return self.core.policy.refuse_infeasible and (self._exemption is None or not self.exempt(adm))
+        return self._acts_on_late(adm.request_id)
 
-    def _exempt_id(self, request_id: str) -> bool:
-        return self._exemption is not None and self._exemption.request_id == request_id
+    def _acts_on_late(self, request_id: str) -> bool:
+        """`acts_on_late` by id, for the precheck (no Admission yet): all but the exempt one."""
+        e = self._exemption
+        return self.core.policy.refuse_infeasible and (e is None or e.request_id != request_id)
 
     def exempt(self, adm: Admission, keeping_queued: bool = False) -> bool:
         e = self._exemption
