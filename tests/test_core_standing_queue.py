@@ -33,6 +33,18 @@ def test_a_queue_whose_requests_waited_most_of_their_slo_for_an_interval_stands(
     assert not q.standing(0, "b", 2.0) and not q.standing(1, "a", 2.0)  # per band and tenant
 
 
+def test_a_sheddable_band_never_stands():
+    """It is served from spare capacity, in bursts as saturation dips under its ceiling: its
+    queue is what fills them (module doc)."""
+    q = StandingQueues()
+    for band in (-1, 0):
+        for i in range(10):
+            q.departed(band, "a", 0.9 * SLO, SLO, i * MIN_INTERVAL_S / 10)
+        q.departed(band, "a", 0.9 * SLO, SLO, MIN_INTERVAL_S)
+    assert q.standing(0, "a", MIN_INTERVAL_S)
+    assert not q.standing(-1, "a", MIN_INTERVAL_S) and q.snapshot(MIN_INTERVAL_S) == [{"band": 0, "tenant": "a"}]
+
+
 def test_a_burst_within_an_interval_does_not_stand():
     q = StandingQueues()
     for i in range(10):  # the first few waited nearly all their SLO, the rest went at once

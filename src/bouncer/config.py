@@ -383,8 +383,9 @@ class Policy(_Strict):
                                                                      "its TTFT SLO: sustained overload, where a "
                                                                      "longer queue serves no more, only later), its "
                                                                      "newcomers are planned on this share of what "
-                                                                     "their SLO leaves (bouncer/core/"
-                                                                     "standing_queue.py; 1: off)")
+                                                                     "their SLO leaves; sheddable bands never "
+                                                                     "stand (bouncer/core/standing_queue.py; "
+                                                                     "1: off)")
     best_effort_priority: int = Field(-1, description="band of requests served best-effort after their deadline "
                                                       "was found infeasible")
     tpot_hold: bool = Field(True, description="hold a request while sending it would raise a replica's predicted "
