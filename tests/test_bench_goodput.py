@@ -78,6 +78,22 @@ def test_bouncer_keeps_goodput_where_no_admission_collapses():
     assert bouncer["goodput_rps"] > 2 * none["goodput_rps"]
 
 
+def test_the_flood_keeps_the_top_tenant_where_no_admission_drowns_it():
+    """The live guidellm flood as a simulator scenario: a sheddable tenant of synthetic requests
+    at a constant rate, the top tenant beside it."""
+    runs = {p: goodput.run("flood", p, 2.0, duration_s=30, replicas=1) for p in ("none", "bouncer")}
+    for r in runs.values():
+        assert r["lost"] == 0 and {t: v["priority"] for t, v in r["tenants"].items()} == {"top": 10, "flood": -1}
+    assert runs["bouncer"]["tenants"]["top"]["slo_attainment"] == 1.0
+    assert runs["none"]["tenants"]["top"]["slo_attainment"] < 0.5
+    assert runs["bouncer"]["goodput_rps"] > 2 * runs["none"]["goodput_rps"]
+
+
+def test_the_flood_replays_no_trace():
+    with pytest.raises(ValueError, match="synthetic"):
+        goodput.run("flood", "bouncer", 1.0, duration_s=10, replicas=1, trace="data/traces/azure-2023")
+
+
 def test_report_writes_markdown_and_plots(tmp_path):
     results = tmp_path / "results"
     results.mkdir()

@@ -51,8 +51,7 @@ from bouncer.config import key_digest
 from bouncer.sim.fleet import FleetSim, SimRequest
 from bouncer.sim.policies import SIM_MODEL
 from bouncer.sim.profiles import DEFAULT_PROFILE, EngineProfile
-from bouncer.sim.scenarios import Scenario, get_scenario
-from bouncer.sim.traces import TraceRequest
+from bouncer.sim.scenarios import FLOOD_OUTPUT, FLOOD_PROMPT, Scenario, flood, get_scenario
 from bouncer.sim.workloads import TenantSpec, make_requests
 from bouncer.tokenizer import default_tokenizer_path
 
@@ -377,35 +376,23 @@ def run(scenario_name: str, load: float, duration_s: float = 60.0, fleet: LiveFl
 
 
 # -- the flood: guidellm as a sheddable tenant, the openai SDK as the top one -------------------------
-FLOOD_PROMPT, FLOOD_OUTPUT = 512, 64  # guidellm's synthetic requests
 # the flood goes on this long past the run's duration, so that the requests counted (those that
 # arrive within it) see the same load to their end, and have time to finish before guidellm stops
 FLOOD_TAIL_S = 20.0
-TOP_PROMPT, TOP_OUTPUT, TOP_RATE = 64, 16, 1.0  # the top tenant's short streamed requests, one a second
+TOP_RATE = 1.0  # the top tenant's short streamed requests, one a second
 
 
-def flood_scenario(flood_rate: float, duration_s: float) -> tuple[Scenario, float]:
-    """The flood run as the simulator sees it: `flood` (band -1, guidellm's constant rate of
-    512-in / 64-out, no retries: guidellm makes none) and `top` (band 10, a 1 s TTFT SLO, one
-    short request a second, the openai SDK's retries). Returns it and the total rate."""
-    def constant(prompt: int, output: int) -> list[TraceRequest]:
-        return [TraceRequest(float(i), prompt, output) for i in range(1000)]
+def flood_scenario(flood_rate: float) -> tuple[Scenario, float]:
+    """The flood run as the simulator sees it (`scenarios.flood`), the top tenant at TOP_RATE
+    beside guidellm's `flood_rate`. Returns it and the total rate."""
     total = flood_rate + TOP_RATE
-    tenants = [
-        TenantSpec("top", priority=10, share=TOP_RATE / total, trace="top", ttft_slo=1.0, max_tokens=TOP_OUTPUT),
-        TenantSpec("flood", priority=-1, share=flood_rate / total, trace="flood", ttft_slo=5.0, tpot_slo=0.25,
-                   max_tokens=FLOOD_OUTPUT, max_retries=0),
-    ]
-    scenario = Scenario("flood", "guidellm flooding as a sheddable tenant, the top tenant streaming through it",
-                        tenants, {}, loaded={"top": constant(TOP_PROMPT, TOP_OUTPUT),
-                                             "flood": constant(FLOOD_PROMPT, FLOOD_OUTPUT)})
-    return scenario, total
+    return flood(TOP_RATE / total), total
 
 
 def flood_capacity(fleet: LiveFleet, seed: int) -> float:
     """What the engines complete of the flood's requests alone, per second (the simulator's
     closed-loop measure)."""
-    scenario, _ = flood_scenario(1.0, 60.0)
+    scenario, _ = flood_scenario(1.0)
     scenario.tenants = [dataclasses.replace(scenario.tenants[1], share=1.0)]
     return fleet_capacity(scenario, scenario.loaded, fleet.engines, fleet.sim_profile(), seed, None)
 
@@ -434,7 +421,7 @@ def run_flood(load: float, duration_s: float = 40.0, fleet: LiveFleet = LiveFlee
     if not binary.exists():
         raise RuntimeError(f"no guidellm at {binary}: `make test` installs it in .venv-guidellm, or pass --guidellm")
     capacity = flood_capacity(fleet, seed)
-    scenario, total = flood_scenario(load * capacity, duration_s)
+    scenario, total = flood_scenario(load * capacity)
     run_s = duration_s + FLOOD_TAIL_S
     requests = make_requests(scenario.tenants, scenario.loaded, total, run_s, seed)
     prof = fleet.sim_profile()

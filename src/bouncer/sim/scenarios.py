@@ -55,6 +55,8 @@ class Scenario:
     # both run equally loaded on the scenario's mix (`pd_split`)
     disaggregated: bool = False
     loaded: dict[str, Sequence[TraceRequest]] = field(default_factory=dict)
+    synthetic: bool = False  # its requests are made up (`loaded`), not read from a trace
+
 
     def load(self, override: str | None = None, start_h: float | None = None,
              tenancy: str = "banded") -> dict[str, Sequence[TraceRequest]]:
@@ -63,6 +65,9 @@ class Scenario:
         the hour from `start_h` hours into the trace (default: its busiest hour)."""
         if (start_h is not None or tenancy != "banded") and not (override and is_servegen(override)):
             raise ValueError("a start time or a tenancy is for a ServeGen trace: give its folder as the trace")
+        if override and self.synthetic:
+            raise ValueError(f"scenario {self.name!r} replays no trace (its requests are synthetic): "
+                             "a trace does not apply")
         if not self.loaded:
             if override and is_servegen(override):
                 start_s = None if start_h is None else start_h * 3600
@@ -137,6 +142,30 @@ def _bursting(tenants: list[TenantSpec], name: str, duration_s: float, multiplie
     return [replace(t, bursts=(burst,)) if t.name == name else t for t in tenants]
 
 
+# guidellm's synthetic requests (`bouncer bench live --driver guidellm`), and the top tenant's
+FLOOD_PROMPT, FLOOD_OUTPUT = 512, 64
+TOP_PROMPT, TOP_OUTPUT = 64, 16
+FLOOD_TOP_SHARE = 0.05  # of the requests, in the `flood` scenario
+
+
+def flood(top_share: float = FLOOD_TOP_SHARE) -> Scenario:
+    """A batch job flooding the pool as a sheddable tenant beside a top tenant: `flood` (band -1,
+    guidellm's constant rate of 512-in / 64-out, no retries: guidellm makes none) and `top`
+    (band 10, a 1 s TTFT SLO, short requests, the openai SDK's retries), `top_share` of the
+    requests. The live flood is this, with the top tenant at one request a second."""
+    def constant(prompt: int, output: int) -> list[TraceRequest]:
+        return [TraceRequest(float(i), prompt, output) for i in range(1000)]
+    tenants = [
+        TenantSpec("top", priority=10, share=top_share, trace="top", ttft_slo=1.0, max_tokens=TOP_OUTPUT),
+        TenantSpec("flood", priority=-1, share=1 - top_share, trace="flood", ttft_slo=5.0, tpot_slo=0.25,
+                   max_tokens=FLOOD_OUTPUT, max_retries=0),
+    ]
+    return Scenario("flood", "a batch job (guidellm's synthetic requests) flooding the pool as a sheddable "
+                             "tenant, a top tenant streaming through it", tenants, {},
+                    loaded={"top": constant(TOP_PROMPT, TOP_OUTPUT), "flood": constant(FLOOD_PROMPT, FLOOD_OUTPUT)},
+                    synthetic=True)
+
+
 def get_scenario(name: str, duration_s: float) -> Scenario:
     if name == "rogue-tenant":
         tenants = [
@@ -205,8 +234,13 @@ def get_scenario(name: str, duration_s: float) -> Scenario:
                               max_tokens=2048)]
         return Scenario(name, "the Mooncake conversation trace, whose prompts share long prefixes", tenants,
                         {"mooncake": MOONCAKE_CONV}, max_model_len=131_072, cpu_offload_gib=200.0)
+    if name == "flood":
+        # the only sheddable band beside rogue-tenant's bursty free tier: a change that cost
+        # this flood 3-5% went unseen for two days (docs/benchmarks.md, "Sheddable bands do not stand")
+        return flood()
     raise ValueError(f"unknown scenario {name!r}; known: {', '.join(SCENARIOS)}")
 
 
 # `agents` is closed-loop and lives in bouncer.bench.agents
-SCENARIOS = ("rogue-tenant", "consolidation", "fairness", "gateways", "surge", "prefix", "disaggregated", "agents")
+SCENARIOS = ("rogue-tenant", "consolidation", "fairness", "gateways", "surge", "prefix", "disaggregated", "flood",
+             "agents")
