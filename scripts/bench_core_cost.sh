@@ -28,10 +28,9 @@ print(json.dumps(r))" >> "$work/runs.jsonl"
   done
 done
 .venv/bin/python - "$work/runs.jsonl" "$rev" "${OUT:-docs/bench/core-cost.json}" "$work/calls.pickle" <<'PY'
-import json, sys
+import json, pickle, sys
 runs = [json.loads(line) for line in open(sys.argv[1])]
 best = {tree: min((r for r in runs if r["tree"] == tree), key=lambda r: r["total_seconds"]) for tree in ("old", "new")}
-import pickle
 with open(sys.argv[4], "rb") as f:
     rec = pickle.load(f)
 print(f"core cost per call, replaying one recorded run ({rec['scenario']}, load {rec['load']:g}, {rec['duration_s']:g} s, "

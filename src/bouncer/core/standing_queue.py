@@ -28,9 +28,9 @@ departure; a queue's state is touched only by its own requests.
 Sheddable bands (below 0) never stand. They are served from spare capacity only: they dispatch
 while the pool's saturation is under their ceiling, in bursts as it dips, and their door shuts
 while it is over. Their queue is what fills those bursts, and the ceiling already bounds it. A
-plan cut to 70% left less to send: guidellm's flood (band -1, TTFT SLO 5 s) beside a top tenant
-served 603 of its 1,134 requests within SLO at load 2 in the simulator, against 619 with its
-queue never judged standing (docs/benchmarks.md, "Sheddable bands do not stand").
+plan cut to 70% left less to send: the live guidellm flood's simulated twin (band -1, TTFT SLO
+5 s, beside a top tenant) served 603 of its 1,134 requests within SLO at load 2, against 619
+with its queue never judged standing (docs/benchmarks.md, "Sheddable bands do not stand").
 """
 
 from __future__ import annotations

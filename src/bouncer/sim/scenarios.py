@@ -57,7 +57,6 @@ class Scenario:
     loaded: dict[str, Sequence[TraceRequest]] = field(default_factory=dict)
     synthetic: bool = False  # its requests are made up (`loaded`), not read from a trace
 
-
     def load(self, override: str | None = None, start_h: float | None = None,
              tenancy: str = "banded") -> dict[str, Sequence[TraceRequest]]:
         """The scenario's traces; `override` replaces its first (main) trace, or, as a ServeGen
