@@ -48,10 +48,11 @@ from bouncer.bench.goodput import (
 )
 from bouncer.bench.loopback import free_port, wait_ok
 from bouncer.config import key_digest
+from bouncer.sim import scenarios
 from bouncer.sim.fleet import FleetSim, SimRequest
 from bouncer.sim.policies import SIM_MODEL
 from bouncer.sim.profiles import DEFAULT_PROFILE, EngineProfile
-from bouncer.sim.scenarios import FLOOD_OUTPUT, FLOOD_PROMPT, Scenario, flood, get_scenario
+from bouncer.sim.scenarios import FLOOD_OUTPUT, FLOOD_PROMPT, Scenario, get_scenario
 from bouncer.sim.workloads import TenantSpec, make_requests
 from bouncer.tokenizer import default_tokenizer_path
 
@@ -386,7 +387,7 @@ def flood_scenario(flood_rate: float) -> tuple[Scenario, float]:
     """The flood run as the simulator sees it (`scenarios.flood`), the top tenant at TOP_RATE
     beside guidellm's `flood_rate`. Returns it and the total rate."""
     total = flood_rate + TOP_RATE
-    return flood(TOP_RATE / total), total
+    return scenarios.flood(TOP_RATE / total), total
 
 
 def flood_capacity(fleet: LiveFleet, seed: int) -> float:
