@@ -69,6 +69,26 @@ def test_openai_client_streaming_chat(engine_server):
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
+def test_an_answer_ended_by_eos_finishes_with_stop_and_one_cut_by_max_tokens_with_length(engine_server):
+    # as vLLM: "stop" for an end-of-sequence token, "length" for max_tokens, in the answer and
+    # in vllm:request_success_total (kv-cache-tester, for one, reads short answers as errors)
+    base, _ = engine_server
+    client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
+    before = scrape(base)
+    short = client.chat.completions.create(model="demo-llm", messages=[{"role": "user", "content": "hi"}],
+                                           max_tokens=50, extra_body={"eos_after": 7})
+    chunks = list(client.chat.completions.create(model="demo-llm", messages=[{"role": "user", "content": "hi"}],
+                                                 max_tokens=50, stream=True, extra_body={"eos_after": 7}))
+    cut = client.chat.completions.create(model="demo-llm", messages=[{"role": "user", "content": "hi"}],
+                                         max_tokens=5, extra_body={"eos_after": 7})
+    assert (short.choices[0].finish_reason, short.usage.completion_tokens) == ("stop", 7)
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    assert (cut.choices[0].finish_reason, cut.usage.completion_tokens) == ("length", 5)
+    after = scrape(base)
+    assert after["vllm:request_success_total{stop}"] - before["vllm:request_success_total{stop}"] == 2
+    assert after["vllm:request_success_total{length}"] - before["vllm:request_success_total{length}"] == 1
+
+
 def test_unknown_model_and_bad_json_get_openai_errors(engine_server):
     base, _ = engine_server
     client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)

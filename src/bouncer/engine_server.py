@@ -361,10 +361,11 @@ class EngineServer:
             n = next(self._ids)
             rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{n}"
             seed = zlib.crc32(rid.encode()) ^ self.seed
-            target, _ = self._output_len(body, seed)
+            target, max_tokens = self._output_len(body, seed)
+            ends_at_eos = target < max_tokens
             remote_decode, remote_tokens = self._kv_transfer(body, len(prompt_ids))
             if remote_decode:
-                target = 1  # the decode worker generates the answer
+                target, ends_at_eos = 1, False  # the decode worker generates the answer
             elif remote_tokens:
                 await asyncio.sleep(self.engine.profile.kv_transfer_s(remote_tokens) / self.speed)
             digests = chain_block_hashes(prompt_ids, self.engine.block_size)
@@ -372,7 +373,7 @@ class EngineServer:
             if not isinstance(priority, int):
                 raise ApiError(400, "priority must be an integer", param="priority")
             req = EngineRequest(rid, len(prompt_ids), target, digests, self.now(), priority,
-                                remote_tokens=remote_tokens)
+                                remote_tokens=remote_tokens, ends_at_eos=ends_at_eos)
             try:
                 self.engine.add_request(req)
             except QueueFull as exc:

@@ -88,6 +88,9 @@ class EngineRequest:
     # the last token, which it computes to sample the first output token. Gone after preemption:
     # the engine then recomputes the prompt itself.
     remote_tokens: int = 0
+    # the answer ends with an end-of-sequence token at max_output, short of the client's
+    # max_tokens: finish reason "stop" (vLLM's), not "length", unless max_model_len cuts it first
+    ends_at_eos: bool = False
     # progress, vLLM's names (num_computed, num_output and max_computed are properties below)
     blocks: list[int] = field(default_factory=list)
     num_registered: int = 0  # prompt blocks made findable in the prefix cache
@@ -663,8 +666,9 @@ class EngineModel:
             req.blocks = []
             req.status = Status.FINISHED
             req.finished_at = end
-            req.finish_reason = "length"
-            counters.request_success["length"] += 1
+            reason = "stop" if req.ends_at_eos and req.num_output >= req.max_output else "length"
+            req.finish_reason = reason
+            counters.request_success[reason] += 1
             del self.requests[req.request_id]
         for req, _ in tokens:
             # decoding from now on, unless it still has prompt blocks to publish (digests
