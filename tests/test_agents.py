@@ -301,3 +301,33 @@ def test_the_core_admits_a_subagents_step_by_its_header_as_a_branch_of_its_paren
     assert not dispatched(second) and core.view.queued == 2
     snap = core.snapshot(0.3)["models"]["m"]["agents"]
     assert snap == {"window": 1.0, "active": 1, "active_elsewhere": 0, "subagents": 1}
+
+
+def test_with_a_separator_a_session_id_names_its_root_agent_as_the_subagents_parent():
+    # WEKA's kv-cache-tester sends no x-parent-session-id: its subagents' ids are PARENT:AGENT,
+    # a subagent's subagent's PARENT:AGENT:AGENT
+    core = make_core(policy={"agents": {"initial": 1, "max": 1, "subagent_separator": ":"}})
+    assert dispatched(core.offer(info(session_id="conv-1"), 0.0))
+    for adm in list(core.permits):
+        core.finished(adm.request_id, 0.1, Terminal.COMPLETED)
+    for i, sid in enumerate(("conv-1:explore", "conv-1:explore:grep")):  # one after the other
+        rid = dispatched(core.offer(info(session_id=sid), 0.2 + i / 10))
+        assert rid and admission_of(core, rid[0]).parent_session == "conv-1"  # in conv-1's slot
+        assert core.snapshot(0.2 + i / 10)["models"]["m"]["agents"] == {
+            "window": 1.0, "active": 1, "active_elsewhere": 0, "subagents": i + 1}  # both stay till idle
+        core.finished(rid[0].request_id, 0.25 + i / 10, Terminal.COMPLETED)
+    # another agent's subagent needs a slot for its family: the window (1) is full
+    assert not dispatched(core.offer(info(session_id="conv-2:explore"), 0.5))
+    assert core.view.queued == 1
+
+
+def test_a_session_id_that_starts_with_the_separator_has_no_root_and_is_an_agent_of_its_own():
+    core = make_core(policy={"agents": {"initial": 2, "max": 2, "subagent_separator": ":"}})
+    rid = dispatched(core.offer(info(session_id=":odd"), 0.0))
+    assert rid and admission_of(core, rid[0]).parent_session is None
+
+
+def test_without_a_separator_a_session_id_is_never_split():
+    core = make_core(policy={"agents": {"initial": 2, "max": 2}})
+    rid = dispatched(core.offer(info(session_id="conv-1:explore"), 0.0))
+    assert rid and admission_of(core, rid[0]).parent_session is None

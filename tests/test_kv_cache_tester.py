@@ -3,7 +3,8 @@ Claude Code sessions: sessions with subagents from data/traces/weka-claude-code/
 step sent over the openai SDK (its retries included) with the session's `X-Session-ID`, against
 two `bouncer engine` processes modelling Qwen3-32B on an H200. As a user benchmarking an agent
 fleet would run it, and then: every failure the tester saw is one of Bouncer's refusals, the agent
-window held, sessions stayed on their warm replica, and nothing is left in flight."""
+window held with subagents in their parents' slots, sessions stayed on their warm replica, and
+nothing is left in flight."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ TESTER = REPO / "third_party/kv-cache-tester/trace_replay_tester.py"
 PYTHON = pathlib.Path(os.environ.get("BOUNCER_KV_TESTER_PYTHON", REPO / ".venv-kv-tester/bin/python"))
 SESSIONS = REPO / "data/traces/weka-claude-code/subagents"
 MODEL = "qwen3-32b"
-WINDOW = 6  # active agents at most: fewer than the tester's sessions with their subagents
+WINDOW = 6  # active agents at most: fewer than the tester's 8 sessions
 ADMIN = "admin"
 
 
@@ -47,7 +48,8 @@ def _gateway(bg_loop, engines: list[EngineProcess]):
                     "max_model_len": 131072,
                     "backends": [{"url": e.url, "name": f"r{i}"} for i, e in enumerate(engines)]}],
         "policy": {"telemetry": {"scrape_interval_s": 0.25, "staleness_s": 2.0},
-                   "agents": {"initial": WINDOW, "max": WINDOW}},
+                   # its subagents' session ids are PARENT:AGENT (no x-parent-session-id)
+                   "agents": {"initial": WINDOW, "max": WINDOW, "subagent_separator": ":"}},
     })
 
 
@@ -87,11 +89,14 @@ def test_kv_cache_tester_replays_claude_code_sessions_through_bouncer(tmp_path):
     engines = [_engine(), _engine()]
     base, gw, cleanup = _gateway(bg_loop, engines)
     active: list[int] = []
+    subagents: list[int] = []
     done = threading.Event()
 
     def sample_agents() -> None:
         while not done.wait(0.2):
-            active.append(_state(base)["models"][MODEL]["agents"]["active"])
+            agents = _state(base)["models"][MODEL]["agents"]
+            active.append(agents["active"])
+            subagents.append(agents["subagents"])
 
     sampler = threading.Thread(target=sample_agents, daemon=True)
     sampler.start()
@@ -113,8 +118,8 @@ def test_kv_cache_tester_replays_claude_code_sessions_through_bouncer(tmp_path):
         ok = [r for r in rows if r["success"] == "True"]
         failed = len(rows) - len(ok)
         assert len(ok) >= 20, log[-3000:]
-        # subagents were replayed, as users of their own
-        assert any("-SA" in r["user_id"] for r in ok)
+        # subagents were replayed, as users of the tester's own, and ran in their parents' slots
+        assert any("-SA" in r["user_id"] for r in ok) and max(subagents) > 0
 
         # every failure is one of Bouncer's refusals, with its reason in the message, after the
         # SDK's own retries: no connection error, no 5xx but 503/529 (queue TTL, agent window)
@@ -124,7 +129,8 @@ def test_kv_cache_tester_replays_claude_code_sessions_through_bouncer(tmp_path):
             assert re.match(r"Error code: (429|503|529) - ", message), message
         assert "Connection error" not in log and "stream_disconnect" not in log
 
-        # the window held while more sessions than it allows were running
+        # the window held while more sessions than it allows were running (families: the
+        # tester's users; peak_users counts their subagents too)
         peak_users = int(re.search(r"Peak Concurrent Users: (\d+)", log).group(1))
         assert peak_users > WINDOW and 0 < max(active) <= WINDOW, (peak_users, max(active))
 

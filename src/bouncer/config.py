@@ -267,10 +267,15 @@ class AgentWindowConfig(_Strict):
     0.2, U_high 0.5, H 0.2). Sessions come from `x-session-id`; with session_from_user the
     OpenAI `user` field counts too (off by default: chat apps set it per end user, and those are
     not agents whose steps share a growing prefix). A subagent's steps name their parent in
-    `x-parent-session-id` and run in its slot."""
+    `x-parent-session-id` and run in its slot; with subagent_separator, a session id
+    `ROOT<separator>...` sent without that header names one too (WEKA's kv-cache-tester sends
+    `PARENT:AGENT`)."""
 
     enabled: bool = True
     session_from_user: bool = False
+    subagent_separator: str | None = Field(
+        None, min_length=1, description="a session id ROOT<separator>REST with no x-parent-session-id is a subagent "
+        "of the agent ROOT, in its slot (kv-cache-tester: ':'); off by default: ids may hold it for other reasons")
     initial: int = Field(16, ge=1, description="active agents allowed at start")
     min: int = Field(1, ge=1)
     max: int = Field(4096, ge=1)
@@ -813,4 +818,6 @@ policy:
     idle_timeout_s: 30         # an agent with no step for this long frees its slot
     memory_s: 86400            # ...and is remembered a day: back, it goes before new agents
     max_parallel: 8            # one agent's steps in flight at once, its subagents' (x-parent-session-id) too
+    # subagent_separator: ":"  # session id "ROOT:..." with no x-parent-session-id: a subagent of ROOT
+                               #   (WEKA's kv-cache-tester names its subagents so)
 """

@@ -46,15 +46,22 @@ class WindowGate:
     def configure(self, policy: Policy) -> None:
         self.window.cfg = policy.agents  # keeps its window and its active agents
         self.session_from_user = policy.agents.session_from_user
+        self.subagent_separator = policy.agents.subagent_separator
 
     def classify(self, adm: Admission) -> None:
         """Its session (`x-session-id`, or `user` where configured), its parent's if it is a
         subagent's step (`x-parent-session-id`; with no session of its own it is its parent's
-        step), and its rank in its tenant's queue: an active agent's step first (a subagent's
-        whose parent is active too), then a returning agent's, then the rest."""
+        step; or, with `subagent_separator`, the root of a session id `ROOT:...`: the family
+        is the agent that started it, a subagent's subagent's too), and its rank in its
+        tenant's queue: an active agent's step first (a subagent's whose parent is active too),
+        then a returning agent's, then the rest."""
         info = adm.info
         adm.session = info.session_id or (info.user if self.session_from_user else None)
         parent = info.parent_session_id
+        if parent is None and adm.session is not None and self.subagent_separator is not None:
+            root, sep, _ = adm.session.partition(self.subagent_separator)
+            if sep and root:
+                parent = root
         if parent is not None and adm.session is None:
             adm.session = parent
         elif parent is not None and parent != adm.session:
