@@ -235,6 +235,8 @@ def test_a_new_agent_that_would_outwait_its_ttl_for_a_slot_is_refused_at_once_wi
     [refused] = rejected(core.offer(info(session_id="agent-5"), 12.0))
     assert refused.refusal.reason == "agent_window_full" and refused.refusal.status == 529
     assert refused.refusal.retry_after == pytest.approx(3 * 12.0 / 3)  # two ahead, one slot per 4 s
+    assert refused.refusal.message == ("2 agents wait for a slot in the agent window before this one; "
+                                       "expected wait ~12 s, past the 10.0 s it may wait")
     # an agent coming back mid-session is never turned away: it waits, ahead of the new ones
     events = core.offer(info(session_id="agent-0"), 12.0)
     assert not dispatched(events) and not rejected(events) and core.view.queued == 3

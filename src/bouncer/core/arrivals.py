@@ -156,7 +156,8 @@ class Arrivals:
                 ahead, wait = outwaits
                 events.append(c.finaliser.refuse(adm, Refusal(
                     Layer.FLOW, Reason.AGENT_WINDOW_FULL, f"{ahead} agents wait for a slot in the agent window "
-                    f"before this one; expected wait ~{wait:.0f} s", wait), now, flow=ms.flow))
+                    f"before this one; expected wait ~{wait:.0f} s, past the {max(0.0, adm.deadline - now):.1f} s "
+                    "it may wait", wait), now, flow=ms.flow))
                 queued = False
         if ttft_left and queued and not ms.draining and adm.ttft_deadline is not None:
             # It has to wait. If the backlog ahead and the prefill work on the best replica already
