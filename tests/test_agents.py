@@ -242,26 +242,21 @@ def test_a_new_agent_that_would_outwait_its_ttl_for_a_slot_is_refused_at_once_wi
     assert not dispatched(events) and not rejected(events) and core.view.queued == 3
 
 
-def test_the_expected_wait_for_a_slot_counts_the_free_slots():
-    w = window(initial=4, max=4)
-    for t in (0.0, 1.0, 2.0):  # three agents took a slot, one a second: 1 of 4 left
-        w.dispatched(f"agent-{t:.0f}", t)
-    assert w.wait_for_slot(0, 3.0) == 0.0  # the free slot is its
-    assert w.wait_for_slot(1, 3.0) == pytest.approx(1.0)  # the one ahead takes it: one start's wait
-
-
-def test_a_new_agent_queued_for_room_while_the_window_has_slots_is_not_refused_as_window_full():
-    # under kv-cache-tester: the window a third full, new agents waiting for KV on their replica
-    # were told "agent window full" (their wait counted as if every slot were taken)
-    core = make_core(replicas=1, kv_blocks=1000, max_model_len=16_384, tenants=[tenant("a", queue_ttl_s=0.5)])
+def test_a_new_agent_that_would_outwait_its_ttl_for_room_says_the_window_has_free_slots():
+    # the rate at which agents started says how soon a new one gets in, whether the window or
+    # room on the replicas holds it; the refusal says which (under kv-cache-tester the window was
+    # 14 of 52 full, and "wait for a slot in the agent window" read as a window that was full)
+    core = make_core(replicas=1, kv_blocks=1000, max_model_len=16_384, tenants=[tenant("a", queue_ttl_s=0.5)],
+                     policy={"agents": {"initial": 8, "max": 8}})
     for i, t in enumerate((0.0, 1.0, 2.0)):  # three agents in 3 s: a start a second
         [d] = dispatched(_step(core, f"agent-{i}", 4_000, t, list(range(1000 * i, 1000 * i + 250))))
         core.finished(d.request_id, t + 0.5, Terminal.COMPLETED)
-    # they live there (750 of 1,000 blocks): a 12,000-token context waits for room. A start's
-    # wait (1 s) is past its TTL (0.5 s), so counted as if every slot were taken it was refused
-    events = _step(core, "agent-new", 12_000, 3.0, list(range(5000, 5750)))
-    assert not dispatched(events) and not rejected(events) and core.view.queued == 1
-    assert core.snapshot(3.0)["models"]["m"]["agents"]["window"] > 3  # slots to spare
+    # they live there (750 of 1,000 blocks): a 12,000-token context waits for room, ~1 s
+    [refused] = rejected(_step(core, "agent-new", 12_000, 3.0, list(range(5000, 5750))))
+    assert refused.refusal.status == 529 and refused.refusal.retry_after == pytest.approx(1.0)
+    assert refused.refusal.message == (
+        "0 new agents wait to start before this one (the window has 5 free slots; the replicas lack room for "
+        "new contexts); expected wait ~1 s, past the 0.5 s it may wait")
 
 
 def test_agents_waiting_for_a_slot_take_it_in_order_a_long_context_is_not_passed_over():

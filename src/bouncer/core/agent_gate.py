@@ -71,17 +71,17 @@ class WindowGate:
             adm.queue_rank = (STEP_ACTIVE if w.is_active(family) else
                               STEP_RETURNING if w.is_returning(family) else STEP_OTHER)
 
-    def outwaits_ttl(self, adm: Admission, waiting: Container[str], now: float) -> tuple[int, float] | None:
+    def outwaits_ttl(self, adm: Admission, waiting: Container[str], now: float) -> tuple[int, float, int] | None:
         """For a new agent's first step that waits for a slot: (agents waiting before it, the
-        expected wait) when that wait runs past its queue TTL, else None. `waiting`: the agents
-        with a step queued (a subagent's counted as its parent's)."""
+        expected wait, the window's free slots) when that wait runs past its queue TTL, else
+        None. `waiting`: the agents with a step queued (a subagent's counted as its parent's)."""
         w = self.window
         me = adm.parent_session or adm.session
         ahead = sum(1 for s in waiting if s != me and not w.is_active(s))  # type: ignore[attr-defined]
         wait = w.wait_for_slot(ahead, now)
         if wait is None or now + wait <= adm.deadline:
             return None
-        return ahead, wait
+        return ahead, wait, w.free_slots()
 
     def is_newcomer(self, adm: Admission) -> bool:
         """Its step would take a slot: its agent (its parent, for a subagent's) holds none."""

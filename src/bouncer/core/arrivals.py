@@ -153,11 +153,13 @@ class Arrivals:
         if queued and adm.queue_rank == STEP_OTHER and adm.session is not None and isinstance(ms.agents, WindowGate):
             outwaits = ms.agents.outwaits_ttl(adm, ms.flow.waiting_agents, now)
             if outwaits is not None:
-                ahead, wait = outwaits
+                ahead, wait, free = outwaits
+                held_by = (f"{ahead} agents wait for a slot in the agent window before this one" if free <= ahead else
+                           f"{ahead} new agents wait to start before this one (the window has {free} free slots; "
+                           "the replicas lack room for new contexts)")
                 events.append(c.finaliser.refuse(adm, Refusal(
-                    Layer.FLOW, Reason.AGENT_WINDOW_FULL, f"{ahead} agents wait for a slot in the agent window "
-                    f"before this one; expected wait ~{wait:.0f} s, past the {max(0.0, adm.deadline - now):.1f} s "
-                    "it may wait", wait), now, flow=ms.flow))
+                    Layer.FLOW, Reason.AGENT_WINDOW_FULL, f"{held_by}; expected wait ~{wait:.0f} s, past the "
+                    f"{max(0.0, adm.deadline - now):.1f} s it may wait", wait), now, flow=ms.flow))
                 queued = False
         if ttft_left and queued and not ms.draining and adm.ttft_deadline is not None:
             # It has to wait. If the backlog ahead and the prefill work on the best replica already
