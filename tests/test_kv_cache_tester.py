@@ -94,7 +94,10 @@ def test_kv_cache_tester_replays_claude_code_sessions_through_bouncer(tmp_path):
 
     def sample_agents() -> None:
         while not done.wait(0.2):
-            agents = _state(base)["models"][MODEL]["agents"]
+            try:
+                agents = _state(base)["models"][MODEL]["agents"]
+            except OSError:  # a slow answer from a busy 2-core machine: the next sample
+                continue
             active.append(agents["active"])
             subagents.append(agents["subagents"])
 
