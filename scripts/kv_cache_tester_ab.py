@@ -7,8 +7,8 @@ TTFT of those served, the steps served past the TTFT SLO, Bouncer's decisions pe
 attempt, the openai SDK's retries included), and the engines' prefix-cache hits beside what the
 sessions themselves reuse.
 
-    python scripts/kv_cache_tester_ab.py [--users 15] [--duration 120] [--time-scale 0.05]
-        [--out docs/bench/kv-cache-tester/ab.json]
+    python scripts/kv_cache_tester_ab.py [--users 15] [--duration 600] [--time-scale 0.05]
+        [--out docs/bench/kv-cache-tester/ab-600s.json]
 
 Needs `.venv-kv-tester` (`make .venv-kv-tester/.installed`, or BOUNCER_KV_TESTER_PYTHON).
 """
@@ -16,8 +16,6 @@ Needs `.venv-kv-tester` (`make .venv-kv-tester/.installed`, or BOUNCER_KV_TESTER
 from __future__ import annotations
 
 import argparse
-import csv
-import gzip
 import json
 import os
 import pathlib
@@ -27,10 +25,12 @@ import subprocess
 import sys
 import tempfile
 import urllib.request
+from collections import Counter
 
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from bouncer.bench import kv_cache_tester
 from bouncer.bench.loopback import free_port, wait_ok
 from bouncer.config import key_digest
 from bouncer.tokenizer import default_tokenizer_path
@@ -47,124 +47,80 @@ VARIANTS = {  # policy.agents of each run
 }
 
 
-def tester_inputs(work: pathlib.Path) -> tuple[pathlib.Path, pathlib.Path]:
-    traces, tok = work / "traces", work / "tokenizer"
-    traces.mkdir()
-    tok.mkdir()
-    for gz in sorted(SESSIONS.glob("*.json.gz")):
-        (traces / gz.name.removesuffix(".gz")).write_bytes(gzip.decompress(gz.read_bytes()))
-    (tok / "tokenizer.json").write_bytes(default_tokenizer_path().read_bytes())
-    (tok / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
-    return traces, tok
-
-
-def gateway_config(port: int, engine_ports: list[int], agents: dict) -> dict:
+def gateway_config(port: int, engine_urls: list[str], agents: dict) -> dict:
     return {
         "listen": {"host": "127.0.0.1", "port": port},
         "tenants": [{"name": "agents", "api_keys_sha256": [key_digest("EMPTY")],  # the tester's key
                      "slo": {"ttft_s": TTFT_SLO_S}, "queue_ttl_s": 30}],
         "models": [{"name": MODEL, "engine": "vllm", "tokenizer": str(default_tokenizer_path()),
                     "max_model_len": 131072,
-                    "backends": [{"url": f"http://127.0.0.1:{p}", "name": f"r{i}"}
-                                 for i, p in enumerate(engine_ports)]}],
+                    "backends": [{"url": url, "name": f"r{i}"} for i, url in enumerate(engine_urls)]}],
         "policy": {"telemetry": {"scrape_interval_s": 0.25, "staleness_s": 2.0}, "agents": agents},
     }
 
 
-def scrape(url: str) -> list:
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
-        return list(text_string_to_metric_families(resp.read().decode()))
-
-
-def one_run(name: str, agents: dict, args, traces: pathlib.Path, tok: pathlib.Path, work: pathlib.Path) -> dict:
-    engine_ports, port = [free_port(), free_port()], free_port()
-    procs = [subprocess.Popen([sys.executable, "-m", "bouncer", "engine", "--port", str(p), "--model", MODEL,
-                               "--profile", "qwen3-32b-h200", "--max-model-len", "131072"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for p in engine_ports]
+def one_run(name: str, agents: dict, args, work: pathlib.Path) -> dict:
+    engine_urls, port = [f"http://127.0.0.1:{free_port()}" for _ in range(2)], free_port()
+    procs = [subprocess.Popen([sys.executable, "-m", "bouncer", "engine", "--port", url.rsplit(":", 1)[1],
+                               "--model", MODEL, "--profile", "qwen3-32b-h200", "--max-model-len", "131072"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for url in engine_urls]
     config = work / f"{name.replace(' ', '-')}.yaml"
-    config.write_text(yaml.safe_dump(gateway_config(port, engine_ports, agents)))
+    config.write_text(yaml.safe_dump(gateway_config(port, engine_urls, agents)))
     try:
-        for p in engine_ports:
-            wait_ok(f"http://127.0.0.1:{p}/health")
+        for url in engine_urls:
+            wait_ok(url + "/health")
         procs.append(subprocess.Popen([sys.executable, "-m", "bouncer", "serve", "--config", str(config),
                                        "--log-level", "warning"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         base = f"http://127.0.0.1:{port}"
         wait_ok(base + "/health")
-        out = work / f"results-{name.replace(' ', '-')}"
-        run = subprocess.run(
-            [str(PYTHON), str(TESTER), "--api-endpoint", base, "--trace-directory", str(traces), "--output-dir",
-             str(out), "--tokenizer", str(tok), "--start-users", str(args.users), "--max-users", str(args.users),
-             "--max-ttft", "60", "--time-scale", str(args.time_scale), "--test-duration", str(args.duration),
-             "--seed", str(args.seed), "--recycle", "--skip-graphs", "--no-color"],
-            capture_output=True, text=True, timeout=args.duration + 600, cwd=TESTER.parent)
-        log = run.stdout + run.stderr
-        if run.returncode != 0:
-            raise RuntimeError(f"kv-cache-tester failed ({run.returncode}):\n{log[-3000:]}")
-        with open(out / "detailed_results.csv", newline="") as f:
-            rows = list(csv.DictReader(f))
-        with open(out / "user_lifecycle.csv", newline="") as f:  # subagents are users named PARENT-SAn
-            lifecycle = _counts([e["event_type"] + ("-subagent" if "-SA" in e["user_id"] else "")
-                                 for e in csv.DictReader(f)])
-        decisions: dict[str, int] = {}
-        for family in scrape(base):
+        run = kv_cache_tester.run(PYTHON, TESTER, base, SESSIONS, work / name.replace(" ", "-"), users=args.users,
+                                  seconds=args.duration, time_scale=args.time_scale, seed=args.seed, max_ttft_s=60,
+                                  recycle=True)
+        with urllib.request.urlopen(base + "/metrics", timeout=10) as resp:
+            families = list(text_string_to_metric_families(resp.read().decode()))
+        decisions = Counter()
+        for family in families:
             if family.name == "bouncer_decisions":
                 for s in family.samples:
-                    key = f"{s.labels['outcome']} {s.labels['reason']}"
-                    decisions[key] = decisions.get(key, 0) + int(s.value)
-        hits = queries = 0.0
-        for p in engine_ports:
-            for family in scrape(f"http://127.0.0.1:{p}"):
-                for s in family.samples:
-                    hits += s.value if s.name == "vllm:prefix_cache_hits_total" else 0
-                    queries += s.value if s.name == "vllm:prefix_cache_queries_total" else 0
+                    decisions[f"{s.labels['outcome']} {s.labels['reason']}"] += int(s.value)
+        hits, queries = kv_cache_tester.prefix_hits(engine_urls)
     finally:
         for proc in reversed(procs):
             proc.terminate()
         for proc in procs:
             proc.wait(10)
-    ok = [r for r in rows if r["success"] == "True"]
-    ttfts = sorted(float(r["ttft"]) for r in ok)
-    reused = sum(int(r["cache_hit_blocks"]) for r in ok)
-    blocks = reused + sum(int(r["cache_miss_blocks"]) for r in ok)
+    ttfts = sorted(float(r["ttft"]) for r in run.served)
+    peak = re.search(r"Peak Concurrent Users: (\d+)", run.log)
     return {
         "variant": name, "policy_agents": agents,
-        "sessions_started": lifecycle.get("started", 0), "sessions_completed": lifecycle.get("completed", 0),
-        "sessions_truncated": lifecycle.get("truncated", 0),  # past the tester's --max-context (128k)
-        "subagents_completed": lifecycle.get("completed-subagent", 0),
-        "steps_sent": len(rows), "steps_served": len(ok),
+        "sessions_started": run.lifecycle["started"], "sessions_completed": run.lifecycle["completed"],
+        "sessions_truncated": run.lifecycle["truncated"],  # past the tester's --max-context (128k)
+        "subagents_completed": run.lifecycle["completed-subagent"],
+        "steps_sent": len(run.rows), "steps_served": len(run.served),
         "served_past_ttft_slo": sum(t > TTFT_SLO_S for t in ttfts),
         "ttft_p50_s": statistics.median(ttfts) if ttfts else None,
         "ttft_p95_s": ttfts[int(0.95 * (len(ttfts) - 1))] if ttfts else None,
         "ttft_max_s": ttfts[-1] if ttfts else None,
-        "failed_as_seen": dict(sorted(_counts(re.findall(r"Request failed: Error code: (\d+)", log)).items())),
+        "failed_as_seen": dict(sorted(Counter(re.findall(r"Request failed: Error code: (\d+)", run.log)).items())),
         "decisions": dict(sorted(decisions.items())),
         "engine_prefix_hit_rate": hits / queries if queries else None,
-        "sessions_own_reuse": reused / blocks if blocks else None,
-        "peak_concurrent_users": int(m.group(1)) if (m := re.search(r"Peak Concurrent Users: (\d+)", log)) else None,
+        "sessions_own_reuse": kv_cache_tester.sessions_reuse(run),
+        "peak_concurrent_users": int(peak.group(1)) if peak else None,
     }
-
-
-def _counts(items: list[str]) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for item in items:
-        out[item] = out.get(item, 0) + 1
-    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--users", type=int, default=15)
-    ap.add_argument("--duration", type=int, default=120)
+    ap.add_argument("--duration", type=int, default=600)
     ap.add_argument("--time-scale", type=float, default=0.05)
     ap.add_argument("--seed", type=int, default=2)
-    ap.add_argument("--out", type=pathlib.Path, default=ROOT / "docs/bench/kv-cache-tester/ab.json")
+    ap.add_argument("--out", type=pathlib.Path, default=ROOT / "docs/bench/kv-cache-tester/ab-600s.json")
     args = ap.parse_args()
     if not PYTHON.exists():
         sys.exit(f"no kv-cache-tester venv at {PYTHON}: make .venv-kv-tester/.installed")
     with tempfile.TemporaryDirectory(prefix="kv-cache-tester-") as tmp:
-        work = pathlib.Path(tmp)
-        traces, tok = tester_inputs(work)
-        runs = [one_run(name, agents, args, traces, tok, work) for name, agents in VARIANTS.items()]
+        runs = [one_run(name, agents, args, pathlib.Path(tmp)) for name, agents in VARIANTS.items()]
     for r in runs:
         print(f"{r['variant']}: {r['sessions_completed']} of {r['sessions_started']} sessions completed "
               f"({r['sessions_truncated']} cut at the tester's context limit; {r['subagents_completed']} subagents), "

@@ -8,18 +8,16 @@ nothing is left in flight."""
 
 from __future__ import annotations
 
-import csv
-import gzip
 import json
 import os
 import pathlib
 import re
-import subprocess
 import threading
 import urllib.request
 
 import pytest
 
+from bouncer.bench import kv_cache_tester
 from bouncer.config import key_digest
 from bouncer.tokenizer import default_tokenizer_path
 from conftest import start_gateway
@@ -53,38 +51,15 @@ def _gateway(bg_loop, engines: list[EngineProcess]):
     })
 
 
-def _tester_inputs(tmp_path: pathlib.Path) -> tuple[pathlib.Path, pathlib.Path]:
-    """The tester reads plain *.json sessions and a tokenizer that transformers' AutoTokenizer
-    loads: Bouncer's bundled one, in a folder with the config that names its class."""
-    traces = tmp_path / "traces"
-    traces.mkdir()
-    for gz in sorted(SESSIONS.glob("*.json.gz")):
-        (traces / gz.name.removesuffix(".gz")).write_bytes(gzip.decompress(gz.read_bytes()))
-    tok = tmp_path / "tokenizer"
-    tok.mkdir()
-    (tok / "tokenizer.json").write_bytes(default_tokenizer_path().read_bytes())
-    (tok / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
-    return traces, tok
-
-
 def _state(base: str) -> dict:
     req = urllib.request.Request(base + "/admin/state", headers={"Authorization": f"Bearer {ADMIN}"})
     with urllib.request.urlopen(req, timeout=5) as resp:
         return json.load(resp)
 
 
-def _prefix_hits(engine: EngineProcess) -> tuple[float, float]:
-    with urllib.request.urlopen(engine.url + "/metrics", timeout=5) as resp:
-        text = resp.read().decode()
-    value = {name: sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + "{"))
-             for name in ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total")}
-    return value["vllm:prefix_cache_hits_total"], value["vllm:prefix_cache_queries_total"]
-
-
 @pytest.mark.slow
 @pytest.mark.skipif(not PYTHON.exists(), reason=f"no kv-cache-tester venv at {PYTHON}: `make test` installs it")
 def test_kv_cache_tester_replays_claude_code_sessions_through_bouncer(tmp_path):
-    traces, tok = _tester_inputs(tmp_path)
     bg_loop = BackgroundLoop()
     engines = [_engine(), _engine()]
     base, gw, cleanup = _gateway(bg_loop, engines)
@@ -103,23 +78,13 @@ def test_kv_cache_tester_replays_claude_code_sessions_through_bouncer(tmp_path):
 
     sampler = threading.Thread(target=sample_agents, daemon=True)
     sampler.start()
-    out = tmp_path / "results"
     try:
         # 8 sessions at once, think times scaled to a tenth, 60 s; the tester then waits for what
         # is in flight
-        run = subprocess.run(
-            [str(PYTHON), str(TESTER), "--api-endpoint", base, "--trace-directory", str(traces),
-             "--output-dir", str(out), "--tokenizer", str(tok), "--start-users", "8", "--max-users", "8",
-             "--max-ttft", "30", "--time-scale", "0.1", "--test-duration", "60", "--seed", "1",
-             "--skip-graphs", "--no-color"],
-            capture_output=True, text=True, timeout=300, cwd=TESTER.parent)
-        log = run.stdout + run.stderr
-        (tmp_path / "tester.log").write_text(log)
-        assert run.returncode == 0, log[-3000:]
-        with open(out / "detailed_results.csv", newline="") as f:
-            rows = list(csv.DictReader(f))
-        ok = [r for r in rows if r["success"] == "True"]
-        failed = len(rows) - len(ok)
+        run = kv_cache_tester.run(PYTHON, TESTER, base, SESSIONS, tmp_path, users=8, seconds=60, time_scale=0.1,
+                                  seed=1, max_ttft_s=30, timeout_s=300)
+        log, ok = run.log, run.served
+        failed = len(run.rows) - len(ok)
         assert len(ok) >= 20, log[-3000:]
         # subagents were replayed, as users of the tester's own, and ran in their parents' slots
         assert any("-SA" in r["user_id"] for r in ok) and max(subagents) > 0
@@ -140,10 +105,9 @@ def test_kv_cache_tester_replays_claude_code_sessions_through_bouncer(tmp_path):
         # sessions stayed on their warm replica: the engines' prefix-cache hits are close to
         # what the sessions themselves reuse (the trace's own hit blocks over all its blocks).
         # Measured: 1.03-1.11x that; round-robin without the agent window 0.79x.
-        reused = sum(int(r["cache_hit_blocks"]) for r in ok)
-        blocks = reused + sum(int(r["cache_miss_blocks"]) for r in ok)
-        hits, queries = map(sum, zip(*(_prefix_hits(e) for e in engines), strict=True))
-        assert queries > 0 and hits / queries >= 0.9 * reused / blocks, (hits / queries, reused / blocks)
+        reuse = kv_cache_tester.sessions_reuse(run)
+        hits, queries = kv_cache_tester.prefix_hits([e.url for e in engines])
+        assert queries > 0 and hits / queries >= 0.9 * reuse, (hits / queries, reuse)
 
         # nothing left behind
         core = gw.core
