@@ -207,6 +207,68 @@ def test_a_new_agent_goes_only_where_the_living_agents_leave_room_for_its_contex
     assert [admission_of(core, d).session for d in dispatched(events)] == ["agent-3"]
 
 
+# 4,000 tokens a step at 0.085 s: a 12,000-token prompt is predicted to start in 0.255 s
+STEPS = {"step_time": {"a": 0.005, "b": 2e-5, "c": 0.0, "max_batched_tokens": 4000}}
+
+
+def test_a_new_agent_waits_for_room_only_while_its_deadline_allows_then_goes_where_it_fits_now():
+    # live, under a 10 s TTFT SLO, new agents held for room past their deadline expired in the
+    # queue: keeping the living agents' contexts is worth a wait, not the request
+    core = make_core(kv_blocks=1000, max_model_len=16_384, model=STEPS,
+                     tenants=[tenant("a", slo={"ttft_s": 2.0})], policy={"agents": {"idle_timeout_s": 60}})
+    for i, s in enumerate(("agent-1", "agent-2")):  # one 750-block context on each replica
+        [d] = dispatched(_step(core, s, 12_000, 0.0, list(range(1000 * i, 1000 * i + 750))))
+        core.finished(d.request_id, 0.5, Terminal.COMPLETED)
+    held = _step(core, "agent-3", 12_000, 1.0, list(range(5000, 5750)))
+    assert not dispatched(held) and not rejected(held)
+    # it may wait until 2.49 (its 2 s SLO less twice its predicted 0.255 s): the first half of
+    # that for room, then it goes where it fits now
+    assert not dispatched(core.tick(1.7)) and core.view.queued == 1
+    [d] = dispatched(core.tick(1.75))
+    assert admission_of(core, d).session == "agent-3" and d.predicted_ttft_s == pytest.approx(0.255)
+
+
+def test_an_agents_step_that_its_home_cannot_start_in_time_goes_where_it_can():
+    # its context cached at home is worth a wait, not the request: refused as late at home, it
+    # would be lost where another replica starts it in time by computing the context again
+    core = make_core(max_model_len=65_536, kv_blocks=10_000, model=STEPS,
+                     tenants=[tenant("a", slo={"ttft_s": 0.5}), tenant("bulk")])
+    ctx = list(range(100, 350))
+    [first] = dispatched(_step(core, "agent-1", 4000, 0.0, ctx))
+    core.started(first.request_id, 0.1)
+    core.finished(first.request_id, 0.2, Terminal.COMPLETED)
+    [bulk] = dispatched(core.offer(info("bulk", prompt=30_000, max_tokens=10,
+                                        block_digests=list(range(5000, 6875))), 0.3))
+    assert bulk.replica == first.replica  # its home now has 30,000 tokens of prefill queued
+    [d] = dispatched(_step(core, "agent-1", 4100, 0.4, ctx + [999]))
+    assert d.replica != first.replica and d.predicted_ttft_s == pytest.approx(0.17)  # 0.69 s at home
+
+
+def test_a_new_agent_without_a_ttft_slo_waits_for_room_until_its_queue_ttl():
+    core = make_core(kv_blocks=1000, max_model_len=16_384, model=STEPS, tenants=[tenant("a", queue_ttl_s=10)],
+                     policy={"agents": {"idle_timeout_s": 60}})
+    for i, s in enumerate(("agent-1", "agent-2")):
+        [d] = dispatched(_step(core, s, 12_000, 0.0, list(range(1000 * i, 1000 * i + 750))))
+        core.finished(d.request_id, 0.5, Terminal.COMPLETED)
+    held = _step(core, "agent-3", 12_000, 1.0, list(range(5000, 5750)))
+    assert not dispatched(held) and not dispatched(core.tick(10.9))
+    [expired] = rejected(core.tick(11.0))
+    assert expired.refusal.reason == "ttl_expired"
+
+
+def test_an_active_agents_step_leaves_its_full_home_when_its_deadline_nears():
+    core = make_core(model=STEPS, tenants=[tenant("a", slo={"ttft_s": 2.0})],
+                     policy={"max_inflight_per_replica": 1})
+    ctx = list(range(100, 350))
+    [first] = dispatched(_step(core, "agent-1", 4000, 0.0, ctx))
+    held = _step(core, "agent-1", 4100, 0.1, ctx + [999])  # its home runs the first step
+    # queued until 1.76 at most (its 2 s SLO less twice its predicted 0.17 s: the whole context
+    # computed again on the idle replica), half of that waiting at home
+    assert not dispatched(held) and not core.tick(0.9)
+    [moved] = dispatched(core.tick(0.95))
+    assert moved.replica != first.replica
+
+
 def test_a_returning_agents_step_goes_before_a_new_agents():
     core = make_core(policy={"agents": {"initial": 1, "max": 1, "idle_timeout_s": 5}})
     [a1] = dispatched(core.offer(info(session_id="agent-1"), 0.0))

@@ -10,6 +10,7 @@ no session, so every agent branch of the core is skipped by the same test (`adm.
 from __future__ import annotations
 
 from collections.abc import Container
+from typing import NamedTuple
 
 from bouncer.config import Policy
 from bouncer.core.agents import AgentWindow
@@ -17,6 +18,14 @@ from bouncer.core.blocks import num_blocks
 from bouncer.core.fleet import ReplicaState
 from bouncer.core.pool import PoolView
 from bouncer.core.requests import STEP_ACTIVE, STEP_OTHER, STEP_RETURNING, Admission
+
+
+class Where(NamedTuple):
+    """Where an agent's step may go (`WindowGate.where`)."""
+
+    candidates: list[ReplicaState]  # its places with room now
+    backlogged: list[ReplicaState]  # full for now: a warm prefix may still take it there
+    instead: list[ReplicaState]  # with room but not its place: only if none of `candidates` is in time
 
 
 class NoAgents:
@@ -91,22 +100,26 @@ class WindowGate:
         return self.window.may_dispatch(adm.session, now, waiting, adm.parent_session)  # type: ignore[arg-type]
 
     def where(self, adm: Admission, candidates: list[ReplicaState], backlogged: list[ReplicaState],
-              cached: dict[str, int], replicas: dict[str, ReplicaState]
-              ) -> tuple[list[ReplicaState], list[ReplicaState]] | None:
+              cached: dict[str, int], replicas: dict[str, ReplicaState], now: float) -> Where | None:
         """Where an agent's step may go: an active agent's goes where its context is, or waits
         for room there (None: hold it), since computed again elsewhere its context would also
         evict another agent's; a new agent's (or one whose context is gone) only where the agents
-        living there leave room for it."""
+        living there leave room for it. Keeping those contexts is worth a wait, not the request:
+        a step with a TTFT SLO goes to the other `candidates` (`Where.instead`) when none of its
+        places would start it in time, and waits for one half its time in the queue at most
+        (`waited_half`), then goes wherever there is room."""
         w = self.window
         home = w.home(adm.session)  # type: ignore[arg-type]
         if home is not None and cached[home] > 0:
             r = replicas[home]
-            if r not in candidates and r not in backlogged:
-                return None
-            return [r], []
-        fits = [r for r in candidates if r.name == home or w.room(r.name, r.capacity_blocks)
-                >= num_blocks(adm.info.prompt_tokens + adm.expected_output, r.block_size)]
-        return fits, backlogged
+            if r in candidates or r in backlogged:
+                return Where([r], [], [c for c in candidates if c is not r])
+            return Where(candidates, backlogged, []) if candidates and waited_half(adm, now) else None
+        need = num_blocks(adm.info.prompt_tokens + adm.expected_output, candidates[0].block_size) if candidates else 0
+        fits = [r for r in candidates if r.name == home or w.room(r.name, r.capacity_blocks) >= need]
+        if not fits and waited_half(adm, now):
+            return Where(candidates, backlogged, [])
+        return Where(fits, backlogged, [r for r in candidates if r not in fits])
 
     def dispatched(self, adm: Admission, now: float) -> None:
         self.window.dispatched(adm.session, now, adm.blocks, adm.replica, adm.parent_session)  # type: ignore[arg-type]
@@ -132,6 +145,15 @@ class WindowGate:
         sizes = [t.num_blocks for t in usable]
         pool_blocks = sum(sizes) if sizes and all(sizes) else None  # type: ignore[arg-type]
         self.window.observe(view.pool_usage(), queries, hits, now, pool_blocks)
+
+
+def waited_half(adm: Admission, now: float) -> bool:
+    """Whether a step held for its agent's place must now go wherever there is room: it has a
+    TTFT SLO and has waited half of its time in the queue (which that SLO bounds, leaving room
+    for its predicted TTFT and that prediction's error: `deadlines.queue_budget`). Without a TTFT
+    SLO its queue TTL is only how long it may wait, and it waits for its place
+    (`bouncer.core.agents` says why)."""
+    return adm.ttft_deadline is not None and now - adm.arrival >= adm.deadline - now
 
 
 AgentGate = NoAgents | WindowGate

@@ -36,6 +36,17 @@ recomputes it, and throughput collapses (thrashing). So a window W bounds the *a
   steps. Measured in the `agents` scenario: a window on the pool's total alone let one replica
   take more agents than it holds while the other ran half-empty, and 31% of the steps that came
   back within the idle timeout found their prefix evicted or were sent to the other replica;
+- keeping those contexts is worth a wait, not the request. A step with a TTFT SLO goes to
+  another replica with room when its place cannot start it in time (refused as late, it would be
+  lost), and waits for its place (its home, or room beside the agents living on a replica) half
+  its time in the queue at most, then goes wherever there is room (`agent_gate.waited_half`):
+  its SLO leaves no time for the agents living there to idle out (`idle_timeout_s`). Live under
+  WEKA's kv-cache-tester (10 s TTFT SLO), held to their places, new agents expired in the queue
+  and active agents' steps were refused as late at a busy home: the window served 20% fewer
+  steps than no window, 9% fewer since (docs/benchmarks.md, "Agents under WEKA's
+  kv-cache-tester"). A step without a TTFT SLO waits for its place until its queue TTL (bounding
+  that wait too cost 18% of sessions per hour with subagents at 128 agents in the `agents`
+  scenario: new agents placed beside busy ones evicted their contexts);
 - an agent that idled out is remembered for `memory_s`: when it comes back its session is
   half done, so its step goes before those of agents not yet started. Left behind new agents,
   such steps outwaited their clients' timeouts and their sessions failed in the middle, the

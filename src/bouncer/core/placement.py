@@ -207,17 +207,22 @@ class Placement:
                 sized = True
             elif fit is Room.SMALLER:
                 sized = True
+        instead: list[ReplicaState] = []  # an agent's step: where it may go if its place would start it late
         if adm.session is not None and agents.enabled:
-            where = agents.where(adm, candidates, backlogged, cached, replicas)  # type: ignore[union-attr]
+            where = agents.where(adm, candidates, backlogged, cached, replicas, now)  # type: ignore[union-attr]
             if where is None:
                 return Held.RULE
-            candidates, backlogged = where
+            candidates, backlogged, instead = where
         if not candidates:
             return Held.ROOM if sized else Held.RULE
         if adm.ttft_deadline is not None and candidates[0].latency is not None:
             budget = adm.ttft_deadline - now
             ttfts = [r.predict_ttft(adm, adm.info.prompt_tokens - cached[r.name]) or 0.0 for r in candidates]
             in_time = [r for r, ttft in zip(candidates, ttfts, strict=True) if ttft <= budget]
+            if not in_time and instead:  # its agent's place would start it late: where it is in time, instead
+                more = [r.predict_ttft(adm, adm.info.prompt_tokens - cached[r.name]) or 0.0 for r in instead]
+                in_time = [r for r, ttft in zip(instead, more, strict=True) if ttft <= budget]
+                ttfts += more
             if not in_time:
                 if acts_on_late:
                     return Late(min(ttfts) - budget)
