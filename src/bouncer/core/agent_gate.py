@@ -115,8 +115,8 @@ class WindowGate:
             if r in candidates or r in backlogged:
                 return Where([r], [], [c for c in candidates if c is not r])
             return Where(candidates, backlogged, []) if candidates and waited_half(adm, now) else None
-        need = num_blocks(adm.info.prompt_tokens + adm.expected_output, candidates[0].block_size) if candidates else 0
-        fits = [r for r in candidates if r.name == home or w.room(r.name, r.capacity_blocks) >= need]
+        fits = [r for r in candidates if r.name == home or w.room(r.name, r.capacity_blocks)
+                >= num_blocks(adm.info.prompt_tokens + adm.expected_output, r.block_size)]
         if not fits and waited_half(adm, now):
             return Where(candidates, backlogged, [])
         return Where(fits, backlogged, [r for r in candidates if r not in fits])
