@@ -8,7 +8,7 @@ attempt, the openai SDK's retries included), and the engines' prefix-cache hits 
 sessions themselves reuse.
 
     python scripts/kv_cache_tester_ab.py [--users 15] [--duration 600] [--time-scale 0.05]
-        [--out docs/bench/kv-cache-tester/ab-600s.json]
+        [--out docs/bench/kv-cache-tester/ab-600s.json] [--logs DIR] [--only VARIANT]
 
 Needs `.venv-kv-tester` (`make .venv-kv-tester/.installed`, or BOUNCER_KV_TESTER_PYTHON).
 """
@@ -69,8 +69,10 @@ def one_run(name: str, agents: dict, args, work: pathlib.Path) -> dict:
     try:
         for url in engine_urls:
             wait_ok(url + "/health")
+        log = open(args.logs / f"{name.replace(' ', '-')}.jsonl", "w") if args.logs else subprocess.DEVNULL
         procs.append(subprocess.Popen([sys.executable, "-m", "bouncer", "serve", "--config", str(config),
-                                       "--log-level", "warning"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+                                       "--log-level", "info" if args.logs else "warning", "--log-format", "json"],
+                                      stdout=subprocess.DEVNULL, stderr=log))
         base = f"http://127.0.0.1:{port}"
         wait_ok(base + "/health")
         run = kv_cache_tester.run(PYTHON, TESTER, base, SESSIONS, work / name.replace(" ", "-"), users=args.users,
@@ -116,11 +118,17 @@ def main() -> None:
     ap.add_argument("--time-scale", type=float, default=0.05)
     ap.add_argument("--seed", type=int, default=2)
     ap.add_argument("--out", type=pathlib.Path, default=ROOT / "docs/bench/kv-cache-tester/ab-600s.json")
+    ap.add_argument("--logs", type=pathlib.Path, help="keep each gateway's log here (JSON lines, access lines "
+                    "included: every decision with its session)")
+    ap.add_argument("--only", choices=list(VARIANTS), help="run one variant")
     args = ap.parse_args()
     if not PYTHON.exists():
         sys.exit(f"no kv-cache-tester venv at {PYTHON}: make .venv-kv-tester/.installed")
     with tempfile.TemporaryDirectory(prefix="kv-cache-tester-") as tmp:
-        runs = [one_run(name, agents, args, pathlib.Path(tmp)) for name, agents in VARIANTS.items()]
+        if args.logs:
+            args.logs.mkdir(parents=True, exist_ok=True)
+        runs = [one_run(name, agents, args, pathlib.Path(tmp)) for name, agents in VARIANTS.items()
+                if args.only in (None, name)]
     for r in runs:
         print(f"{r['variant']}: {r['sessions_completed']} of {r['sessions_started']} sessions completed "
               f"({r['sessions_truncated']} cut at the tester's context limit; {r['subagents_completed']} subagents), "

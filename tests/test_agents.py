@@ -256,6 +256,23 @@ def test_a_new_agent_without_a_ttft_slo_waits_for_room_until_its_queue_ttl():
     assert expired.refusal.reason == "ttl_expired"
 
 
+def test_a_new_agent_with_a_ttft_slo_is_not_refused_for_room_while_the_window_has_a_slot_for_it():
+    # live, a burst of new agents got 529 "the window has 36 free slots; the replicas lack room
+    # for new contexts": room holds a step with a TTFT SLO half its time at most, so it waits
+    core = make_core(kv_blocks=1000, max_model_len=16_384, model=STEPS, tenants=[tenant("a", slo={"ttft_s": 2.0})],
+                     policy={"agents": {"idle_timeout_s": 120}})
+    for i, t in enumerate((0.0, 20.0, 40.0)):  # three agents start, one per 20 s: 400-block contexts
+        observe_idle(core, t)
+        [d] = dispatched(_step(core, f"agent-{i}", 6400, t, list(range(1000 * i, 1000 * i + 400))))
+        core.finished(d.request_id, t + 0.5, Terminal.COMPLETED)
+    # 750 blocks fit beside none of them; at one start per ~14 s it would have been refused
+    held = _step(core, "agent-3", 12_000, 41.0, list(range(5000, 5750)))
+    assert not dispatched(held) and not rejected(held) and not observe_idle(core, 41.5)
+    # queued until 42.49 (its 2 s SLO less twice its predicted 0.255 s), half of it for room
+    [d] = dispatched(observe_idle(core, 41.9))
+    assert admission_of(core, d).session == "agent-3"
+
+
 def test_an_active_agents_step_leaves_its_full_home_when_its_deadline_nears():
     core = make_core(model=STEPS, tenants=[tenant("a", slo={"ttft_s": 2.0})],
                      policy={"max_inflight_per_replica": 1})

@@ -571,12 +571,15 @@ def test_8_access_lines_and_backend_health_are_logged(bg_loop, caplog):
         with caplog.at_level(logging.INFO):
             post(f.url + "/v1/completions", {"model": "demo-llm", "prompt": "x", "max_tokens": 3})
             post(f.url + "/v1/completions", {"model": "nope", "prompt": "x"})
+            post(f.url + "/v1/completions", {"model": "demo-llm", "prompt": "x", "max_tokens": 1},
+                 headers={"x-session-id": "s1:sub", "x-parent-session-id": "s1"})
             f._cleanups.pop(0)()
             poll_until(lambda: any(getattr(r, "event", None) == "backend_health" for r in caplog.records),
                        timeout=10, what="backend down logged")
         lines = [r.__dict__ for r in caplog.records if getattr(r, "event", None) == "request"]
-        ok, missing = lines
+        ok, missing, step = lines
         assert ok["outcome"] == "completed" and ok["tenant"] == "alice" and ok["band"] == 0 and ok["status"] == 200
+        assert "session" not in ok and (step["session"], step["parent_session"]) == ("s1:sub", "s1")
         assert ok["completion_tokens"] == 3 and ok["ttft_s"] is not None and ok["queue_wait_s"] is not None
         assert missing["outcome"] == "refused" and missing["reason"] == "model_not_found" and missing["status"] == 404
         down = next(r for r in caplog.records if getattr(r, "event", None) == "backend_health")

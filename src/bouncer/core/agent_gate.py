@@ -83,14 +83,19 @@ class WindowGate:
     def outwaits_ttl(self, adm: Admission, waiting: Container[str], now: float) -> tuple[int, float, int] | None:
         """For a new agent's first step that waits for a slot: (agents waiting before it, the
         expected wait, the window's free slots) when that wait runs past its queue TTL, else
-        None. `waiting`: the agents with a step queued (a subagent's counted as its parent's)."""
+        None. `waiting`: the agents with a step queued (a subagent's counted as its parent's).
+        Never for a step with a TTFT SLO while the window has a slot for it and every agent
+        before it: then only room on the replicas holds it, and half its time at most."""
         w = self.window
         me = adm.parent_session or adm.session
         ahead = sum(1 for s in waiting if s != me and not w.is_active(s))  # type: ignore[attr-defined]
+        free = w.free_slots()
+        if adm.ttft_deadline is not None and free > ahead:
+            return None  # a slot is there for it: only room holds it, half its time at most (`waited_half`)
         wait = w.wait_for_slot(ahead, now)
         if wait is None or now + wait <= adm.deadline:
             return None
-        return ahead, wait, w.free_slots()
+        return ahead, wait, free
 
     def is_newcomer(self, adm: Admission) -> bool:
         """Its step would take a slot: its agent (its parent, for a subagent's) holds none."""

@@ -27,7 +27,11 @@ recomputes it, and throughput collapses (thrashing). So a window W bounds the *a
   slack: a free slot in the window and pool KV usage below U_high (TAPER's rule: extra branches
   are worth running only on capacity nobody else is waiting for). So a fan-out of twelve runs
   its subagents one after another when other agents wait for slots, and all at once when none
-  do. Measured in the `agents` scenario on sessions with subagents (docs/benchmarks.md);
+  do. Measured in the `agents` scenario on sessions with subagents (docs/benchmarks.md). Live,
+  with contexts that keep KV usage above U_high, branches held for slack expire in the queue;
+  letting a branch with a TTFT SLO go after half its time in the queue was tried and left out:
+  the branches let go together were served late (docs/benchmarks.md, "Agents under WEKA's
+  kv-cache-tester");
 - an agent whose next step waits in the gateway's queue is not idle: it is waiting on us, and
   expiring it there would give its slot away and send its step anywhere, prefix lost;
 - an agent lives on one replica, its *home*: the one that ran its latest step and holds its
@@ -59,7 +63,10 @@ recomputes it, and throughput collapses (thrashing). So a window W bounds the *a
   it counts the agents ahead even while the window has free slots (the refusal then says so).
   Leaving the free slots out of the count let new agents wait out their TTL for room instead:
   fewer sessions failed at their first step, but 5% fewer completed per hour at 128 agents, 13%
-  with subagents (24 simulated hours).
+  with subagents (24 simulated hours). A step with a TTFT SLO waits for room half its time at
+  most, so while the window has a slot for it and every agent before it, it is not refused:
+  live, new agents starting together were refused with 529 while the window had 33-36
+  free slots.
 - with several gateways sharing state, each tells the others the agents holding a slot there,
   with their homes and contexts (`own_agents`), and counts theirs (`seen_elsewhere`): the window
   bounds the fleet's agents, not each gateway's (N gateways alone let N windows of agents in,

@@ -4,7 +4,8 @@ rate limit so that no client can flood them.
 Every record goes out as one line with `ts`, `level`, `logger` and `msg`, plus the fields its
 call site passes in `extra` (`event`, `tenant`, `reason`, ...). Loggers:
 - `bouncer.access`: one line per request (`event=request`), its tenant, band, outcome, layer,
-  reason, status, queue wait, TTFT, duration and tokens;
+  reason, status, queue wait, TTFT, duration and tokens, and an agent's step's session (and
+  parent session, for a subagent's);
 - `bouncer.gateway`: backends going unhealthy and back, reloads, reclaimed permits, in-flight
   drift against the engines' own counts, malformed HTTP.
 

@@ -376,6 +376,8 @@ class Gateway:
             reason = Reason.INVALID_REQUEST if err.code == "invalid_json" else Reason.INVALID_PARAMETER
             return self._refuse_early(rid, Refusal(Layer.VALIDATION, reason, err.message, param=err.param), line)
         line.update(model=head.model, stream=bool(body.get("stream")))
+        if head.session_id:  # an agent's step: its decisions can be followed session by session
+            line.update(session=head.session_id, parent_session=head.parent_session_id)
         # the layers that need no prompt first: what they refuse (a flood over its rate limit, a
         # full tenant queue, sheddable traffic while saturated) is never tokenized
         checked = self.core.precheck(head, self.clock())
