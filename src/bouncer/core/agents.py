@@ -29,9 +29,9 @@ recomputes it, and throughput collapses (thrashing). So a window W bounds the *a
   its subagents one after another when other agents wait for slots, and all at once when none
   do. Measured in the `agents` scenario on sessions with subagents (docs/benchmarks.md). Live,
   with contexts that keep KV usage above U_high, branches held for slack expire in the queue;
-  letting a branch with a TTFT SLO go after half its time in the queue was tried and left out:
-  the branches let go together were served late (docs/benchmarks.md, "Agents under WEKA's
-  kv-cache-tester");
+  letting a branch with a TTFT SLO go after half its time in the queue, or holding branches only
+  while the pool thrashes, was tried and left out: subagents' steps gained what the agents' own
+  lost (docs/benchmarks.md, "Agents under WEKA's kv-cache-tester");
 - an agent whose next step waits in the gateway's queue is not idle: it is waiting on us, and
   expiring it there would give its slot away and send its step anywhere, prefix lost;
 - an agent lives on one replica, its *home*: the one that ran its latest step and holds its
