@@ -16,6 +16,7 @@ Needs `.venv-kv-tester` (`make .venv-kv-tester/.installed`, or BOUNCER_KV_TESTER
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import pathlib
@@ -64,18 +65,20 @@ def one_run(name: str, agents: dict, args, work: pathlib.Path) -> dict:
     procs = [subprocess.Popen([sys.executable, "-m", "bouncer", "engine", "--port", url.rsplit(":", 1)[1],
                                "--model", MODEL, "--profile", "qwen3-32b-h200", "--max-model-len", "131072"],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for url in engine_urls]
-    config = work / f"{name.replace(' ', '-')}.yaml"
+    slug = name.replace(" ", "-")
+    config = work / f"{slug}.yaml"
     config.write_text(yaml.safe_dump(gateway_config(port, engine_urls, agents)))
     try:
         for url in engine_urls:
             wait_ok(url + "/health")
-        log = open(args.logs / f"{name.replace(' ', '-')}.jsonl", "w") if args.logs else subprocess.DEVNULL
-        procs.append(subprocess.Popen([sys.executable, "-m", "bouncer", "serve", "--config", str(config),
-                                       "--log-level", "info" if args.logs else "warning", "--log-format", "json"],
-                                      stdout=subprocess.DEVNULL, stderr=log))
+        # the gateway's log goes to its own copy of the file: ours closes once it has started
+        with open(args.logs / f"{slug}.jsonl", "w") if args.logs else contextlib.nullcontext(subprocess.DEVNULL) as log:
+            procs.append(subprocess.Popen([sys.executable, "-m", "bouncer", "serve", "--config", str(config),
+                                           "--log-level", "info" if args.logs else "warning", "--log-format", "json"],
+                                          stdout=subprocess.DEVNULL, stderr=log))
         base = f"http://127.0.0.1:{port}"
         wait_ok(base + "/health")
-        run = kv_cache_tester.run(PYTHON, TESTER, base, SESSIONS, work / name.replace(" ", "-"), users=args.users,
+        run = kv_cache_tester.run(PYTHON, TESTER, base, SESSIONS, work / slug, users=args.users,
                                   seconds=args.duration, time_scale=args.time_scale, seed=args.seed, max_ttft_s=60,
                                   recycle=True)
         with urllib.request.urlopen(base + "/metrics", timeout=10) as resp:
@@ -124,9 +127,9 @@ def main() -> None:
     args = ap.parse_args()
     if not PYTHON.exists():
         sys.exit(f"no kv-cache-tester venv at {PYTHON}: make .venv-kv-tester/.installed")
+    if args.logs:
+        args.logs.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="kv-cache-tester-") as tmp:
-        if args.logs:
-            args.logs.mkdir(parents=True, exist_ok=True)
         runs = [one_run(name, agents, args, pathlib.Path(tmp)) for name, agents in VARIANTS.items()
                 if args.only in (None, name)]
     for r in runs:

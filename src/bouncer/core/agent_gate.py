@@ -91,7 +91,7 @@ class WindowGate:
         ahead = sum(1 for s in waiting if s != me and not w.is_active(s))  # type: ignore[attr-defined]
         free = w.free_slots()
         if adm.ttft_deadline is not None and free > ahead:
-            return None  # a slot is there for it: only room holds it, half its time at most (`waited_half`)
+            return None  # only room holds it, and `waited_half` bounds that
         wait = w.wait_for_slot(ahead, now)
         if wait is None or now + wait <= adm.deadline:
             return None
