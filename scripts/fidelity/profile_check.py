@@ -4,24 +4,16 @@ measured, and the least-squares fit beside the profile's coefficients (fitted to
 decode steps; the mixed steps show whether the terms add up).
 
     .venv/bin/python scripts/fidelity/profile_check.py scripts/fidelity/results/h200-step-times.json
-
-Llama-3.1-8B is shipped derived for an H100 (`llama-3.1-8b-h100`); on the H200 it is compared with
-the same derivation at the H200's memory bandwidth (its peak compute is the H100's).
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 
-from bouncer.sim.profiles import _H200_BW, _LLAMA8, GB, PROFILES
+from bouncer.sim.profiles import PROFILES
 
-DERIVED = {
-    "llama-3.1-8b": dataclasses.replace(PROFILES["llama-3.1-8b-h100"], name="llama-3.1-8b at H200 bandwidth",
-                                        a=16.06 * GB / _H200_BW + 0.001, c=_LLAMA8.bytes_per_token / _H200_BW),
-    "qwen3-32b": PROFILES["qwen3-32b-h200"],
-}
+PROFILE = {"llama-3.1-8b": "llama-3.1-8b-h200", "qwen3-32b": "qwen3-32b-h200"}  # measured shapes -> profile
 
 
 def main() -> None:
@@ -31,7 +23,7 @@ def main() -> None:
     result = json.load(open(args.results))
     print(f"{result['gpu']}, torch {result['torch']}")
     for m in result["models"]:
-        prof = DERIVED[m["model"]]
+        prof = PROFILES[PROFILE[m["model"]]]
         f = m["fit"]
         print(f"\n{m['model']} ({prof.name}): coefficients derived / fitted to the prefill and decode steps")
         print(f"  a {prof.a * 1e3:.2f} / {f['a'] * 1e3:.2f} ms, b {prof.b:.3e} / {f['b']:.3e} s per token, "

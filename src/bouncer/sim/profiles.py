@@ -150,17 +150,25 @@ _LLAMA8 = KVGeometry(layers=32, kv_heads=8, head_dim=128)
 _LLAMA70 = KVGeometry(layers=80, kv_heads=8, head_dim=128)
 _QWEN32 = KVGeometry(layers=64, kv_heads=8, head_dim=128)
 
+
+def _llama_8b(card: str, hardware: str, bandwidth: float, card_gb: float) -> EngineProfile:
+    return EngineProfile(
+        name=f"llama-3.1-8b-{card}", model="meta-llama/Llama-3.1-8B-Instruct", hardware=hardware,
+        # 16.06 GB of weights per step + ~1 ms of scheduling and sampling
+        a=16.06 * GB / bandwidth + 0.001,
+        b=2 * 8.03e9 / (_PEAK * 0.6),
+        c=_LLAMA8.bytes_per_token / bandwidth,
+        d=_attention_flops_per_pair(32, 32, 128) / (_PEAK * 0.6),
+        kv=_LLAMA8, num_blocks=_kv_blocks(card_gb, 16.06, _LLAMA8.bytes_per_token))
+
+
 PROFILES: dict[str, EngineProfile] = {
     p.name: p
     for p in (
-        EngineProfile(
-            name="llama-3.1-8b-h100", model="meta-llama/Llama-3.1-8B-Instruct", hardware="1xH100-80GB",
-            # 16.06 GB of weights per step + ~1 ms of scheduling and sampling
-            a=16.06 * GB / _H100_BW + 0.001,
-            b=2 * 8.03e9 / (_PEAK * 0.6),
-            c=_LLAMA8.bytes_per_token / _H100_BW,
-            d=_attention_flops_per_pair(32, 32, 128) / (_PEAK * 0.6),
-            kv=_LLAMA8, num_blocks=_kv_blocks(80, 16.06, _LLAMA8.bytes_per_token)),
+        _llama_8b("h100", "1xH100-80GB", _H100_BW, 80),
+        # the H100's compute, more bandwidth and memory; checked against step times measured on
+        # one (docs/engine-model.md, "The derived profiles on a real H200")
+        _llama_8b("h200", "1xH200-141GB", _H200_BW, 141),
         EngineProfile(
             name="llama-3.1-70b-4xh100", model="meta-llama/Llama-3.1-70B-Instruct",
             hardware="4xH100-80GB, tensor parallel 4",
