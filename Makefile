@@ -78,8 +78,9 @@ system-tools:
 
 test: $(STAMP) $(VLLM_STAMP) $(GUIDELLM_STAMP) $(KV_TESTER_STAMP) system-tools
 	$(VENV)/bin/ruff check src tests scripts
-	BOUNCER_VLLM_PYTHON=$(VLLM_VENV)/bin/python BOUNCER_GUIDELLM=$(GUIDELLM_VENV)/bin/guidellm \
-	BOUNCER_KV_TESTER_PYTHON=$(KV_TESTER_VENV)/bin/python $(PY) -m pytest
+	# absolute paths: some tests run these from another working directory
+	BOUNCER_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python BOUNCER_GUIDELLM=$(abspath $(GUIDELLM_VENV))/bin/guidellm \
+	BOUNCER_KV_TESTER_PYTHON=$(abspath $(KV_TESTER_VENV))/bin/python $(PY) -m pytest
 
 # everything but the slowest end-to-end tests (the overload flood, real vLLM)
 test-fast: $(STAMP)

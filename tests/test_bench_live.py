@@ -12,7 +12,7 @@ from bouncer.bench import live
 from bouncer.sim.fleet import SimRequest
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-GUIDELLM = pathlib.Path(os.environ.get("BOUNCER_GUIDELLM", REPO / ".venv-guidellm/bin/guidellm"))
+GUIDELLM = REPO / os.environ.get("BOUNCER_GUIDELLM", ".venv-guidellm/bin/guidellm")  # a relative path is from the repository
 
 
 def _request(rid: str, digests: list[int], prompt: int) -> SimRequest:

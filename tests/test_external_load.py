@@ -22,7 +22,7 @@ from gateway_setup import tenant
 from servers import BackgroundLoop, EngineProcess, poll_until, stop_all
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-GUIDELLM = pathlib.Path(os.environ.get("BOUNCER_GUIDELLM", REPO / ".venv-guidellm/bin/guidellm"))
+GUIDELLM = REPO / os.environ.get("BOUNCER_GUIDELLM", ".venv-guidellm/bin/guidellm")  # a relative path is from the repository
 
 
 def _gateway(bg_loop, engines: list[EngineProcess], **policy):

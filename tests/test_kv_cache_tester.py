@@ -25,7 +25,7 @@ from servers import BackgroundLoop, EngineProcess, poll_until, stop_all
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TESTER = REPO / "third_party/kv-cache-tester/trace_replay_tester.py"
-PYTHON = pathlib.Path(os.environ.get("BOUNCER_KV_TESTER_PYTHON", REPO / ".venv-kv-tester/bin/python"))
+PYTHON = REPO / os.environ.get("BOUNCER_KV_TESTER_PYTHON", ".venv-kv-tester/bin/python")  # a relative path is from the repository
 SESSIONS = REPO / "data/traces/weka-claude-code/subagents"
 MODEL = "qwen3-32b"
 WINDOW = 6  # active agents at most: fewer than the tester's 8 sessions

@@ -25,7 +25,7 @@ from gateway_setup import tenant as gw_tenant
 from servers import BackgroundLoop, EngineProcess, free_port, stop_all
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-GUIDELLM = pathlib.Path(os.environ.get("BOUNCER_GUIDELLM", REPO / ".venv-guidellm/bin/guidellm"))
+GUIDELLM = REPO / os.environ.get("BOUNCER_GUIDELLM", ".venv-guidellm/bin/guidellm")  # a relative path is from the repository
 POLICY = {"telemetry": {"staleness_s": 2.0, "on_stale": "fail-closed"}}
 
 

@@ -22,7 +22,7 @@ from gateway_setup import Fleet, tenant
 from servers import BackgroundLoop, EngineProcess, stop_all
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-GUIDELLM = pathlib.Path(os.environ.get("BOUNCER_GUIDELLM", REPO / ".venv-guidellm/bin/guidellm"))
+GUIDELLM = REPO / os.environ.get("BOUNCER_GUIDELLM", ".venv-guidellm/bin/guidellm")  # a relative path is from the repository
 SPEED = 4.0
 
 

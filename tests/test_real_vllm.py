@@ -26,7 +26,7 @@ from conftest import start_gateway
 from servers import BackgroundLoop, free_port, poll_until, wait_answering
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-VLLM_PYTHON = pathlib.Path(os.environ.get("BOUNCER_VLLM_PYTHON", REPO / ".venv-vllm/bin/python"))
+VLLM_PYTHON = REPO / os.environ.get("BOUNCER_VLLM_PYTHON", ".venv-vllm/bin/python")  # a relative path is from the repository
 MODEL_DIR = REPO / ".cache/tiny-model"
 KV_BLOCKS = 16  # of 128 tokens on the CPU backend: 2,048 tokens, so a burst overloads it
 MAX_QUEUED = 6  # vLLM refuses (503) beyond this many running + waiting requests
