@@ -362,6 +362,12 @@ def cmd_bench_report(args) -> None:
     print(f"wrote {write_report(args.files, args.out)}")
 
 
+def cmd_reference(args) -> None:
+    from bouncer.reference import run
+
+    sys.exit(run(args.check, pathlib.Path(args.out) if args.out else None))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="bouncer", description="Admission control for LLM inference fleets.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -410,6 +416,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = config.add_parser("hash-key", help="SHA-256 digest of an API key, for api_keys_sha256")
     p.add_argument("key")
     p.set_defaults(func=cmd_config_hash_key)
+
+    p = sub.add_parser("reference", help="write the reference pages generated from the code (docs/reference: "
+                       "configuration, metrics, CLI, HTTP API)")
+    p.add_argument("--check", action="store_true", help="write nothing; exit 1 naming the pages that differ from "
+                   "what the code generates now")
+    p.add_argument("--out", metavar="DIR", help="the pages' folder (default: docs/reference of this checkout)")
+    p.set_defaults(func=cmd_reference)
 
     from bouncer.bench.goodput import POLICIES, STEP_TIMES
     from bouncer.core.registry import ROUTERS

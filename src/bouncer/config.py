@@ -36,33 +36,59 @@ def key_digest(api_key: str) -> str:
 
 
 class RateLimit(_Strict):
-    requests_per_s: float | None = Field(None, gt=0, description="sustained request rate")
-    request_burst: int | None = Field(None, ge=1, description="bucket size; default 2 s of rate")
-    tokens_per_min: float | None = Field(None, gt=0, description="prompt + max_tokens per minute")
-    token_burst: int | None = Field(None, ge=1, description="default 10 s worth of tokens_per_min")
+    """A tenant's rate limits, token buckets: past one, its requests are refused (429 with
+    Retry-After) before they queue. With `shared_state`, enforced once for all gateways."""
+
+    requests_per_s: float | None = Field(None, gt=0, description="sustained request rate, requests per second; "
+                                                                 "unset: no request limit")
+    request_burst: int | None = Field(None, ge=1, description="the request bucket's size, requests; default 2 s "
+                                                              "of requests_per_s")
+    tokens_per_min: float | None = Field(None, gt=0, description="sustained token rate, tokens per minute, each "
+                                                                 "request counting prompt + max_tokens; unset: no "
+                                                                 "token limit")
+    token_burst: int | None = Field(None, ge=1, description="the token bucket's size, tokens; default 10 s worth of "
+                                                            "tokens_per_min")
 
 
 class SLO(_Strict):
-    ttft_s: float | None = Field(None, gt=0)
-    tpot_s: float | None = Field(None, gt=0)
+    """A tenant's latency targets, which its requests are queued, refused and placed against;
+    a request may tighten them (x-bouncer-ttft-ms, x-bouncer-tpot-ms), never loosen them."""
+
+    ttft_s: float | None = Field(None, gt=0, description="time to first token, seconds from arrival at the gateway; "
+                                                         "unset: no TTFT target")
+    tpot_s: float | None = Field(None, gt=0, description="time per output token after the first (a request's mean), "
+                                                         "seconds; unset: no TPOT target")
     on_infeasible: Literal["refuse", "best-effort"] = Field(
         "refuse", description="a request predicted to miss its TTFT SLO: refuse it (429 deadline_infeasible), "
                               "or serve it without a deadline in policy.best_effort_priority's band")
 
 
 class Tenant(_Strict):
-    name: str = Field(min_length=1)
-    api_keys_sha256: list[str] = Field(min_length=1)
-    priority: int = 0
-    weight: float = Field(1.0, gt=0, description="fair share inside its band")
-    rate_limit: RateLimit = RateLimit()
-    max_tokens_default: int = Field(512, ge=1)
-    max_tokens_cap: int = Field(4096, ge=1)
-    context_cap: int | None = Field(None, ge=1, description="prompt + max_tokens ceiling")
-    kv_share: float = Field(0.0, ge=0, le=1, description="fraction of the pool reserved for this tenant")
-    slo: SLO = SLO()
-    queue_ttl_s: float | None = Field(None, gt=0, description="default: policy.default_ttl_s")
-    models: list[str] = Field(default_factory=list, description="allowed models; empty means all")
+    """Who sends requests: a tenant is known by its API keys and has a band (its priority), a
+    weight inside the band, limits and latency targets."""
+
+    name: str = Field(min_length=1, description="the tenant's name in metrics, logs and errors; unique")
+    api_keys_sha256: list[str] = Field(min_length=1, description="SHA-256 hex digests of the API keys (Authorization: "
+                                                                 "Bearer KEY) that are this tenant's (`bouncer config "
+                                                                 "hash-key KEY`); a key belongs to one tenant")
+    priority: int = Field(0, description="its band: higher is more important and dispatched first; below 0 is "
+                                         "sheddable (refused first under load)")
+    weight: float = Field(1.0, gt=0, description="fair share inside its band, relative to the band's other tenants' "
+                                                 "(tokens served, policy.fairness)")
+    rate_limit: RateLimit = Field(RateLimit(), description="request and token rate limits; unset: none")
+    max_tokens_default: int = Field(512, ge=1, description="max_tokens of a request that sets none, tokens")
+    max_tokens_cap: int = Field(4096, ge=1, description="a larger max_tokens is cut to this, tokens")
+    context_cap: int | None = Field(None, ge=1, description="prompt + max_tokens ceiling, tokens (tightened while "
+                                                            "the pool is under pressure, policy."
+                                                            "context_pressure_start); unset: the model's "
+                                                            "max_model_len")
+    kv_share: float = Field(0.0, ge=0, le=1, description="fraction of the pool's KV reserved for this tenant, lent "
+                                                         "to others while it does not use it; the tenants' shares "
+                                                         "add up to 1 at most")
+    slo: SLO = Field(SLO(), description="latency targets; unset: none")
+    queue_ttl_s: float | None = Field(None, gt=0, description="longest a request may wait queued, seconds (then 503 "
+                                                              "with Retry-After); default: policy.default_ttl_s")
+    models: list[str] = Field(default_factory=list, description="names of the models it may use; empty means all")
 
     @field_validator("api_keys_sha256")
     @classmethod
@@ -77,10 +103,13 @@ class Tenant(_Strict):
 
 
 class KVGeometryConfig(_Strict):
-    layers: int = Field(ge=1)
-    kv_heads: int = Field(ge=1)
-    head_dim: int = Field(ge=1)
-    dtype_bytes: int = Field(2, ge=1)
+    """The model's KV-cache geometry, which turns a backend's kv_cache_gb into blocks: KV bytes
+    per token = 2 (K and V) x layers x kv_heads x head_dim x dtype_bytes."""
+
+    layers: int = Field(ge=1, description="transformer layers")
+    kv_heads: int = Field(ge=1, description="KV heads per layer (with GQA the KV heads, not the attention heads)")
+    head_dim: int = Field(ge=1, description="elements per head")
+    dtype_bytes: int = Field(2, ge=1, description="bytes per KV element (2: fp16 or bf16, 1: fp8)")
 
     @property
     def bytes_per_token(self) -> int:
@@ -88,10 +117,16 @@ class KVGeometryConfig(_Strict):
 
 
 class Backend(_Strict):
-    url: str
-    name: str | None = None
-    kv_blocks: int | None = Field(None, ge=1, description="KV blocks; else scraped or from kv_cache_gb")
-    kv_cache_gb: float | None = Field(None, gt=0, description="KV memory; blocks = bytes / (geometry x block)")
+    """One replica of a model: an engine's OpenAI-compatible HTTP server."""
+
+    url: str = Field(description="the engine's base URL, http:// or https:// (its /v1 API and /metrics)")
+    name: str | None = Field(None, description="the replica's name in metrics, logs and /admin/state; default "
+                                               "MODEL/INDEX")
+    kv_blocks: int | None = Field(None, ge=1, description="KV-cache blocks (of block_size tokens) on the replica; "
+                                                          "unset: scraped (vLLM's cache_config_info) or from "
+                                                          "kv_cache_gb")
+    kv_cache_gb: float | None = Field(None, gt=0, description="KV-cache memory, GB (10^9 bytes); blocks = bytes / "
+                                                              "(the model's kv bytes per token x block_size)")
     kv_offload_blocks: int = Field(0, ge=0, description="host-memory KV blocks (vLLM --kv-offloading-size); the "
                                                         "approximate prefix index covers them too")
     kv_events: str | None = Field(None, description="the engine's KV-event publisher (vLLM --kv-events-config "
@@ -134,7 +169,8 @@ class StepTimeConfig(_Strict):
     a: float | None = Field(None, gt=0, description="seconds per step")
     b: float | None = Field(None, ge=0, description="seconds per batched token")
     c: float | None = Field(None, ge=0, description="seconds per context token attention reads")
-    max_batched_tokens: int = Field(8192, ge=1, description="the engine's --max-num-batched-tokens")
+    max_batched_tokens: int = Field(8192, ge=1, description="the engine's --max-num-batched-tokens: tokens "
+                                                                 "one step computes at most")
     d: float | None = Field(None, ge=0, description="seconds per attention pair (a prompt token computed, a token "
                                                     "before it): prefill attention's compute, quadratic in the prompt")
     e: float | None = Field(None, ge=0, description="seconds of a first token outside the prefill steps (the step "
@@ -162,15 +198,23 @@ class StepTimeConfig(_Strict):
 
 
 class ModelConfig(_Strict):
+    """A model the gateway serves, and the replicas that serve it."""
+
     name: str = Field(min_length=1, description="served model name clients ask for")
-    engine: EngineKind = "vllm"
-    backends: list[Backend] = Field(min_length=1)
-    tokenizer: str | None = Field(None, description="tokenizer.json path; default: a stated estimate")
+    engine: EngineKind = Field("vllm", description="the backends' engine, which says which metrics to scrape for "
+                                                   "their load and KV (openai: none, a liveness probe; load from "
+                                                   "the gateway's own accounting)")
+    backends: list[Backend] = Field(min_length=1, description="the replicas: all role `both`, or prefill and decode "
+                                                              "workers")
+    tokenizer: str | None = Field(None, description="the model's tokenizer.json path, so prompt token counts and "
+                                                    "prefix blocks match the engine's; unset: an estimate of one "
+                                                    "token per 4 UTF-8 bytes")
     tokenizer_cache_tokens: int = Field(4_000_000, ge=0, description="token ids of chat messages kept (4 bytes "
                                         "each), so a conversation sent again costs only its new messages; 0: off")
-    max_model_len: int = Field(8192, ge=16)
-    block_size: int = Field(16, ge=1)
-    kv: KVGeometryConfig | None = None
+    max_model_len: int = Field(8192, ge=16, description="the model's context length, tokens: prompt + max_tokens "
+                                                        "must fit (the engine's --max-model-len)")
+    block_size: int = Field(16, ge=1, description="tokens per KV block (the engine's --block-size)")
+    kv: KVGeometryConfig | None = Field(None, description="the KV geometry, needed for a backend's kv_cache_gb")
     step_time: StepTimeConfig = Field(default_factory=StepTimeConfig,
                                       description="latency prediction (SLO feasibility, the TPOT hold): the engine's "
                                                   "step time, learned by default")
@@ -195,17 +239,29 @@ class ModelConfig(_Strict):
 
 
 class Queues(_Strict):
-    max_requests: int = Field(2000, ge=0, description="whole waiting room")
-    max_tokens: int = Field(4_000_000, ge=0, description="queued prefill tokens, whole waiting room")
-    band_max_requests: int = Field(1000, ge=0)
-    tenant_max_requests: int = Field(256, ge=0)
-    tenant_max_tokens: int = Field(1_000_000, ge=0)
+    """The gateway's waiting room, one per model: how many requests and prompt tokens may wait
+    in all, per band and per tenant. At a cap, a newcomer evicts the lowest sheddable request
+    queued below its band, or is refused with Retry-After."""
+
+    max_requests: int = Field(2000, ge=0, description="requests queued in the whole waiting room")
+    max_tokens: int = Field(4_000_000, ge=0, description="prompt tokens queued in the whole waiting room, tokens")
+    band_max_requests: int = Field(1000, ge=0, description="requests queued in one priority band")
+    tenant_max_requests: int = Field(256, ge=0, description="requests one tenant may have queued in a band "
+                                                            "(429 tenant_queue_full past it)")
+    tenant_max_tokens: int = Field(1_000_000, ge=0, description="prompt tokens one tenant may have queued in a band, "
+                                                                "tokens (429 tenant_queue_full past it)")
 
 
 class Telemetry(_Strict):
-    scrape_interval_s: float = Field(0.25, gt=0)
-    staleness_s: float = Field(2.0, gt=0, description="older telemetry makes a replica count as on_stale says")
-    on_stale: Literal["fail-closed", "fail-open"] = "fail-closed"
+    """How the gateway reads each replica's load (the engine's /metrics), and what a replica whose
+    reading is too old counts as."""
+
+    scrape_interval_s: float = Field(0.25, gt=0, description="seconds between scrapes of each replica's metrics")
+    staleness_s: float = Field(2.0, gt=0, description="telemetry older than this, seconds, makes a replica count as "
+                                                      "on_stale says")
+    on_stale: Literal["fail-closed", "fail-open"] = Field(
+        "fail-closed", description="a replica with stale telemetry: fail-closed counts it saturated, fail-open "
+                                   "judges it by the gateway's own accounting alone")
     alive_from_streams: bool = Field(True, description="a replica streaming tokens to the gateway's requests is "
                                                        "answering though its scrape is late or timed out: usable, "
                                                        "judged by the gateway's own accounting (fail-closed then "
@@ -213,18 +269,27 @@ class Telemetry(_Strict):
 
 
 class Breaker(_Strict):
-    failures: int = Field(5, ge=1, description="failures within window_s that open the breaker")
-    window_s: float = Field(30.0, gt=0)
-    open_s: float = Field(15.0, gt=0, description="time open before one probe is let through")
+    """Each tenant's circuit breaker. A failure is a request of the tenant that ran into the
+    context limit (a runaway) or timed out upstream; while open, the tenant's requests are
+    refused, until one probe is let through and succeeds."""
+
+    failures: int = Field(5, ge=1, description="failures (requests) within window_s that open the breaker")
+    window_s: float = Field(30.0, gt=0, description="the sliding window failures are counted in, seconds")
+    open_s: float = Field(15.0, gt=0, description="seconds open before one probe is let through")
 
 
 class Saturation(_Strict):
-    # llm-d's utilization detector, max(queue / queue threshold, KV / KV threshold) averaged over
-    # replicas; llm-d's defaults are 5 and 0.8. Bouncer runs the pool hotter (vLLM preempts only at
-    # 100% KV) and leaves the margin to the band ceilings: sheddable bands stop at 0.8 of this.
-    detector: str = Field("utilization", description="the saturation detector (bouncer.core.registry)")
-    queue_depth_threshold: float = Field(8.0, gt=0)
-    kv_threshold: float = Field(0.95, gt=0, le=1)
+    """Fleet saturation, which the band ceilings are compared with (1: saturated). llm-d's
+    utilization detector: max(queue / queue threshold, KV / KV threshold) per replica, averaged
+    over the replicas; llm-d's defaults are 5 and 0.8. Bouncer runs the pool hotter (vLLM
+    preempts only at 100% KV) and leaves the margin to the band ceilings: sheddable bands stop at
+    0.8 of this."""
+
+    detector: str = Field("utilization", description="the saturation detector, by name (bouncer.core.registry)")
+    queue_depth_threshold: float = Field(8.0, gt=0, description="requests waiting in a replica's engine that make it "
+                                                                "saturated (1)")
+    kv_threshold: float = Field(0.95, gt=0, le=1, description="KV usage (fraction of the replica's blocks) that "
+                                                              "makes it saturated (1)")
 
     @field_validator("detector")
     @classmethod
@@ -241,19 +306,25 @@ class Routing(_Strict):
 
     router: str = Field("prefix-aware", description="round-robin | least-loaded | llmd-scorers | "
                                                     "sglang-cache-aware | prefix-aware (bouncer.core.registry)")
-    queue_weight: float = Field(1.0, ge=0)
-    prefix_weight: float = Field(1.0, ge=0)
-    kv_weight: float = Field(1.0, ge=0)
-    sticky_margin: float = Field(1.0, ge=0, description="relative TTFT excess at which a warm replica "
-                                                        "loses its claim")
+    queue_weight: float = Field(1.0, ge=0, description="weight of the prefill tokens queued on a replica in its "
+                                                       "cost (per prefill_busy_tokens)")
+    prefix_weight: float = Field(1.0, ge=0, description="weight of this prompt's tokens not cached on a replica "
+                                                        "(per prefill_busy_tokens)")
+    kv_weight: float = Field(1.0, ge=0, description="weight of a replica's projected KV usage (a fraction)")
+    sticky_margin: float = Field(1.0, ge=0, description="relative TTFT excess (a fraction of the cheapest replica's "
+                                                        "predicted TTFT) at which a warm replica loses its claim")
     sticky_slack_tokens: int = Field(8192, ge=0, description="absolute prefill-token excess always tolerated "
                                                              "(one step's batch at vLLM's default budget)")
-    kv_events_staleness_s: float = Field(10.0, gt=0, description="no KV event this long after sending work "
-                                                                 "there: fall back to the approximate index")
+    kv_events_staleness_s: float = Field(10.0, gt=0, description="no KV event this long (seconds) after sending "
+                                                                 "work there: fall back to the approximate index")
     # sglang-cache-aware, with the SGLang model gateway's defaults (docs/advanced_features/sgl_model_gateway.md)
-    cache_threshold: float = Field(0.3, ge=0, le=1)
-    balance_abs_threshold: int = Field(64, ge=0)
-    balance_rel_threshold: float = Field(1.5, ge=1)
+    cache_threshold: float = Field(0.3, ge=0, le=1, description="sglang-cache-aware: share of the prompt a "
+                                                                "worker's prefix match must cover to win")
+    balance_abs_threshold: int = Field(64, ge=0, description="sglang-cache-aware: requests in flight by which the "
+                                                             "most loaded worker must exceed the least (and by "
+                                                             "balance_rel_threshold) for the least loaded to win")
+    balance_rel_threshold: float = Field(1.5, ge=1, description="sglang-cache-aware: and the ratio, most over least "
+                                                                "loaded, it must exceed")
 
     @field_validator("router")
     @classmethod
@@ -271,22 +342,27 @@ class AgentWindowConfig(_Strict):
     `ROOT<separator>...` sent without that header names one too (WEKA's kv-cache-tester sends
     `PARENT:AGENT`)."""
 
-    enabled: bool = True
-    session_from_user: bool = False
+    enabled: bool = Field(True, description="requests with x-session-id are steps of agents, admitted through the "
+                                            "window; off: plain requests")
+    session_from_user: bool = Field(False, description="the OpenAI `user` field names a session too")
     subagent_separator: str | None = Field(
         None, min_length=1, description="a session id ROOT<separator>REST with no x-parent-session-id is a subagent "
         "of the agent ROOT, in its slot (kv-cache-tester: ':'); off by default: ids may hold it for other reasons")
     initial: int = Field(16, ge=1, description="active agents allowed at start")
-    min: int = Field(1, ge=1)
-    max: int = Field(4096, ge=1)
-    alpha: float = Field(2.0, gt=0, description="additive increase while KV usage < u_low")
-    beta: float = Field(0.5, gt=0, lt=1, description="multiplicative decrease while thrashing")
-    u_low: float = Field(0.2, ge=0, le=1)
-    u_high: float = Field(0.5, ge=0, le=1)
-    h_thresh: float = Field(0.2, ge=0, le=1, description="prefix-cache hit rate below which full KV is thrashing")
-    update_interval_s: float = Field(1.0, gt=0)
-    idle_timeout_s: float = Field(30.0, gt=0, description="an agent with no step for this long is no longer active")
-    memory_s: float = Field(86400.0, ge=0, description="an agent that idled out is remembered this long: "
+    min: int = Field(1, ge=1, description="active agents the window never shrinks below")
+    max: int = Field(4096, ge=1, description="active agents the window never grows past")
+    alpha: float = Field(2.0, gt=0, description="additive increase, agents per update, while pool KV usage < u_low")
+    beta: float = Field(0.5, gt=0, lt=1, description="multiplicative decrease, a factor per update, while "
+                                                     "thrashing (KV usage > u_high and hit rate < h_thresh)")
+    u_low: float = Field(0.2, ge=0, le=1, description="pool KV usage (fraction) below which the window grows")
+    u_high: float = Field(0.5, ge=0, le=1, description="pool KV usage (fraction) above which a low hit rate shrinks "
+                                                       "the window; subagents' extra branches run only below it")
+    h_thresh: float = Field(0.2, ge=0, le=1, description="prefix-cache hit rate (fraction) below which full KV is "
+                                                         "thrashing")
+    update_interval_s: float = Field(1.0, gt=0, description="seconds between the window's AIMD updates")
+    idle_timeout_s: float = Field(30.0, gt=0, description="an agent with no step for this long, seconds, is no "
+                                                          "longer active and frees its slot")
+    memory_s: float = Field(86400.0, ge=0, description="an agent that idled out is remembered this long, seconds: "
                             "when it comes back, its steps go before those of new agents")
     max_parallel: int = Field(8, ge=1, description="steps of one agent in flight at once, its subagents' included "
                               "(fan-out cap)")
@@ -311,64 +387,91 @@ class Retries(_Strict):
                     "once that has passed it is what its tenant's slo.on_infeasible says: refused (429 "
                     "retry_past_deadline) or run best-effort, behind every request that can still meet its SLO; "
                     "fresh: a retry is a new request with its own deadline")
-    remember_s: float = Field(120.0, gt=0, description="how long a request's first attempt is remembered")
+    remember_s: float = Field(120.0, gt=0, description="how long a request's first attempt is remembered, "
+                                                            "seconds")
     max_remembered: int = Field(100_000, ge=1, description="most first attempts remembered (the oldest go first)")
 
 
 class Policy(_Strict):
-    kv_reservation: Literal["overcommit", "reserve"] = "overcommit"
-    kv_busy_threshold: float = Field(0.92, gt=0, le=1, description="projected KV usage that marks a replica busy")
-    kv_resume_threshold: float = Field(0.85, gt=0, le=1, description="busy replica is usable again below this")
+    """How the core admits, queues, orders and places requests, for every model."""
+
+    kv_reservation: Literal["overcommit", "reserve"] = Field(
+        "overcommit", description="the KV a request is planned to hold: overcommit, its prompt and its tenant's "
+                                  "learned expected output; reserve, its prompt and all of max_tokens")
+    kv_busy_threshold: float = Field(0.92, gt=0, le=1, description="projected KV usage (fraction of the replica's "
+                                                                   "blocks) that marks a replica busy")
+    kv_resume_threshold: float = Field(0.85, gt=0, le=1, description="a busy replica is usable again once its "
+                                                                     "projected KV usage (fraction) is below this")
     prefill_busy_tokens: int = Field(8192, ge=1, description="queued prefill tokens that mark a replica full for "
                                                                "now: about one engine step (vLLM's default budget), "
                                                                "so backlogs wait in the gateway, where they are "
                                                                "ordered by priority and fairness (sheddable "
                                                                "requests' prefill alone does not mark it full for "
                                                                "bands >= 0)")
-    max_inflight_per_replica: int = Field(1024, ge=1)
-    fairness: str = Field("wdrr", description="wdrr | round-robin (bouncer.core.registry)")
-    wdrr_quantum_tokens: int = Field(4096, ge=1)
+    max_inflight_per_replica: int = Field(1024, ge=1, description="requests in flight on one replica at most")
+    fairness: str = Field("wdrr", description="how a band's tenants share it: wdrr (weighted deficit round-robin in "
+                                              "tokens) | round-robin (bouncer.core.registry)")
+    wdrr_quantum_tokens: int = Field(4096, ge=1, description="credit a tenant gets per WDRR turn, tokens, times its "
+                                                             "weight")
     fair_hold_s: float = Field(5.0, ge=0, description="a tenant whose turn it is and whose queue head finds no "
-                                                      "replica with room holds its band's room for that long: "
+                                                      "replica with room holds its band's room that long, seconds: "
                                                       "the others do not take it with smaller requests meanwhile "
                                                       "(0: they always may)")
     fleet_shares_window_s: float = Field(10.0, gt=0, description="with several gateways sharing state: tenants' "
-                                                                 "served tokens decay with this time constant, so "
+                                                                 "served tokens decay with this time constant, "
+                                                                 "seconds, so "
                                                                  "weighted shares across gateways hold over the "
                                                                  "recent past")
     fleet_shares_slack_tokens: float = Field(8192, ge=0, description="with several gateways sharing state: a "
                                                                      "tenant is held back while its served tokens "
                                                                      "over weight lead a tenant of its band queued "
-                                                                     "at another gateway by more than this")
-    ordering: str = Field("edf", description="edf | fcfs (bouncer.core.registry)")
-    default_ttl_s: float = Field(30.0, gt=0)
+                                                                     "at another gateway by more than this, tokens")
+    ordering: str = Field("edf", description="which queued request goes first: edf (earliest TTFT deadline) | fcfs "
+                                             "(arrival) (bouncer.core.registry)")
+    default_ttl_s: float = Field(30.0, gt=0, description="longest a request may wait queued, seconds, where its "
+                                                         "tenant sets no queue_ttl_s (then 503 with Retry-After)")
     band_ceilings: dict[int, float] = Field(default_factory=dict,
-                                            description="saturation ceiling per priority band")
-    default_ceiling: float = Field(1.0, gt=0, description="ceiling for band 0 (and others not listed)")
-    priority_ceiling: float = Field(1.2, gt=0, description="ceiling for bands above 0 not listed in band_ceilings: "
-                                                            "protected traffic may run the pool hotter")
+                                            description="saturation ceiling per priority band (band: ceiling): the "
+                                                        "fleet saturation under which the band dispatches")
+    default_ceiling: float = Field(1.0, gt=0, description="saturation ceiling for band 0 unless band_ceilings lists "
+                                                          "it")
+    priority_ceiling: float = Field(1.2, gt=0, description="saturation ceiling for bands above 0 not listed in "
+                                                            "band_ceilings: protected traffic may run the pool "
+                                                            "hotter")
     project_recent_dispatches: bool = Field(True, description="add what was sent since a replica's last scrape to "
                                                               "its scraped KV usage")
-    sheddable_ceiling: float = Field(0.8, gt=0, description="ceiling for bands below zero")
-    context_pressure_start: float = Field(0.8, ge=0, le=1, description="pool usage where context caps tighten")
-    context_pressure_min_fraction: float = Field(0.25, gt=0, le=1)
+    sheddable_ceiling: float = Field(0.8, gt=0, description="saturation ceiling for bands below zero not listed in "
+                                                            "band_ceilings")
+    context_pressure_start: float = Field(0.8, ge=0, le=1, description="pool KV usage (fraction) above which context "
+                                                                       "caps tighten: the prompt + max_tokens a "
+                                                                       "request may dispatch with shrinks linearly "
+                                                                       "from its cap toward "
+                                                                       "context_pressure_min_fraction of it at full "
+                                                                       "usage; longer ones wait")
+    context_pressure_min_fraction: float = Field(0.25, gt=0, le=1, description="share of a context cap (a tenant's "
+                                                                               "context_cap or max_model_len) left "
+                                                                               "at full pool usage")
     drain_queue_cap: int = Field(64, ge=0, description="requests held per model while draining")
-    upstream_refusal_cooldown_s: float = Field(0.5, ge=0, description="rest a replica that refused a request; "
-                                                                      "doubled for each refusal in a row (none "
+    upstream_refusal_cooldown_s: float = Field(0.5, ge=0, description="seconds a replica that refused a request "
+                                                                      "rests, doubled for each refusal in a row (none "
                                                                       "started there between), or as long as its "
                                                                       "Retry-After says, up to "
                                                                       "upstream_refusal_cooldown_max_s")
-    upstream_refusal_cooldown_max_s: float = Field(30.0, ge=0)
+    upstream_refusal_cooldown_max_s: float = Field(30.0, ge=0, description="the longest rest after refusals, "
+                                                                          "seconds, whatever the doubling or a "
+                                                                          "Retry-After")
     upstream_refusal_retries: int = Field(3, ge=1, description="a replica that refused this many requests in a row "
                                                                "while running none of ours refuses everything; a "
                                                                "request that every usable replica refuses so ends "
                                                                "with 503 upstream_refused")
-    permit_lease_s: float = Field(60.0, gt=0, description="an admitted request's permit lives this long unless "
+    permit_lease_s: float = Field(60.0, gt=0, description="an admitted request's permit lives this many seconds "
+                                                          "unless "
                                                           "the shell renews it (it does while the request runs); "
                                                           "one never renewed is reclaimed and counted, so a lost "
                                                           "permit costs a slot for a while, not for ever")
     inflight_drift_s: float = Field(30.0, gt=0, description="a replica's engine reporting fewer requests than the "
-                                                            "gateway has in flight there for this long is reported")
+                                                            "gateway has in flight there for this long, "
+                                                            "seconds, is reported")
     ttl_within_slo: bool = Field(True, description="a queued request expires once waiting longer would make it late: "
                                                    "its TTFT SLO minus its band's margin x the best predicted TTFT "
                                                    "at arrival (without a step-time model, slo_queue_fraction of "
@@ -412,17 +515,23 @@ class Policy(_Strict):
     tpot_guard: bool = Field(True, description="per replica, cut the in-flight limit when completed requests "
                                                "ran slower than their TPOT SLO, or the queued prefill it "
                                                "takes where short answers did (AIMD)")
-    tpot_guard_margin: float = Field(0.9, gt=0, le=1, description="target = strictest TPOT SLO x this")
-    tpot_guard_increase: float = Field(0.25, gt=0, description="in-flight limit added per fast completion")
-    min_inflight_per_replica: int = Field(4, ge=1, description="the TPOT guard never cuts below this")
-    expected_output_default: int = Field(256, ge=1, description="before any request has finished")
-    queues: Queues = Queues()
-    retries: Retries = Retries()
-    routing: Routing = Routing()
-    agents: AgentWindowConfig = AgentWindowConfig()
-    telemetry: Telemetry = Telemetry()
-    breaker: Breaker = Breaker()
-    saturation: Saturation = Saturation()
+    tpot_guard_margin: float = Field(0.9, gt=0, le=1, description="the TPOT guard's target: the strictest TPOT SLO "
+                                                                  "x this (a fraction)")
+    tpot_guard_increase: float = Field(0.25, gt=0, description="requests added to the in-flight limit per fast "
+                                                               "completion")
+    min_inflight_per_replica: int = Field(4, ge=1, description="requests: the TPOT guard never cuts a replica's "
+                                                               "in-flight limit below this")
+    expected_output_default: int = Field(256, ge=1, description="output tokens a request is expected to produce "
+                                                                "before any of its tenant's requests has finished "
+                                                                "(then learned)")
+    queues: Queues = Field(Queues(), description="the waiting room's caps")
+    retries: Retries = Field(Retries(), description="how a client's retry of a request is treated")
+    routing: Routing = Field(Routing(), description="which replica an admitted request goes to")
+    agents: AgentWindowConfig = Field(AgentWindowConfig(), description="the active-agent window (requests with "
+                                                                       "x-session-id)")
+    telemetry: Telemetry = Field(Telemetry(), description="scraping the replicas, and what stale telemetry means")
+    breaker: Breaker = Field(Breaker(), description="each tenant's circuit breaker")
+    saturation: Saturation = Field(Saturation(), description="how fleet saturation is computed")
 
     @field_validator("fairness")
     @classmethod
@@ -442,23 +551,26 @@ class Policy(_Strict):
 
 
 class Limits(_Strict):
-    max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
-    max_n: int = Field(1, ge=1)
-    max_best_of: int = Field(1, ge=1)
-    max_stop: int = Field(4, ge=0)
-    max_tokens_min: int = Field(1, ge=1)
+    """Limits on a request's shape, checked first: past one, it is refused (400, 413 for the body)."""
+
+    max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="largest request body, bytes (413 past it)")
+    max_n: int = Field(1, ge=1, description="largest `n`, completions per request")
+    max_best_of: int = Field(1, ge=1, description="largest `best_of`, candidates per request")
+    max_stop: int = Field(4, ge=0, description="most stop sequences in `stop`")
+    max_tokens_min: int = Field(1, ge=1, description="smallest max_tokens a request may ask for, tokens")
 
 
 class Listen(_Strict):
     """The gateway's own HTTP server, and how long it waits for slow or idle clients."""
 
-    host: str = "127.0.0.1"
-    port: int = Field(8000, ge=0, le=65535)
+    host: str = Field("127.0.0.1", description="address to listen on (0.0.0.0: every interface)")
+    port: int = Field(8000, ge=0, le=65535, description="TCP port to listen on")
     header_timeout_s: float = Field(10.0, gt=0, description="a request's line and headers must arrive within "
-                                                            "this long of its first byte (else 408, closed)")
-    body_timeout_s: float = Field(30.0, gt=0, description="its body within this long of its headers (else 408)")
-    idle_timeout_s: float = Field(75.0, gt=0, description="a keep-alive connection with no request this long is "
-                                                          "closed")
+                                                            "this many seconds of its first byte (else 408, closed)")
+    body_timeout_s: float = Field(30.0, gt=0, description="its body within this many seconds of its headers (else "
+                                                          "408)")
+    idle_timeout_s: float = Field(75.0, gt=0, description="a keep-alive connection with no request this many "
+                                                          "seconds is closed")
     max_connections: int = Field(4096, ge=1, description="open client connections; one more is answered 503 and "
                                                          "closed")
 
@@ -493,9 +605,11 @@ class Recorder(_Strict):
     """The flight recorder: a sample of the gateway's decisions and the fleet's state every
     `step_s`, the last `horizon_s` of them kept in memory (/admin/timeline, /ui)."""
 
-    enabled: bool = True
-    step_s: float = Field(0.25, ge=0.05, le=60.0)
-    horizon_s: float = Field(900.0, gt=0.0, le=86400.0)
+    enabled: bool = Field(True, description="take samples; off: /admin/timeline and /ui have none")
+    step_s: float = Field(0.25, ge=0.05, le=60.0, description="seconds between samples")
+    horizon_s: float = Field(900.0, gt=0.0, le=86400.0, description=f"seconds of samples kept in memory; "
+                                                                    f"horizon_s / step_s is at most "
+                                                                    f"{MAX_RECORDER_SAMPLES:,} samples")
 
     @model_validator(mode="after")
     def _bounded(self) -> Recorder:
@@ -508,7 +622,9 @@ class Recorder(_Strict):
 
 
 class Logging(_Strict):
-    level: Literal["debug", "info", "warning", "error"] = "info"
+    """The gateway's log lines, on standard error."""
+
+    level: Literal["debug", "info", "warning", "error"] = Field("info", description="the least severe level logged")
     format: Literal["logfmt", "json", "text"] = Field("logfmt", description="logfmt and json: one structured line "
                                                                             "per event")
     access_log: bool = Field(True, description="one line per request: tenant, band, outcome, layer, reason, "
@@ -517,7 +633,7 @@ class Logging(_Strict):
 
 class SchedulePoint(_Strict):
     at: str = Field(pattern=r"^([01]\d|2[0-3]):[0-5]\d$", description="HH:MM, UTC: the value holds from then on")
-    value: float
+    value: float = Field(description="the signal's value from `at` on")
 
 
 class PressureSource(_Strict):
@@ -526,12 +642,13 @@ class PressureSource(_Strict):
     (its age: since the poll, or since `timestamp_field`, epoch seconds, where given);
     `schedule`: values by UTC time of day, each from its `at` on (always fresh)."""
 
-    kind: Literal["file", "http", "schedule"]
-    path: str | None = None
-    url: str | None = None
+    kind: Literal["file", "http", "schedule"] = Field(description="where the value comes from")
+    path: str | None = Field(None, description="file: the file holding the value")
+    url: str | None = Field(None, description="http: the URL a GET reads the value from")
     field: str | None = Field(None, description="a dotted path into a JSON answer, e.g. data.intensity")
-    timestamp_field: str | None = None
-    schedule: list[SchedulePoint] = Field(default_factory=list)
+    timestamp_field: str | None = Field(None, description="http: a dotted path into the JSON answer to the time "
+                                                          "the value is from, epoch seconds; unset: the poll's time")
+    schedule: list[SchedulePoint] = Field(default_factory=list, description="schedule: the values by UTC time of day")
 
     @model_validator(mode="after")
     def _complete(self) -> PressureSource:
@@ -549,18 +666,22 @@ class Pressure(_Strict):
     value is above `shed_above`, the listed bands and tenants are refused (503
     `outside_pressure`), until it falls below `resume_below`."""
 
-    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
-    source: PressureSource
-    poll_s: float = Field(30.0, ge=0.1, le=86400.0)
-    stale_s: float = Field(120.0, gt=0.0, description="a value older than this is stale: on_stale decides")
+    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$", description="the signal's name in metrics (the "
+                                                                          "signal label), logs and refusals; unique")
+    source: PressureSource = Field(description="where its value comes from")
+    poll_s: float = Field(30.0, ge=0.1, le=86400.0, description="seconds between reads of the source (and the "
+                                                                "Retry-After of its refusals)")
+    stale_s: float = Field(120.0, gt=0.0, description="a value older than this, seconds, is stale: on_stale "
+                                                      "decides")
     on_stale: Literal["fail-open", "fail-closed"] = Field(
         "fail-open", description="with no fresh value (before the first poll too): fail-open sheds nothing, "
                                  "fail-closed sheds as if the value were high")
-    shed_above: float
+    shed_above: float = Field(description="while the value is above this (in the signal's own unit, e.g. "
+                                          "gCO2/kWh), its bands and tenants are shed")
     resume_below: float | None = Field(None, description="shedding stops once the value is below this (hysteresis); "
                                                          "default shed_above")
     bands: list[int] = Field(default_factory=list, description="tenants of these priorities are shed")
-    tenants: list[str] = Field(default_factory=list, description="and these tenants")
+    tenants: list[str] = Field(default_factory=list, description="and these tenants, by name")
 
     @model_validator(mode="after")
     def _sheds_something(self) -> Pressure:
@@ -579,9 +700,11 @@ class SharedState(_Strict):
     url: str = Field(description="redis://[user:password@]host:port/db (rediss:// for TLS)")
     key_prefix: str = Field("bouncer:", min_length=1, description="every key Bouncer writes starts with it")
     lease_s: float = Field(10.0, gt=0.5, le=600.0, description="a gateway that has not renewed its presence in "
-                                                               "this long is no longer counted")
-    timeout_ms: float = Field(50.0, gt=0.0, le=10_000.0, description="a Redis call slower than this is a failure")
-    sync_ms: float = Field(20.0, ge=1.0, le=5_000.0, description="how often this gateway publishes its part of "
+                                                               "this many seconds is no longer counted")
+    timeout_ms: float = Field(50.0, gt=0.0, le=10_000.0, description="a Redis call slower than this, milliseconds, "
+                                                                     "is a failure")
+    sync_ms: float = Field(20.0, ge=1.0, le=5_000.0, description="how often, milliseconds, this gateway publishes "
+                                                                "its part of "
                                                                 "the fleet's load and tenants' service and reads "
                                                                 "the others' (one Redis call, off the request path)")
     on_unavailable: Literal["fail-open", "fail-closed"] = Field(
@@ -599,18 +722,22 @@ class SharedState(_Strict):
 
 
 class BouncerConfig(_Strict):
-    listen: Listen = Listen()
-    admin_keys_sha256: list[str] = Field(default_factory=list)
-    access: Access = Access()
-    logging: Logging = Logging()
-    tenants: list[Tenant] = Field(min_length=1)
+    """The whole file."""
+
+    listen: Listen = Field(Listen(), description="the gateway's HTTP server: address, port, client timeouts")
+    admin_keys_sha256: list[str] = Field(default_factory=list, description="SHA-256 hex digests of the keys that "
+                                                                           "may call /admin/* (`bouncer config "
+                                                                           "hash-key KEY`); empty: /admin is off")
+    access: Access = Field(Access(), description="who may read /metrics, /v1/models and the flight recorder")
+    logging: Logging = Field(Logging(), description="log level and format, the access log")
+    tenants: list[Tenant] = Field(min_length=1, description="who may send requests")
     default_tenant: str | None = Field(None, description="the tenant of requests that present no key or one no "
                                                          "tenant lists (load testers that hard-code a key); unset: "
                                                          "those get 401")
-    models: list[ModelConfig] = Field(min_length=1)
-    policy: Policy = Policy()
-    limits: Limits = Limits()
-    recorder: Recorder = Recorder()
+    models: list[ModelConfig] = Field(min_length=1, description="the models served, and their replicas")
+    policy: Policy = Field(Policy(), description="admission, queueing, placement and prediction, for every model")
+    limits: Limits = Field(Limits(), description="limits on a request's shape")
+    recorder: Recorder = Field(Recorder(), description="the flight recorder")
     shared_state: SharedState | None = Field(None, description="several gateways: what they share, in Redis; "
                                                                "unset: this gateway alone")
     pressure: list[Pressure] = Field(default_factory=list, description="outside signals that shed bands or tenants")

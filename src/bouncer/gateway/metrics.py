@@ -21,6 +21,9 @@ TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 
 
 
 class _CoreCollector:
+    """Read from the core at scrape time. Decisions and outcomes, queues, saturation, agents,
+    each replica's state, KV events and goodput."""
+
     def __init__(self, core_ref: Callable[[], AdmissionCore], clock: Callable[[], float],
                  kv_event_stats: Callable[[], dict], connections: Callable[[], object | None]) -> None:
         self.core_ref = core_ref
@@ -231,6 +234,9 @@ class _SharedStateCollector:
 
 
 class GatewayMetrics:
+    """Observed by the gateway as requests move. Latency histograms and internal errors, in the
+    registry /metrics serves, with the collectors above."""
+
     def __init__(self, core_ref: Callable[[], AdmissionCore], clock: Callable[[], float],
                  kv_event_stats: Callable[[], dict] = dict, connections: Callable[[], object | None] = lambda: None,
                  shared: Callable[[], object | None] = lambda: None) -> None:

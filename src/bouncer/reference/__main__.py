@@ -1,0 +1,5 @@
+import sys
+
+from bouncer.reference import main
+
+sys.exit(main())
