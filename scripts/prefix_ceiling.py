@@ -15,7 +15,7 @@ import argparse
 from collections import OrderedDict
 
 from bouncer.bench.goodput import DEFAULT_PROFILE, fleet_capacity, prefix_hit_bound
-from bouncer.core.blocks import leading_run
+from bouncer.core.fleet.blocks import leading_run
 from bouncer.sim.profiles import get_profile
 from bouncer.sim.scenarios import get_scenario
 from bouncer.sim.workloads import make_requests

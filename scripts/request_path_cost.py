@@ -19,7 +19,7 @@ import orjson
 from bouncer.bench.overhead import BENCH_KEY, BODY, _gateway_config
 from bouncer.config import parse_config
 from bouncer.core.admission import AdmissionCore
-from bouncer.core.fleet import Telemetry
+from bouncer.core.fleet.replica import Telemetry
 from bouncer.core.outcomes import Dispatch, Reject, Terminal
 from bouncer.gateway.prepared import prepare
 from bouncer.gateway.request_parsing import request_head, with_prompt

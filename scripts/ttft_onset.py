@@ -1,9 +1,9 @@
 """When a band's first tokens come near its TTFT SLO: during the first seconds of an overload or
 all through it. One simulated run (ServeGen's m-mid pool by default, `surge`'s SLOs, 4 replicas,
-as in docs/benchmarks.md); for each band, the TTFT of its completed requests from their first
+as in docs/benchmarks/servegen.md); for each band, the TTFT of its completed requests from their first
 attempt, over all of them and over those that arrived after the first `--after` seconds.
 
-A standing queue is judged at the end of a whole interval (`bouncer.core.standing_queue`), so
+A standing queue is judged at the end of a whole interval (`bouncer.core.flow.standing_queue`), so
 the requests of the overload's first seconds are planned on their whole SLO; this tells that
 onset apart from a band served at the edge all along.
 

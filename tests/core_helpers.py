@@ -6,7 +6,7 @@ import itertools
 
 from bouncer.config import key_digest, parse_config
 from bouncer.core.admission import AdmissionCore
-from bouncer.core.fleet import Telemetry
+from bouncer.core.fleet.replica import Telemetry
 from bouncer.core.outcomes import Dispatch, Reject
 from bouncer.core.requests import RequestInfo
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from bouncer.config import AgentWindowConfig
-from bouncer.core.agents import AgentWindow
+from bouncer.core.agents.window import AgentWindow
 from bouncer.core.outcomes import Terminal
 from core_helpers import admission_of, dispatched, info, make_core, observe_idle, rejected, tenant
 

@@ -6,7 +6,7 @@ import json
 import subprocess
 import sys
 
-from bouncer.core.blocks import chain_block_hashes
+from bouncer.core.fleet.blocks import chain_block_hashes
 from bouncer.tokenizer import PromptTokenizer
 
 

@@ -12,7 +12,8 @@ from bouncer.bench import live
 from bouncer.sim.fleet import SimRequest
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-GUIDELLM = REPO / os.environ.get("BOUNCER_GUIDELLM", ".venv-guidellm/bin/guidellm")  # a relative path is from the repository
+# a relative path in the environment is from the repository
+GUIDELLM = REPO / os.environ.get("BOUNCER_GUIDELLM", ".venv-guidellm/bin/guidellm")
 
 
 def _request(rid: str, digests: list[int], prompt: int) -> SimRequest:
@@ -68,12 +69,12 @@ def test_a_trace_replayed_live_through_bouncer_and_straight_to_the_engines_besid
     lb, sb, direct = result["live_bouncer"], result["sim_bouncer"], result["live_direct"]
     # the top band, live: kept far above what the same requests get straight to the engines
     # (its 50 ms TPOT SLO is close to these 0.25x engines' shortest step, so a loaded machine's
-    # per-token delays cost it some: docs/benchmarks.md, "Live")
+    # per-token delays cost it some: docs/benchmarks/live.md, "Live")
     top, top_direct = lb["tenants"]["realtime"]["slo_attainment"], direct["tenants"]["realtime"]["slo_attainment"]
     assert top >= 0.6 and top >= top_direct + 0.3, live.report(result)
     assert lb["step_time"]["warm"]  # learned from the run's own requests
     # live and simulated agree (bounds loose for a 20 s run on a shared machine; the published
-    # runs are longer: docs/benchmarks.md, "Live")
+    # runs are longer: docs/benchmarks/live.md, "Live")
     assert 0.75 <= lb["goodput_rps"] / sb["goodput_rps"] <= 1.25, live.report(result)
     assert "live Bouncer" in live.report(result)
 

@@ -6,7 +6,7 @@ import pytest
 
 from bouncer.config import parse_config
 from bouncer.core.admission import AdmissionCore
-from bouncer.core.fleet import Telemetry
+from bouncer.core.fleet.replica import Telemetry
 from bouncer.core.outcomes import Layer, Terminal
 from core_helpers import admission_of, dispatched, info, make_config, make_core, observe_idle, tenant
 

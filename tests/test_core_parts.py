@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from bouncer.config import parse_config
-from bouncer.core.fleet import Telemetry
+from bouncer.core.fleet.replica import Telemetry
 from bouncer.core.outcomes import Terminal
 from core_helpers import dispatched, info, make_config, make_core, observe_idle, rejected, tenant
 
@@ -79,8 +79,16 @@ def test_a_reload_that_changes_the_fairness_policy_takes_effect():
     assert core.models["m"].flow.fairness.name == "wdrr"
     core.reload(parse_config({**cfg, "policy": {"fairness": "round-robin"}}), 1.0)
     assert core.models["m"].flow.fairness.name == "round-robin"
-    with pytest.raises(ValueError, match="unknown fairness 'lottery'"):
+    with pytest.raises(ValueError, match="policy.fairness.*'round-robin' or 'wdrr'"):
         parse_config({**cfg, "policy": {"fairness": "lottery"}})
+
+
+def test_the_registry_implements_exactly_the_policy_names_the_config_accepts(monkeypatch):
+    from bouncer.core import registry
+    assert registry.unmatched_names() == []
+    monkeypatch.setitem(registry.ORDERING, "lottery", registry.ORDERING["fcfs"])
+    (difference,) = registry.unmatched_names()
+    assert difference.startswith("ordering:") and "implements ['lottery'] the config does not accept" in difference
 
 
 def test_a_first_attempt_refused_as_invalid_is_not_remembered_as_one():

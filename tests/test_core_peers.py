@@ -1,4 +1,4 @@
-"""Several gateways' cores sharing their parts (`bouncer.core.peers`), with explicit time."""
+"""Several gateways' cores sharing their parts (`bouncer.core.sharing.peers`), with explicit time."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 from tests.core_helpers import admission_of, dispatched, info, make_core, observe_idle, tenant
 
 from bouncer.core.outcomes import Dispatch, Terminal
-from bouncer.core.peers import HEAD_ORDER_SLACK_S, FleetShares, GatewayShare, ReplicaLoad
+from bouncer.core.sharing.peers import HEAD_ORDER_SLACK_S, FleetShares, GatewayShare, ReplicaLoad
 
 FIGURES = ("inflight_blocks", "unstarted", "queued_prefill_tokens", "queued_prefill_pairs", "pending_context",
            "decoding", "decode_context")
@@ -245,7 +245,7 @@ def test_a_band_waits_while_a_higher_band_queues_at_another_gateway():
 
 
 def test_a_newcomers_wait_counts_what_the_other_gateways_queue_and_their_dispatch_rates():
-    from bouncer.core.backlog import ahead, fleet_ahead
+    from bouncer.core.flow.backlog import ahead, fleet_ahead
 
     core = make_core(tenants=[tenant("a"), tenant("b")], replicas=1, policy={"max_inflight_per_replica": 1})
     dispatched(core.offer(info("a"), 0.0))  # the replica's one slot
@@ -287,10 +287,10 @@ def test_a_gateway_that_shares_nothing_logs_nothing():
 
 
 def test_a_dispatch_that_nearly_fills_a_replica_is_claimed_and_waits_again_when_another_gateway_filled_it():
-    """Claims (`bouncer.core.claims`): two gateways each see room for one more request on a
+    """Claims (`bouncer.core.sharing.claims`): two gateways each see room for one more request on a
     replica between syncs. The one whose claim fails holds its request again, with the replica
     as full as the other made it, and sends it once that request ends."""
-    from bouncer.core import claims
+    from bouncer.core.sharing import claims
 
     a, b = make_core(replicas=1, kv_blocks=100), make_core(replicas=1, kv_blocks=100)
     exchange([a, b], 0.0)  # they share state from here on

@@ -6,7 +6,7 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from bouncer.core.fleet import Telemetry
+from bouncer.core.fleet.replica import Telemetry
 from bouncer.core.outcomes import Dispatch, Reject, Terminal
 from core_helpers import info, make_core, tenant
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from bouncer.core.intake.retries import RetryLedger
 from bouncer.core.outcomes import Terminal
-from bouncer.core.retries import RetryLedger
-from bouncer.core.shared_retries import SharedRetries
+from bouncer.core.sharing.retries import SharedRetries
 from core_helpers import admission_of, dispatched, info, make_core, observe_idle, tenant
 
 FIRST_ATTEMPT = {"retries": {"deadline": "first-attempt"}}  # the default, stated

@@ -1,16 +1,16 @@
-"""Standing queues (bouncer.core.standing_queue): under sustained overload a tenant's newcomers
+"""Standing queues (bouncer.core.flow.standing_queue): under sustained overload a tenant's newcomers
 are planned on a share of their SLO; a burst leaves the plan alone. And the top band, protected
-more for a while after it missed (bouncer.core.deadlines.BandSLOs)."""
+more for a while after it missed (bouncer.core.flow.band_slos.BandSLOs)."""
 
 from __future__ import annotations
 
 import pytest
 
-from bouncer.core.deadlines import STRAINED_S, STRAINED_SLO_SHARE, BandSLOs
-from bouncer.core.fleet import Telemetry
+from bouncer.core.fleet.replica import Telemetry
+from bouncer.core.flow.band_slos import STRAINED_S, STRAINED_SLO_SHARE, BandSLOs
+from bouncer.core.flow.standing_queue import ENTER_SHARE, EXIT_SHARE, MIN_INTERVAL_S, StandingQueues
 from bouncer.core.outcomes import Terminal
 from bouncer.core.requests import Admission
-from bouncer.core.standing_queue import ENTER_SHARE, EXIT_SHARE, MIN_INTERVAL_S, StandingQueues
 from core_helpers import dispatched, info, observe_idle, rejected, tenant
 from test_latency import core_with_steps
 
@@ -109,7 +109,7 @@ def test_off_a_standing_queue_is_planned_on_its_whole_slo():
     assert core.next_wakeup() == pytest.approx(4.0 + SLO - 2 * 0.02)
 
 
-# -- the top band, protected more while it misses (deadlines.BandSLOs) ----------------------------
+# -- the top band, protected more while it misses (band_slos.BandSLOs) ----------------------------
 
 def test_the_top_band_is_protected_as_if_its_slo_were_shorter_for_a_while_after_it_missed():
     slos = BandSLOs()

@@ -7,8 +7,8 @@ import pytest
 
 from bouncer.bench.goodput import make_policy, run
 from bouncer.config import ConfigError, parse_config
-from bouncer.core.decode_room import DecodeLedger, choose_decode
-from bouncer.core.fleet import ReplicaState, Telemetry
+from bouncer.core.fleet.decode_room import DecodeLedger, choose_decode
+from bouncer.core.fleet.replica import ReplicaState, Telemetry
 from bouncer.core.outcomes import Terminal
 from bouncer.sim.engine import EngineModel, EngineRequest
 from bouncer.sim.fleet import FleetConfig, FleetSim, SimRequest

@@ -8,7 +8,7 @@ from collections import OrderedDict
 
 import pytest
 
-from bouncer.core.blocks import chain_block_hashes, num_blocks
+from bouncer.core.fleet.blocks import chain_block_hashes, num_blocks
 from bouncer.sim.engine import EngineModel, EngineRequest, QueueFull, RequestTooLong, Status
 from bouncer.sim.kv_pool import KVPool
 from bouncer.sim.profiles import PROFILES, EngineProfile, KVGeometry

@@ -22,7 +22,8 @@ from gateway_setup import tenant
 from servers import BackgroundLoop, EngineProcess, poll_until, stop_all
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-GUIDELLM = REPO / os.environ.get("BOUNCER_GUIDELLM", ".venv-guidellm/bin/guidellm")  # a relative path is from the repository
+# a relative path in the environment is from the repository
+GUIDELLM = REPO / os.environ.get("BOUNCER_GUIDELLM", ".venv-guidellm/bin/guidellm")
 
 
 def _gateway(bg_loop, engines: list[EngineProcess], **policy):

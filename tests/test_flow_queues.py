@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from bouncer.core.flow import COMPACT_SLACK, TenantQueue
-from bouncer.core.ordering import FCFS
+from bouncer.core.flow.ordering import FCFS
+from bouncer.core.flow.queues import COMPACT_SLACK, TenantQueue
 from bouncer.core.requests import Admission
 from core_helpers import info
 

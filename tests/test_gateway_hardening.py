@@ -20,7 +20,7 @@ import openai
 import pytest
 
 from bouncer.config import key_digest, parse_config
-from bouncer.core.fleet import Telemetry
+from bouncer.core.fleet.replica import Telemetry
 from bouncer.core.outcomes import STATUS_BY_REASON, Terminal
 from bouncer.core.requests import RequestInfo
 from bouncer.gateway.request_parsing import key_digest_from_headers

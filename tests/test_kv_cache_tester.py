@@ -25,7 +25,8 @@ from servers import BackgroundLoop, EngineProcess, poll_until, stop_all
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TESTER = REPO / "third_party/kv-cache-tester/trace_replay_tester.py"
-PYTHON = REPO / os.environ.get("BOUNCER_KV_TESTER_PYTHON", ".venv-kv-tester/bin/python")  # a relative path is from the repository
+# a relative path in the environment is from the repository
+PYTHON = REPO / os.environ.get("BOUNCER_KV_TESTER_PYTHON", ".venv-kv-tester/bin/python")
 SESSIONS = REPO / "data/traces/weka-claude-code/subagents"
 MODEL = "qwen3-32b"
 WINDOW = 6  # active agents at most: fewer than the tester's 8 sessions

@@ -10,8 +10,8 @@ import openai
 import pytest
 
 from bouncer.config import key_digest
-from bouncer.core.blocks import chain_block_hashes
-from bouncer.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from bouncer.core.fleet.blocks import chain_block_hashes
+from bouncer.core.fleet.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from bouncer.kv_events_wire import WireError, decode_batch, decode_seq, encode_batch, encode_seq
 from bouncer.tokenizer import PromptTokenizer, default_tokenizer_path
 from conftest import start_engine, start_gateway

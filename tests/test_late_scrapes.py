@@ -17,7 +17,7 @@ import pytest
 from aiohttp import web
 
 from bouncer.bench import guidellm
-from bouncer.core.fleet import Telemetry
+from bouncer.core.fleet.replica import Telemetry
 from bouncer.core.outcomes import Terminal
 from conftest import start_gateway
 from core_helpers import dispatched, info, make_core, rejected, tenant
@@ -25,7 +25,8 @@ from gateway_setup import tenant as gw_tenant
 from servers import BackgroundLoop, EngineProcess, free_port, stop_all
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-GUIDELLM = REPO / os.environ.get("BOUNCER_GUIDELLM", ".venv-guidellm/bin/guidellm")  # a relative path is from the repository
+# a relative path in the environment is from the repository
+GUIDELLM = REPO / os.environ.get("BOUNCER_GUIDELLM", ".venv-guidellm/bin/guidellm")
 POLICY = {"telemetry": {"staleness_s": 2.0, "on_stale": "fail-closed"}}
 
 

@@ -8,12 +8,13 @@ import pytest
 
 from bouncer.bench import feasibility, goodput
 from bouncer.config import parse_config
-from bouncer.core import feedback, ttft_margin
 from bouncer.core.admission import AdmissionCore
-from bouncer.core.fleet import Telemetry
-from bouncer.core.latency import CORRECTION_MAX, LatencyPredictor, StepTimeModel, prefill_pairs
+from bouncer.core.fleet.replica import Telemetry
+from bouncer.core.learning import feedback, ttft_margin
+from bouncer.core.learning.latency import CORRECTION_MAX, LatencyPredictor, prefill_pairs
+from bouncer.core.learning.step_time import StepTimeModel
+from bouncer.core.learning.ttft_margin import TtftMargins
 from bouncer.core.outcomes import Terminal
-from bouncer.core.ttft_margin import TtftMargins
 from bouncer.sim.profiles import DEFAULT_PROFILE
 from core_helpers import admission_of, dispatched, info, observe_idle, rejected, tenant
 

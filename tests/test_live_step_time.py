@@ -22,7 +22,8 @@ from gateway_setup import Fleet, tenant
 from servers import BackgroundLoop, EngineProcess, stop_all
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-GUIDELLM = REPO / os.environ.get("BOUNCER_GUIDELLM", ".venv-guidellm/bin/guidellm")  # a relative path is from the repository
+# a relative path in the environment is from the repository
+GUIDELLM = REPO / os.environ.get("BOUNCER_GUIDELLM", ".venv-guidellm/bin/guidellm")
 SPEED = 4.0
 
 
@@ -124,7 +125,7 @@ def test_the_top_tenant_keeps_its_slo_through_a_4x_sheddable_flood_with_no_step_
         run = flood["run"]
         assert run.errored > 0.2 * run.total  # overload: the flood was pushed back
         within = sum(1 for x in ttfts if x is not None and x <= 1.0)
-        # the target is 99% (30 of 30 in every published run: docs/benchmarks.md, "Live"); on a
+        # the target is 99% (30 of 30 in every published run: docs/benchmarks/live.md, "Live"); on a
         # shared 2-core CI machine one of the 30 has been seen to miss (1 run in 4), so one is allowed
         assert len(ttfts) == 30 and within >= len(ttfts) - 1, (within, ttfts, step)
     finally:

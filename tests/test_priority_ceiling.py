@@ -1,5 +1,5 @@
 """scripts/priority_ceiling.py: the upper bound on what a policy that serves higher bands first can
-complete (docs/benchmarks.md, m-mid's section)."""
+complete (docs/benchmarks/servegen.md, m-mid's section)."""
 
 from __future__ import annotations
 

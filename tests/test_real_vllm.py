@@ -20,13 +20,14 @@ import openai
 import pytest
 
 from bouncer.config import key_digest
-from bouncer.core.blocks import chain_block_hashes
+from bouncer.core.fleet.blocks import chain_block_hashes
 from bouncer.tokenizer import PromptTokenizer, default_tokenizer_path
 from conftest import start_gateway
 from servers import BackgroundLoop, free_port, poll_until, wait_answering
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-VLLM_PYTHON = REPO / os.environ.get("BOUNCER_VLLM_PYTHON", ".venv-vllm/bin/python")  # a relative path is from the repository
+# a relative path in the environment is from the repository
+VLLM_PYTHON = REPO / os.environ.get("BOUNCER_VLLM_PYTHON", ".venv-vllm/bin/python")
 MODEL_DIR = REPO / ".cache/tiny-model"
 KV_BLOCKS = 16  # of 128 tokens on the CPU backend: 2,048 tokens, so a burst overloads it
 MAX_QUEUED = 6  # vLLM refuses (503) beyond this many running + waiting requests

@@ -11,18 +11,10 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from bouncer.cli import build_parser
 from bouncer.config import key_digest
-from bouncer.reference import (
-    PAGES,
-    REGENERATE,
-    cli_page,
-    config_page,
-    default_out,
-    metrics_page,
-    render_all,
-    run,
-    stale,
-)
+from bouncer.reference import cli_page, config_page, metrics_page
+from bouncer.reference.pages import PAGES, REGENERATE, default_out, render_all, run, stale
 from bouncer.tokenizer import default_tokenizer_path
 from conftest import start_engine, start_gateway
 from servers import poll_until
@@ -34,17 +26,17 @@ UNITS = {"_s": "second", "_ms": "millisecond", "_tokens": "token", "_bytes": "by
 def test_each_generated_page_is_what_the_code_generates_now(name):
     page = default_out() / name
     assert page.exists(), f"docs/reference/{name} is missing: run `{REGENERATE}`"
-    assert page.read_text() == render_all()[name], \
+    assert page.read_text() == render_all(build_parser())[name], \
         f"docs/reference/{name} is stale (the code it is generated from changed): run `{REGENERATE}` and commit it"
 
 
 def test_check_names_a_stale_page_and_the_command(tmp_path, capsys):
-    assert run(check=False, out=tmp_path) == 0 and stale(tmp_path) == []
+    assert run(build_parser(), check=False, out=tmp_path) == 0 and stale(build_parser(), tmp_path) == []
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(PAGES)
     (tmp_path / "metrics.md").write_text("old\n")
     (tmp_path / "cli.md").unlink()
     capsys.readouterr()
-    assert run(check=True, out=tmp_path) == 1
+    assert run(build_parser(), check=True, out=tmp_path) == 1
     said = capsys.readouterr().out
     assert "metrics.md" in said and "cli.md" in said and "configuration.md" not in said and REGENERATE in said
 
@@ -127,7 +119,7 @@ def test_cli_page_names_every_command_with_its_options():
     from bouncer.cli import build_parser
 
     page = (default_out() / "cli.md").read_text()
-    names = [path for path, _, _ in cli_page.commands() if path]
+    names = [path for path, _, _ in cli_page.commands(build_parser()) if path]
     assert {("serve",), ("reference",), ("config", "check"), ("bench", "run")} <= set(names)
     for path in names:
         assert f"# `bouncer {' '.join(path)}`" in page, f"`bouncer {' '.join(path)}` is not on the CLI page"

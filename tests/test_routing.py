@@ -8,14 +8,14 @@ from collections import OrderedDict
 import pytest
 
 from bouncer.config import Routing
-from bouncer.core.blocks import chain_block_hashes, leading_run
-from bouncer.core.fleet import ReplicaState
-from bouncer.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, PreciseIndex
-from bouncer.core.pool import PoolView
-from bouncer.core.prefix_index import ApproxPrefixIndex, ReplicaPrefixIndex
+from bouncer.core.fleet.blocks import chain_block_hashes, leading_run
+from bouncer.core.fleet.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, PreciseIndex
+from bouncer.core.fleet.pool import PoolView
+from bouncer.core.fleet.prefix_index import ApproxPrefixIndex, ReplicaPrefixIndex
+from bouncer.core.fleet.replica import ReplicaState
+from bouncer.core.fleet.routing import PrefixAwareRouter, SglangCacheAwareRouter, cached_tokens
 from bouncer.core.registry import make_router
 from bouncer.core.requests import Admission, RequestInfo
-from bouncer.core.routing import PrefixAwareRouter, SglangCacheAwareRouter, cached_tokens
 from core_helpers import admission_of, dispatched, info, make_core
 
 

@@ -9,7 +9,7 @@ import threading
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bouncer.core.blocks import chain_block_hashes, prompt_digest
+from bouncer.core.fleet.blocks import chain_block_hashes, prompt_digest
 from bouncer.segment_cache import SegmentCache, segments_are_independent
 from bouncer.tokenizer import CHAT_MARKERS, PromptTokenizer, default_tokenizer_path, render_chat
 

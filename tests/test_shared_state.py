@@ -22,7 +22,7 @@ from bouncer.bench.loopback import RedisServer
 from bouncer.config import RateLimit, key_digest
 from bouncer.config import SharedState as SharedStateConfig
 from bouncer.core.outcomes import Reason
-from bouncer.core.shared_rate_limits import SharedRateLimits
+from bouncer.core.sharing.rate_limits import SharedRateLimits
 from bouncer.gateway.shared_state import SharedState
 from bouncer.tokenizer import default_tokenizer_path
 from conftest import start_engine, start_gateway
@@ -115,11 +115,11 @@ def test_two_gateways_share_one_bucket_in_redis(redis_server):
 
 
 def test_claims_on_a_replica_hold_once_expire_with_their_lease_and_follow_each_sync(redis_server):
-    """`bouncer.core.claims` in Redis: of two gateways that both saw room for one request, the
+    """`bouncer.core.sharing.claims` in Redis: of two gateways that both saw room for one request, the
     second's claim fails with what the first holds; a killed gateway's claims are gone within
     lease_s; a sync writes what a gateway holds in full, its claims folded in."""
     from bouncer.core.outcomes import Claim
-    from bouncer.core.peers import GatewayShare, ReplicaLoad
+    from bouncer.core.sharing.peers import GatewayShare, ReplicaLoad
 
     held_by_b = {"r0": ReplicaLoad(blocks=5)}
 

@@ -1,4 +1,4 @@
-"""The learned step time (bouncer/core/step_time_learner.py): it finds an engine's coefficients
+"""The learned step time (bouncer/core/learning/step_time_learner.py): it finds an engine's coefficients
 from the observations the gateway makes, stays silent until it has seen enough, keeps the prior
 where the traffic says nothing, and is not thrown by requests that waited for other reasons."""
 
@@ -9,9 +9,10 @@ import random
 import pytest
 
 from bouncer.config import parse_config
-from bouncer.core.latency import LatencyPredictor, StepTimeModel, prefill_pairs
+from bouncer.core.learning.latency import LatencyPredictor, prefill_pairs
+from bouncer.core.learning.step_time import StepTimeModel
+from bouncer.core.learning.step_time_learner import GENERIC_PRIOR, StepTimeLearner, decode_terms
 from bouncer.core.outcomes import Terminal
-from bouncer.core.step_time_learner import GENERIC_PRIOR, StepTimeLearner, decode_terms
 from core_helpers import dispatched, info, make_config, make_core, observe_idle, tenant
 
 TRUE = StepTimeModel(a=0.006, b=3e-5, c=4e-8, max_batched_tokens=8192, d=9e-10, e=0.004)

@@ -363,9 +363,9 @@ def cmd_bench_report(args) -> None:
 
 
 def cmd_reference(args) -> None:
-    from bouncer.reference import run
+    from bouncer.reference.pages import run
 
-    sys.exit(run(args.check, pathlib.Path(args.out) if args.out else None))
+    sys.exit(run(build_parser(), args.check, pathlib.Path(args.out) if args.out else None))
 
 
 def build_parser() -> argparse.ArgumentParser:

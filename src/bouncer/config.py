@@ -14,20 +14,17 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 EngineKind = Literal["vllm", "sglang", "tgi", "llamacpp", "openai"]
+# The policies a config may name. `bouncer.core.registry` maps each name to its implementation and
+# checks, when imported, that it implements exactly these: a new policy is a name here and a line there.
+FairnessName = Literal["round-robin", "wdrr"]
+OrderingName = Literal["edf", "fcfs"]
+SaturationDetectorName = Literal["utilization"]
+RouterName = Literal["round-robin", "least-loaded", "llmd-scorers", "sglang-cache-aware", "prefix-aware"]
 MAX_RECORDER_SAMPLES = 100_000  # the flight recorder's ring: an hour at 36 ms, a day at 0.9 s
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-def _registered(kind: str, name: str) -> str:
-    """A policy name must name an entry of `bouncer.core.registry` (the one place names live)."""
-    from bouncer.core import registry  # at validation time: the registry imports this module
-
-    if name not in registry.KINDS[kind]:
-        raise ValueError(f"unknown {kind} {name!r}; known: {', '.join(registry.names(kind))}")
-    return name
 
 
 def key_digest(api_key: str) -> str:
@@ -157,10 +154,10 @@ StepTimeMode = Literal["learned", "given", "off"]
 
 class StepTimeConfig(_Strict):
     """The engine's step time, a + b x batched tokens + c x context tokens read + d x attention
-    pairs of prompt chunks (the simulator's engine model, docs/engine-model.md), from which TTFT
+    pairs of prompt chunks (the simulator's engine model, docs/benchmarks/engine-model.md), from which TTFT
     and TPOT are predicted per replica and corrected online from what the gateway observes.
     `learned` (the default) fits the coefficients from the model's own requests
-    (bouncer/core/step_time_learner.py), with any given here as the prior; `given` uses them as
+    (bouncer/core/learning/step_time_learner.py), with any given here as the prior; `given` uses them as
     stated; `off` predicts nothing (no SLO feasibility, TPOT hold or band protection)."""
 
     mode: StepTimeMode = Field("learned", description="learned (a, b, c, d if stated are the prior), given "
@@ -285,16 +282,13 @@ class Saturation(_Strict):
     preempts only at 100% KV) and leaves the margin to the band ceilings: sheddable bands stop at
     0.8 of this."""
 
-    detector: str = Field("utilization", description="the saturation detector, by name (bouncer.core.registry)")
+    detector: SaturationDetectorName = Field("utilization", description="the saturation detector "
+                                                                         "(bouncer.core.registry)")
     queue_depth_threshold: float = Field(8.0, gt=0, description="requests waiting in a replica's engine that make it "
                                                                 "saturated (1)")
     kv_threshold: float = Field(0.95, gt=0, le=1, description="KV usage (fraction of the replica's blocks) that "
                                                               "makes it saturated (1)")
 
-    @field_validator("detector")
-    @classmethod
-    def _known(cls, name: str) -> str:
-        return _registered("saturation detector", name)
 
 
 class Routing(_Strict):
@@ -304,8 +298,7 @@ class Routing(_Strict):
     prefix keeps the request unless its predicted TTFT (prefill work ahead plus its own) exceeds
     the cheapest replica's by more than sticky_margin (relative) plus sticky_slack_tokens."""
 
-    router: str = Field("prefix-aware", description="round-robin | least-loaded | llmd-scorers | "
-                                                    "sglang-cache-aware | prefix-aware (bouncer.core.registry)")
+    router: RouterName = Field("prefix-aware", description="the router (bouncer.core.registry)")
     queue_weight: float = Field(1.0, ge=0, description="weight of the prefill tokens queued on a replica in its "
                                                        "cost (per prefill_busy_tokens)")
     prefix_weight: float = Field(1.0, ge=0, description="weight of this prompt's tokens not cached on a replica "
@@ -326,14 +319,10 @@ class Routing(_Strict):
     balance_rel_threshold: float = Field(1.5, ge=1, description="sglang-cache-aware: and the ratio, most over least "
                                                                 "loaded, it must exceed")
 
-    @field_validator("router")
-    @classmethod
-    def _known(cls, name: str) -> str:
-        return _registered("router", name)
 
 
 class AgentWindowConfig(_Strict):
-    """Agent-level admission (bouncer/core/agents.py): a window on active agents, AIMD on pool KV
+    """Agent-level admission (bouncer/core/agents/window.py): a window on active agents, AIMD on pool KV
     usage and prefix-cache hit rate. Defaults are the CONCUR paper's (alpha 2, beta 0.5, U_low
     0.2, U_high 0.5, H 0.2). Sessions come from `x-session-id`; with session_from_user the
     OpenAI `user` field counts too (off by default: chat apps set it per end user, and those are
@@ -409,8 +398,9 @@ class Policy(_Strict):
                                                                "requests' prefill alone does not mark it full for "
                                                                "bands >= 0)")
     max_inflight_per_replica: int = Field(1024, ge=1, description="requests in flight on one replica at most")
-    fairness: str = Field("wdrr", description="how a band's tenants share it: wdrr (weighted deficit round-robin in "
-                                              "tokens) | round-robin (bouncer.core.registry)")
+    fairness: FairnessName = Field("wdrr", description="how a band's tenants share it: wdrr (weighted deficit "
+                                                       "round-robin in tokens) or round-robin "
+                                                       "(bouncer.core.registry)")
     wdrr_quantum_tokens: int = Field(4096, ge=1, description="credit a tenant gets per WDRR turn, tokens, times its "
                                                              "weight")
     fair_hold_s: float = Field(5.0, ge=0, description="a tenant whose turn it is and whose queue head finds no "
@@ -426,8 +416,8 @@ class Policy(_Strict):
                                                                      "tenant is held back while its served tokens "
                                                                      "over weight lead a tenant of its band queued "
                                                                      "at another gateway by more than this, tokens")
-    ordering: str = Field("edf", description="which queued request goes first: edf (earliest TTFT deadline) | fcfs "
-                                             "(arrival) (bouncer.core.registry)")
+    ordering: OrderingName = Field("edf", description="which queued request goes first: edf (earliest TTFT "
+                                                       "deadline) or fcfs (arrival order) (bouncer.core.registry)")
     default_ttl_s: float = Field(30.0, gt=0, description="longest a request may wait queued, seconds, where its "
                                                          "tenant sets no queue_ttl_s (then 503 with Retry-After)")
     band_ceilings: dict[int, float] = Field(default_factory=dict,
@@ -482,7 +472,7 @@ class Policy(_Strict):
                                                       "their tenant's slo.on_infeasible says; off: only flag them")
     ttft_safety_factor: float = Field(2.0, ge=1, description="until its band's margin is measured (the p90 of its "
                                                              "observed / predicted TTFT over 32 first tokens or "
-                                                             "more, bouncer/core/ttft_margin.py), a queued request's "
+                                                             "more, core/learning/ttft_margin.py), a queued request's "
                                                              "budget leaves room for this many times its best "
                                                              "predicted TTFT: it is refused at arrival, or leaves "
                                                              "the queue, that much earlier")
@@ -492,7 +482,7 @@ class Policy(_Strict):
                                                                      "longer queue serves no more, only later), its "
                                                                      "newcomers are planned on this share of what "
                                                                      "their SLO leaves; sheddable bands never "
-                                                                     "stand (bouncer/core/standing_queue.py; "
+                                                                     "stand (bouncer/core/flow/standing_queue.py; "
                                                                      "1: off)")
     best_effort_priority: int = Field(-1, description="band of requests served best-effort after their deadline "
                                                       "was found infeasible")
@@ -533,15 +523,7 @@ class Policy(_Strict):
     breaker: Breaker = Field(Breaker(), description="each tenant's circuit breaker")
     saturation: Saturation = Field(Saturation(), description="how fleet saturation is computed")
 
-    @field_validator("fairness")
-    @classmethod
-    def _known_fairness(cls, name: str) -> str:
-        return _registered("fairness", name)
 
-    @field_validator("ordering")
-    @classmethod
-    def _known_ordering(cls, name: str) -> str:
-        return _registered("ordering", name)
 
     @model_validator(mode="after")
     def _hysteresis(self) -> Policy:
@@ -889,7 +871,7 @@ models:
     block_size: 16
     kv: {layers: 32, kv_heads: 8, head_dim: 128, dtype_bytes: 2}   # GQA: KV heads, not attention heads
     # step time = a + b x batched tokens + c x context tokens + d x attention pairs
-    # (docs/engine-model.md): TTFT and TPOT are predicted per replica from it. Learned from the
+    # (docs/benchmarks/engine-model.md): TTFT and TPOT are predicted per replica from it. Learned from the
     # model's own requests by default (see /admin/state); a, b, c, d here are then the prior.
     # mode: given uses them as stated; mode: off predicts nothing.
     step_time: {mode: learned, max_batched_tokens: 8192}   # the engine's --max-num-batched-tokens

@@ -31,8 +31,8 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from bouncer.core.blocks import chain_block_hashes
-from bouncer.core.kv_events import BlockRemoved, BlockStored, KVEvent
+from bouncer.core.fleet.blocks import chain_block_hashes
+from bouncer.core.fleet.kv_events import BlockRemoved, BlockStored, KVEvent
 from bouncer.kv_events_wire import encode_batch, encode_seq
 from bouncer.openai_wire import (
     SSE_DONE,

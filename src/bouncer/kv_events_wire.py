@@ -15,7 +15,7 @@ from typing import Any
 
 import msgspec
 
-from bouncer.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from bouncer.core.fleet.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 
 class WireError(ValueError):

@@ -20,7 +20,7 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
-from bouncer.core.blocks import chain_block_hashes
+from bouncer.core.fleet.blocks import chain_block_hashes
 from bouncer.segment_cache import PrefixBlocks, SegmentCache, prefix_keys, segment_key, segments_are_independent
 
 CHAT_TEMPLATE_JINJA = (

@@ -1,5 +1,5 @@
 """Every registered fairness, ordering and saturation policy passes the contract its interface
-states (bouncer/core/fairness.py, ordering.py, saturation.py). A new policy registered in
+states (bouncer/core/flow/fairness.py, ordering.py, saturation.py). A new policy registered in
 bouncer.core.registry is picked up here by name."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import pytest
 
 from bouncer.config import Policy
 from bouncer.core import registry
-from bouncer.core.fairness import LocalCredit
-from bouncer.core.fleet import ReplicaState, Telemetry
-from bouncer.core.flow import FlowQueues
-from bouncer.core.pool import PoolView
+from bouncer.core.fleet.pool import PoolView
+from bouncer.core.fleet.replica import ReplicaState, Telemetry
+from bouncer.core.flow.fairness import LocalCredit
+from bouncer.core.flow.queues import FlowQueues
 from bouncer.core.requests import STEP_ACTIVE, STEP_OTHER, STEP_RETURNING, Admission, RequestInfo
 
 _seq = itertools.count()

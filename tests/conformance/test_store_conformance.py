@@ -7,14 +7,14 @@ from __future__ import annotations
 import pytest
 
 from bouncer.config import RateLimit
-from bouncer.core.backlog import LocalBacklog
-from bouncer.core.fairness import LocalCredit
-from bouncer.core.fleet import ReplicaState
+from bouncer.core.fleet.permits import LocalPermits
+from bouncer.core.fleet.replica import ReplicaState
+from bouncer.core.flow.backlog import LocalBacklog
+from bouncer.core.flow.fairness import LocalCredit
+from bouncer.core.intake.rate_limit import LocalRateLimits
+from bouncer.core.intake.retries import RetryLedger
 from bouncer.core.outcomes import Reason
-from bouncer.core.permits import LocalPermits
-from bouncer.core.rate_limit import LocalRateLimits
 from bouncer.core.requests import Admission, RequestInfo
-from bouncer.core.retries import RetryLedger
 
 PERMITS = [LocalPermits]
 RATE_LIMITS = [LocalRateLimits]

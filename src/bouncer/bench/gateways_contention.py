@@ -102,7 +102,7 @@ def run(load: float = LOAD, duration_s: float = 60.0, fleet: LiveFleet = FLEET, 
 
 
 def _claims(urls: list[str]) -> dict[str, int]:
-    """The gateways' claims on nearly full replicas (`bouncer.core.claims`), held and refused, from
+    """The gateways' claims on nearly full replicas (`bouncer.core.sharing.claims`), held and refused, from
     their /metrics."""
     counts = {"held": 0, "refused": 0}
     for url in urls:

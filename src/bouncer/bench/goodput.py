@@ -16,7 +16,7 @@ import os
 import pathlib
 
 from bouncer.config import Routing
-from bouncer.core.blocks import leading_run
+from bouncer.core.fleet.blocks import leading_run
 from bouncer.core.registry import make_router
 from bouncer.core.stores import Stores
 from bouncer.recorder.sampler import Sampler

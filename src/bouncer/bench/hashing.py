@@ -1,7 +1,7 @@
 """What prefix-cache identity costs per request: chained block hashes against tokenizing.
 
 The gateway tokenizes every prompt anyway (to count tokens for the KV and context budgets), then
-hashes its token ids in 16-token blocks (`bouncer.core.blocks`). The hashing must cost well
+hashes its token ids in 16-token blocks (`bouncer.core.fleet.blocks`). The hashing must cost well
 under the tokenizing, so that cache-aware routing adds nothing noticeable per request. Both are
 timed here on the same 128k-token prompt, in the same process, with the bundled tokenizer (a
 byte-level BPE; a model's own, larger vocabulary tokenizes somewhat slower, which only widens
@@ -16,7 +16,7 @@ import random
 import statistics
 import time
 
-from bouncer.core.blocks import DEFAULT_BLOCK_SIZE, chain_block_hashes
+from bouncer.core.fleet.blocks import DEFAULT_BLOCK_SIZE, chain_block_hashes
 from bouncer.tokenizer import PromptTokenizer
 
 WORDS = ("the request queue holds prompts while the fleet drains its backlog of prefill tokens and "

@@ -6,19 +6,19 @@ asyncio gateway and the virtual-time simulator drive the very same object.
 
 Entry points (those that decide return `list[Event]`):
 - `offer(info, now)`: a new request, through the layers in order (`offer` reads as the table in
-  docs/architecture.md). Refused at the first layer that refuses it, else queued; it may be
+  docs/concepts/architecture.md). Refused at the first layer that refuses it, else queued; it may be
   dispatched at once (a `Dispatch` event for it) or later.
 - `tick(now)`: expire queued requests past their TTL, reclaim lost permits, dispatch what now
   fits. Call it at `next_wakeup()` at the latest.
 - `started(id, now)`: first token seen. `finished(id, now, terminal, ...)`: the request is over;
   its permit returns and room may open. `requeue(id, now)`: a backend refused it for load.
-  `unclaimed(id, others, now)`: its claim on a nearly full replica failed (`bouncer.core.claims`).
+  `unclaimed(id, others, now)`: its claim on a nearly full replica failed (`bouncer.core.sharing.claims`).
 - `cancel(id, now)`: the client left while queued. `observe(replica, telemetry, now)`: a scrape.
   `kv_events` / `kv_digests`: an engine's prefix-cache changes. `renew(ids, now)`: the shell still
   serves these. `drain(model)` / `undrain(model)`: model swaps. `reload(config, now)`.
-  `observe_pressure(name, value, at)`: an outside signal's value (`bouncer.core.pressure`).
+  `observe_pressure(name, value, at)`: an outside signal's value (`bouncer.core.intake.pressure`).
 - `own_share(now)` / `peers(others, now)`: with several gateways, this one's part of the state
-  they share, and the others' as last seen (`bouncer.core.peers`).
+  they share, and the others' as last seen (`bouncer.core.sharing.peers`).
 - `view`: what the shells may read (`bouncer.core.view`).
 
 This class holds only the entry points and the glue between the parts: a new request's layers
@@ -32,27 +32,29 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from bouncer.config import BouncerConfig, Tenant
-from bouncer.core import claims, feedback, intake, sharing
-from bouncer.core.agent_gate import WindowGate, make_gate
+from bouncer.core.agents.gate import WindowGate, make_gate
 from bouncer.core.arrivals import Arrivals, Exemption
-from bouncer.core.dispatch import Dispatcher, grant
 from bouncer.core.finaliser import UNKNOWN_TENANT, CoreStats, Finaliser
-from bouncer.core.fleet import ReplicaState, Telemetry
-from bouncer.core.flow import FlowQueues
-from bouncer.core.kv_events import KVEvent
+from bouncer.core.fleet.kv_events import KVEvent
+from bouncer.core.fleet.placement import Placement, nowhere_to_go, rest
+from bouncer.core.fleet.pool import PoolView
+from bouncer.core.fleet.replica import ReplicaState, Telemetry
+from bouncer.core.flow.dispatch import Dispatcher, grant
+from bouncer.core.flow.queues import FlowQueues
+from bouncer.core.flow.waiting_room import leave
+from bouncer.core.intake import checks
+from bouncer.core.intake.pressure import PressureSignal, reconfigured
+from bouncer.core.intake.tenant_book import TenantBook
+from bouncer.core.learning import feedback
 from bouncer.core.model_state import ModelState, next_wakeup
 from bouncer.core.outcomes import Dispatch, Event, Layer, Reason, Refusal, Reject, Terminal
-from bouncer.core.peers import FleetShares, GatewayShare
-from bouncer.core.placement import Placement, nowhere_to_go, rest
-from bouncer.core.pool import PoolView
-from bouncer.core.pressure import PressureSignal, reconfigured
 from bouncer.core.registry import make_fairness, make_ordering, make_router, make_saturation
 from bouncer.core.requests import Admission, RequestInfo
-from bouncer.core.shared_prefixes import PeerPrefixes, SentPrefixes
+from bouncer.core.sharing import claims, exchange
+from bouncer.core.sharing.peers import FleetShares, GatewayShare
+from bouncer.core.sharing.prefixes import PeerPrefixes, SentPrefixes
 from bouncer.core.stores import Stores
-from bouncer.core.tenant_book import TenantBook
 from bouncer.core.view import CoreView
-from bouncer.core.waiting_room import leave
 
 
 class AdmissionCore:
@@ -69,7 +71,7 @@ class AdmissionCore:
         self.pressures: dict[str, PressureSignal] = {}  # outside signals by name (`observe_pressure`)
         self.finaliser = Finaliser(self.stats, self.permits, self.stores.rate_limits, self.stores.backlog,
                                    self.tenants.breakers, self.replicas, self.models)
-        self.gate = intake.TenantGate(self.stores.rate_limits)
+        self.gate = checks.TenantGate(self.stores.rate_limits)
         self.arrivals = Arrivals(self, exemption)
         self._next_lease_check = now
         self._routing_cfg = None
@@ -201,7 +203,7 @@ class AdmissionCore:
         return self._hold_again(ms, adm, now)
 
     def unclaimed(self, request_id: str, others_blocks: int, now: float) -> list[Event]:
-        """Its claim failed (`bouncer.core.claims`): the other gateways hold `others_blocks` on
+        """Its claim failed (`bouncer.core.sharing.claims`): the other gateways hold `others_blocks` on
         its replica, more than this gateway's view left room for. The permit goes back and the
         request waits at the head of its queue again, the replica counted as full as they hold
         it until the next sync brings their parts."""
@@ -280,13 +282,13 @@ class AdmissionCore:
 
     # -- several gateways --------------------------------------------------------------------------
     def own_share(self, now: float) -> GatewayShare:
-        """This gateway's part of what the gateways share (`bouncer.core.sharing`)."""
-        return sharing.own_share(self.models, self.replicas, self.shares, self.stores.backlog, self.tenants.breakers,
+        """This gateway's part of what the gateways share (`bouncer.core.sharing.exchange`)."""
+        return exchange.own_share(self.models, self.replicas, self.shares, self.stores.backlog, self.tenants.breakers,
                                  self.sent_prefixes, self.policy.fair_hold_s, now)
 
     def peers(self, others: list[GatewayShare], now: float) -> list[Event]:
-        """The other gateways' parts, as last seen (`bouncer.core.sharing`); room they freed is used."""
-        sharing.take_peers(self.models, self.replicas, self.shares, self.tenants.breakers, self.peer_prefixes, others,
+        """The other gateways' parts, as last seen (`bouncer.core.sharing.exchange`); room they freed is used."""
+        exchange.take_peers(self.models, self.replicas, self.shares, self.tenants.breakers, self.peer_prefixes, others,
                            now)
         return [e for ms in self.models.values() for e in self.dispatcher.run(ms, now)]
 

@@ -1,8 +1,8 @@
 """A new request, layer by layer: what the core's `precheck` and `offer` run.
 
-The layers in order (the table in docs/architecture.md):
-1. who it is and its model (`intake`), then its parameters and its context budget;
-2. its tenant's breaker and rate limits (`intake.TenantGate`);
+The layers in order (the table in docs/concepts/architecture.md):
+1. who it is and its model (`intake.checks`), then its parameters and its context budget;
+2. its tenant's breaker and rate limits (`checks.TenantGate`);
 3. its deadline: a retry past its first attempt's is refused or demoted (`deadlines`), and the
    rest get their queue budget;
 4-5. the waiting room's doors (`waiting_room`), then the dispatch loop (`dispatch`) where the
@@ -22,23 +22,22 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from bouncer.config import Tenant
-from bouncer.core import deadlines, feedback, intake
-from bouncer.core.agent_gate import WindowGate
+from bouncer.core.agents.gate import WindowGate
 from bouncer.core.finaliser import UNKNOWN_TENANT
+from bouncer.core.fleet.pool import PoolView
+from bouncer.core.flow import deadlines
+from bouncer.core.flow.waiting_room import door, leave
+from bouncer.core.intake import checks
+from bouncer.core.intake.pressure import pressure_refusal
+from bouncer.core.intake.retries import first_arrival, first_seen
+from bouncer.core.learning import feedback
 from bouncer.core.model_state import ModelState
 from bouncer.core.outcomes import Event, Layer, Reason, Refusal, Reject, Terminal
-from bouncer.core.pool import PoolView
+from bouncer.core.parts import CoreParts
 from bouncer.core.precheck import cheap_refusal
-from bouncer.core.pressure import pressure_refusal
 from bouncer.core.requests import STEP_OTHER, Admission, RequestInfo
-from bouncer.core.retries import first_arrival, first_seen
-from bouncer.core.waiting_room import door, leave
-
-if TYPE_CHECKING:
-    from bouncer.core.admission import AdmissionCore
 
 # How stale the dispatch loop's last run may be for an arrival that cannot go (queued behind its
 # tenant's head) not to run it again. Measured in `consolidation` at load 3: never running it
@@ -56,7 +55,7 @@ class Exemption:
 
 
 class Arrivals:
-    def __init__(self, core: AdmissionCore, exemption: Exemption | None = None) -> None:
+    def __init__(self, core: CoreParts, exemption: Exemption | None = None) -> None:
         self.core = core
         self._seq = itertools.count()  # arrival order, for FCFS ties
         self._exemption = exemption
@@ -71,7 +70,7 @@ class Arrivals:
             return self._refuse_new(info, UNKNOWN_TENANT, None, Refusal(
                 Layer.VALIDATION, Reason.UNAUTHENTICATED, "invalid or missing API key")), None
         ms = c.models.get(info.model)
-        refusal = intake.validate_model(info.model, t, ms.cfg if ms else None) or pressure_refusal(
+        refusal = checks.validate_model(info.model, t, ms.cfg if ms else None) or pressure_refusal(
             c.pressures, t, now)
         if refusal is not None:
             return self._refuse_new(info, t.name, t.priority, refusal), None
@@ -101,10 +100,10 @@ class Arrivals:
             return [self._refuse_new(info, UNKNOWN_TENANT, None, Refusal(
                 Layer.VALIDATION, Reason.UNAUTHENTICATED, "invalid or missing API key"))]
         ms = c.models.get(info.model)
-        refusal = intake.validate(info, t, ms.cfg if ms else None, c.config.limits)  # layer 1
+        refusal = checks.validate(info, t, ms.cfg if ms else None, c.config.limits)  # layer 1
         if refusal is not None or ms is None:
             return [self._refuse_new(info, t.name, t.priority, refusal)]
-        max_tokens = intake.context_budget(info, t, ms.cfg)  # layer 2
+        max_tokens = checks.context_budget(info, t, ms.cfg)  # layer 2
         if isinstance(max_tokens, Refusal):
             return [self._refuse_new(info, t.name, t.priority, max_tokens)]
         retry_key, first_arrival_at = first_arrival(c.finaliser.retries, t.name, info, now)

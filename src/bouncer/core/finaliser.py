@@ -11,8 +11,8 @@ layers took for it:
 - the retry ledger: a completed request is forgotten, so the same prompt later is a new request;
 - its permit, when it held one: released on its replica and tenant (`PermitStore`);
 - the waiting room's departure rate, when it left the waiting room (for Retry-After), and how
-  long it waited there (whether its queue stands: `bouncer.core.standing_queue`);
-- its band's misses, when it was refused or expired as late (`deadlines.BandSLOs.missed`).
+  long it waited there (whether its queue stands: `bouncer.core.flow.standing_queue`);
+- its band's misses, when it was refused or expired as late (`band_slos.BandSLOs.missed`).
 """
 
 from __future__ import annotations
@@ -22,16 +22,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from bouncer.core.backlog import BacklogStore
-from bouncer.core.breaker import CircuitBreaker
-from bouncer.core.deadlines import LATE_REASONS
-from bouncer.core.fleet import ReplicaState
-from bouncer.core.flow import FlowQueues
-from bouncer.core.outcomes import Layer, Reason, Reclaimed, Refusal, Reject, Terminal
-from bouncer.core.permits import PermitStore
-from bouncer.core.rate_limit import RateLimitStore
+from bouncer.core.fleet.permits import PermitStore
+from bouncer.core.fleet.replica import ReplicaState
+from bouncer.core.flow.backlog import BacklogStore
+from bouncer.core.flow.queues import FlowQueues
+from bouncer.core.intake.breaker import CircuitBreaker
+from bouncer.core.intake.rate_limit import RateLimitStore
+from bouncer.core.intake.retries import RetryStore
+from bouncer.core.outcomes import LATE_REASONS, Layer, Reason, Reclaimed, Refusal, Reject, Terminal
 from bouncer.core.requests import Admission
-from bouncer.core.retries import RetryStore
 
 if TYPE_CHECKING:
     from bouncer.core.model_state import ModelState

@@ -3,19 +3,20 @@
 from __future__ import annotations
 
 from bouncer.config import BouncerConfig, ModelConfig, Policy, StepTimeConfig
-from bouncer.core.agent_gate import AgentGate, NoAgents
-from bouncer.core.backlog import Backlog, BacklogStore
-from bouncer.core.deadlines import BandSLOs
-from bouncer.core.decode_room import DecodeLedger
-from bouncer.core.fairness import CreditStore, FairnessPolicy
-from bouncer.core.fleet import ReplicaState
-from bouncer.core.flow import FlowQueues
-from bouncer.core.latency import LatencyPredictor, StepTimeModel
-from bouncer.core.ordering import OrderingPolicy
-from bouncer.core.peers import FleetShares
-from bouncer.core.standing_queue import StandingQueues
-from bouncer.core.step_time_learner import GENERIC_PRIOR, StepTimeLearner
-from bouncer.core.ttft_margin import TtftMargins
+from bouncer.core.agents.gate import AgentGate, NoAgents
+from bouncer.core.fleet.decode_room import DecodeLedger
+from bouncer.core.fleet.replica import ReplicaState
+from bouncer.core.flow.backlog import Backlog, BacklogStore
+from bouncer.core.flow.band_slos import BandSLOs
+from bouncer.core.flow.fairness import CreditStore
+from bouncer.core.flow.ordering import OrderingPolicy
+from bouncer.core.flow.queues import FairnessPolicy, FlowQueues
+from bouncer.core.flow.standing_queue import StandingQueues
+from bouncer.core.learning.latency import LatencyPredictor
+from bouncer.core.learning.step_time import StepTimeModel
+from bouncer.core.learning.step_time_learner import GENERIC_PRIOR, StepTimeLearner
+from bouncer.core.learning.ttft_margin import TtftMargins
+from bouncer.core.sharing.peers import FleetShares
 
 
 class ModelState:

@@ -102,8 +102,12 @@ STATUS_BY_REASON: dict[Reason, int] = {
     Reason.INTERNAL_ERROR: 500,
 }
 
+RETRY_AFTER_MIN_S = 0.1  # sub-second values reach clients as `retry-after-ms` (the OpenAI SDKs read it)
+
 # refusals a retry of the same request cannot escape (it keeps its first attempt's deadline)
 NEVER_RETRYABLE = frozenset({Reason.RETRY_PAST_DEADLINE})
+# A request refused or expired for these missed its TTFT SLO: its band counts a miss (`flow.band_slos`).
+LATE_REASONS = frozenset({Reason.DEADLINE_INFEASIBLE, Reason.RETRY_PAST_DEADLINE, Reason.TTL_EXPIRED})
 
 
 class Refusal(NamedTuple):
@@ -145,7 +149,7 @@ class Refusal(NamedTuple):
 
 class Claim(NamedTuple):
     """With several gateways: what a dispatch asks of the state they share before it goes
-    (`bouncer.core.claims`). The replica was placed on a view of the other gateways' load a sync
+    (`bouncer.core.sharing.claims`). The replica was placed on a view of the other gateways' load a sync
     old; the claim holds only if they have not added more there since than the room it left."""
 
     blocks: int  # the KV blocks this request will hold there (prompt and expected output)

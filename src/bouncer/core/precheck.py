@@ -17,16 +17,15 @@ in `offer` before this looked at their first attempt (36,602 of 236,742 attempts
 from __future__ import annotations
 
 from bouncer.config import Policy, Tenant
-from bouncer.core import deadlines
-from bouncer.core.backlog import RETRY_AFTER_MIN_S
-from bouncer.core.breaker import CircuitBreaker
-from bouncer.core.intake import TenantGate
+from bouncer.core.fleet.pool import PoolView
+from bouncer.core.flow import deadlines
+from bouncer.core.flow.saturation import SaturationDetector
+from bouncer.core.flow.waiting_room import door_shut
+from bouncer.core.intake.breaker import CircuitBreaker
+from bouncer.core.intake.checks import TenantGate
 from bouncer.core.model_state import ModelState
-from bouncer.core.outcomes import Layer, Reason, Refusal
-from bouncer.core.pool import PoolView
+from bouncer.core.outcomes import RETRY_AFTER_MIN_S, Layer, Reason, Refusal
 from bouncer.core.requests import RequestInfo
-from bouncer.core.saturation import SaturationDetector
-from bouncer.core.waiting_room import door_shut
 
 
 def cheap_refusal(ms: ModelState, tenant: Tenant, info: RequestInfo, gate: TenantGate, breaker: CircuitBreaker,

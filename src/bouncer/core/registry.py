@@ -1,19 +1,20 @@
 """Policies by name: the one table from the names a config uses to the objects that implement them.
 
 `policy.fairness`, `policy.ordering`, `policy.saturation.detector` and `policy.routing.router`
-name an entry here; the config is validated against these tables (`bouncer.config`), so a name
-lives in exactly one place. A new policy is one class and one line here, plus a page under
-docs/policies/ and the conformance suite it must pass (tests/conformance/).
+name an entry here. The names a config accepts are `bouncer.config`'s (`FairnessName` and the
+others: the config is the contract with the user, and it imports nothing of the core); this table
+must implement exactly those, which it checks when imported. A new policy is one class, its name
+in the config's list and one line here, plus a page under docs/policies/ and the conformance
+suite it must pass (tests/conformance/).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import get_args
 
-from bouncer.config import Policy, Routing
-from bouncer.core.fairness import CreditStore, FairnessPolicy, RoundRobin, WeightedDeficitRoundRobin
-from bouncer.core.ordering import FCFS, EarliestDeadline, OrderingPolicy
-from bouncer.core.routing import (
+from bouncer.config import FairnessName, OrderingName, Policy, RouterName, Routing, SaturationDetectorName
+from bouncer.core.fleet.routing import (
     LeastLoadedRouter,
     LlmdScorerRouter,
     PrefixAwareRouter,
@@ -21,7 +22,10 @@ from bouncer.core.routing import (
     Router,
     SglangCacheAwareRouter,
 )
-from bouncer.core.saturation import SaturationDetector, UtilizationDetector
+from bouncer.core.flow.fairness import CreditStore, RoundRobin, WeightedDeficitRoundRobin
+from bouncer.core.flow.ordering import FCFS, EarliestDeadline, OrderingPolicy
+from bouncer.core.flow.queues import FairnessPolicy
+from bouncer.core.flow.saturation import SaturationDetector, UtilizationDetector
 
 FAIRNESS: dict[str, Callable[[CreditStore, int], FairnessPolicy]] = {
     RoundRobin.name: RoundRobin,
@@ -34,6 +38,23 @@ ROUTERS: dict[str, Callable[[Routing | None], Router]] = {
                               PrefixAwareRouter)}
 
 KINDS = {"fairness": FAIRNESS, "ordering": ORDERING, "saturation detector": SATURATION, "router": ROUTERS}
+CONFIG_NAMES = {"fairness": FairnessName, "ordering": OrderingName, "saturation detector": SaturationDetectorName,
+                "router": RouterName}
+
+
+def unmatched_names() -> list[str]:
+    """Each kind whose table and config names differ, with the difference; empty when they agree."""
+    out = []
+    for kind, table in KINDS.items():
+        named = set(get_args(CONFIG_NAMES[kind]))
+        if named != set(table):
+            out.append(f"{kind}: the config names {sorted(named - set(table))} with no implementation here, "
+                       f"and this table implements {sorted(set(table) - named)} the config does not accept")
+    return out
+
+
+if unmatched_names():  # a name the config accepts and nothing implements would fail only at reload
+    raise ImportError("bouncer.core.registry and bouncer.config disagree: " + "; ".join(unmatched_names()))
 
 
 def _lookup(kind: str, name: str):

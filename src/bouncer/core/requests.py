@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from bouncer.core.retries import RetryKey
+RetryKey = tuple[str, str, int, int | None]  # tenant, model, prompt digest, max_tokens as asked (`intake.retries`)
 
 
 @dataclass(slots=True)
@@ -75,9 +75,9 @@ class Admission:
     room_wait_since: float | None = None  # when, at its tenant's turn, it first found no replica with room
     # uncorrected predictions made at dispatch, to correct the replica's predictor by
     ttft_raw: float | None = None
-    ttft_predicted: float | None = None  # corrected: what the core decided by (bouncer.core.ttft_margin)
+    ttft_predicted: float | None = None  # corrected: what the core decided by (bouncer.core.learning.ttft_margin)
     tpot_raw: float | None = None
-    # what a learned step time is fitted by (bouncer.core.step_time_learner): the TTFT terms at
+    # what a learned step time is fitted by (bouncer.core.learning.step_time_learner): the TTFT terms at
     # dispatch, the decode batch and context when its first token came, and whether that time
     # was measured (a stream) or is only when the whole answer came
     ttft_terms: tuple[float, float, float, float, float] | None = None

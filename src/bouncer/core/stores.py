@@ -15,11 +15,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from bouncer.core.backlog import BacklogStore, LocalBacklog
-from bouncer.core.fairness import CreditStore, LocalCredit
-from bouncer.core.permits import LocalPermits, PermitStore
-from bouncer.core.rate_limit import LocalRateLimits, RateLimitStore
-from bouncer.core.retries import RetryLedger, RetryStore
+from bouncer.core.fleet.permits import LocalPermits, PermitStore
+from bouncer.core.flow.backlog import BacklogStore, LocalBacklog
+from bouncer.core.flow.fairness import CreditStore, LocalCredit
+from bouncer.core.intake.rate_limit import LocalRateLimits, RateLimitStore
+from bouncer.core.intake.retries import RetryLedger, RetryStore
 
 
 @dataclass(frozen=True)

@@ -8,16 +8,13 @@ whose counters the core keeps and the shells only read.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-from bouncer.core.agent_gate import WindowGate
+from bouncer.core.agents.gate import WindowGate
 from bouncer.core.finaliser import CoreStats
-from bouncer.core.fleet import ReplicaState
-from bouncer.core.pool import PoolView
-from bouncer.core.saturation import ceiling
-
-if TYPE_CHECKING:
-    from bouncer.core.admission import AdmissionCore
+from bouncer.core.fleet.pool import PoolView
+from bouncer.core.fleet.replica import ReplicaState
+from bouncer.core.flow.saturation import ceiling
+from bouncer.core.parts import CoreParts
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,7 +37,7 @@ class QueuedInfo:
 
 
 class CoreView:
-    def __init__(self, core: AdmissionCore) -> None:
+    def __init__(self, core: CoreParts) -> None:
         self._core = core
 
     @property

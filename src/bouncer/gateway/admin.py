@@ -8,20 +8,41 @@ own methods: a drain or undrain through the core, a reload through `Gateway.reco
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import Protocol
 
 import yaml
 from aiohttp import web
 from prometheus_client import generate_latest
 
-from bouncer.config import ConfigError, key_digest, load_config, parse_config
+from bouncer.config import BouncerConfig, ConfigError, key_digest, load_config, parse_config
+from bouncer.core.admission import AdmissionCore
+from bouncer.core.outcomes import Event
+from bouncer.gateway.connections import Limits
 from bouncer.gateway.errors import plain_error
-from bouncer.gateway.prepared import prepare
+from bouncer.gateway.metrics import GatewayMetrics
+from bouncer.gateway.prepared import Prepared, prepare
+from bouncer.gateway.recording import GatewayRecorder
 from bouncer.openai_wire import dumps
 from bouncer.recorder.page import timeline_response
 
-if TYPE_CHECKING:
-    from bouncer.gateway.server import Gateway
+
+class Served(Protocol):
+    """What the admin endpoints read and call of the gateway they serve (`server.Gateway`)."""
+
+    config: BouncerConfig
+    config_path: str | None
+    core: AdmissionCore
+    clock: Callable[[], float]
+    connections: Limits
+    prepared: Prepared
+    metrics: GatewayMetrics
+    recorder: GatewayRecorder
+
+    @property
+    def serving(self) -> int: ...
+    def apply(self, events: list[Event]) -> None: ...
+    def reconfigure(self, prepared: Prepared) -> None: ...
 
 log = logging.getLogger("bouncer.gateway")
 
@@ -35,7 +56,7 @@ def _key_denied(request: web.Request, allowed: frozenset[str]) -> web.Response |
 
 
 class Admin:
-    def __init__(self, gateway: Gateway) -> None:
+    def __init__(self, gateway: Served) -> None:
         self.gw = gateway
 
     def add_routes(self, app: web.Application) -> None:

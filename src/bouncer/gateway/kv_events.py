@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import zmq
 import zmq.asyncio
 
-from bouncer.core.kv_events import KVEvent
+from bouncer.core.fleet.kv_events import KVEvent
 from bouncer.kv_events_wire import WireError, decode_batch, decode_seq
 
 log = logging.getLogger("bouncer.kv_events")

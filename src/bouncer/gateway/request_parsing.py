@@ -17,14 +17,14 @@ from typing import Any
 import orjson
 import xxhash
 
-from bouncer.core.blocks import chain_block_hashes
+from bouncer.core.fleet.blocks import chain_block_hashes
 from bouncer.core.requests import RequestInfo
 from bouncer.gateway.request_params import check_params
 from bouncer.openai_wire import ApiError
 from bouncer.tokenizer import PromptTokenizer, message_text, render_chat
 
 BYTES_PER_TOKEN_ESTIMATE = 4
-TOKEN_ID_LIMIT = 2**32  # token ids are hashed as unsigned 32-bit integers (bouncer.core.blocks)
+TOKEN_ID_LIMIT = 2**32  # token ids are hashed as unsigned 32-bit integers (bouncer.core.fleet.blocks)
 
 
 def key_digest_from_headers(headers) -> str | None:

@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from bouncer.core.fleet import Telemetry
+from bouncer.core.fleet.replica import Telemetry
 
 
 def _samples(text: str, names: tuple[str, ...]) -> dict[str, list[tuple[dict[str, str], float]]]:

@@ -33,14 +33,14 @@ import yarl
 from aiohttp import web
 
 from bouncer.config import BouncerConfig
-from bouncer.core import intake
 from bouncer.core.admission import AdmissionCore
-from bouncer.core.fleet import Telemetry
+from bouncer.core.fleet.replica import Telemetry
+from bouncer.core.intake import checks
+from bouncer.core.intake.retries import retry_key
 from bouncer.core.model_state import backend_name
 from bouncer.core.outcomes import Dispatch, Event, Layer, Reason, Reclaimed, Refusal, Reject, Terminal
-from bouncer.core.retries import retry_key
-from bouncer.core.shared_rate_limits import SharedRateLimits
-from bouncer.core.shared_retries import SharedRetries
+from bouncer.core.sharing.rate_limits import SharedRateLimits
+from bouncer.core.sharing.retries import SharedRetries
 from bouncer.core.stores import Stores
 from bouncer.gateway import kv_events, logs, pressure_feeds
 from bouncer.gateway.admin import Admin
@@ -391,7 +391,7 @@ class Gateway:
         line.update(prompt_tokens=info.prompt_tokens)
         if self.shared is not None and info.retry_count and (key := retry_key(checked.name, info)) is not None:
             await self.shared.first_attempt(key)  # a retry: when its first attempt came, at any gateway
-        if self.shared is not None and (charge := intake.rate_charge(
+        if self.shared is not None and (charge := checks.rate_charge(
                 info, checked, model, self.config.limits)) is not None:
             await self.shared.charge(checked.name, charge)  # the rate verdict, from the gateways' Redis
         decision = await self._decision(rid, lambda: self.core.offer(info, self.clock(), checked))
@@ -414,7 +414,7 @@ class Gateway:
             decision = await self._decision(rid, lambda r=result: self.core.requeue(rid, self.clock(), r.retry_after))
 
     async def _claim(self, d: Dispatch) -> int | None:
-        """Claim the nearly full replica `d` goes to (`bouncer.core.claims`); the permit is this
+        """Claim the nearly full replica `d` goes to (`bouncer.core.sharing.claims`); the permit is this
         request's meanwhile, so a client that leaves gives it back."""
         assert self.shared is not None and d.claim is not None
         try:

@@ -14,7 +14,7 @@ LiteLLM's users report of its multi-instance rate limits). With `shared_state` s
 - a retry (its client says so) costs one Redis call before the offer: its first attempt's
   arrival, wherever it came (`SharedRetries`); first attempts and completions are written back in
   the background, one pipelined call per turn of the loop;
-- a dispatch that would leave its replica nearly full (`bouncer.core.claims`) costs one Redis
+- a dispatch that would leave its replica nearly full (`bouncer.core.sharing.claims`) costs one Redis
   call before it is sent (`CLAIM`: what the other gateways hold there now, against what the core
   counted; the blocks added to this gateway's if it holds). Each sync writes every replica's
   blocks of this gateway in full (`CLAIMS_SET`), with its lease;
@@ -22,7 +22,7 @@ LiteLLM's users report of its multi-instance rate limits). With `shared_state` s
   its requests on each replica, its tenants' decayed service, its queued heads) and reads the
   others' in the same call (`SYNC`); a part not rewritten within lease_s is dropped, so a killed
   gateway's requests stop counting within lease_s. While no sync succeeds, the last view holds for
-  lease_s, then this gateway counts only its own (`bouncer.core.peers`).
+  lease_s, then this gateway counts only its own (`bouncer.core.sharing.peers`).
 
 Redis unreachable, slower than timeout_ms, or answering an error: the gateway degrades at once and
 stops asking Redis on the request path. fail-open decides locally with its share of each limit;
@@ -46,12 +46,12 @@ import redis.asyncio as aioredis
 from redis.exceptions import NoScriptError, RedisError
 
 from bouncer.config import SharedState as SharedStateConfig
+from bouncer.core.intake.rate_limit import Bucket
 from bouncer.core.outcomes import Claim, Reason
-from bouncer.core.peers import GatewayShare
-from bouncer.core.rate_limit import Bucket
-from bouncer.core.retries import RetryKey
-from bouncer.core.shared_rate_limits import SharedRateLimits, Verdict
-from bouncer.core.shared_retries import SharedRetries
+from bouncer.core.requests import RetryKey
+from bouncer.core.sharing.peers import GatewayShare
+from bouncer.core.sharing.rate_limits import SharedRateLimits, Verdict
+from bouncer.core.sharing.retries import SharedRetries
 
 log = logging.getLogger("bouncer.gateway")
 
@@ -125,7 +125,7 @@ redis.call('PEXPIRE', KEYS[1], math.ceil(lease * 2000))
 return others
 """
 
-# A replica's claims (`bouncer.core.claims`): a hash per replica, one field per gateway, "expiry
+# A replica's claims (`bouncer.core.sharing.claims`): a hash per replica, one field per gateway, "expiry
 # blocks" (Redis's time). Every sync writes each gateway's blocks there in full; a claim adds to
 # them. All in one hash slot, for Redis Cluster: a sync writes every replica's in one call.
 CLAIM = """
@@ -410,7 +410,7 @@ class SharedState:
 
     # -- claims -----------------------------------------------------------------------------------
     async def claim(self, replica: str, claim: Claim) -> int | None:
-        """Claim a dispatch to a nearly full replica (`bouncer.core.claims`): None if it holds
+        """Claim a dispatch to a nearly full replica (`bouncer.core.sharing.claims`): None if it holds
         (or Redis is away: the local view decides, as one gateway alone would), else the blocks
         the other gateways hold there now, for `AdmissionCore.unclaimed`."""
         if not self.available:

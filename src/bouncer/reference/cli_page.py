@@ -15,13 +15,11 @@ def _subparsers(parser: argparse.ArgumentParser) -> argparse._SubParsersAction |
     return next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
 
 
-def commands(parser: argparse.ArgumentParser | None = None, path: tuple[str, ...] = ()
+def commands(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()
              ) -> Iterator[tuple[tuple[str, ...], str, argparse.ArgumentParser]]:
-    """(command path, help, parser) of every command, depth first in the order they are added."""
-    if parser is None:
-        from bouncer.cli import build_parser
-
-        parser = build_parser()
+    """(command path, help, parser) of every command, depth first in the order they are added;
+    `parser` is `bouncer.cli.build_parser()` (handed in: the CLI imports this page's module)."""
+    if not path:
         yield (), parser.description or "", parser
     sub = _subparsers(parser)
     if sub is None:
@@ -84,24 +82,24 @@ def _help(action: argparse.Action) -> str:
     return text
 
 
-def render() -> str:
+def render(parser: argparse.ArgumentParser) -> str:
     parts = [generated_note("the argparse parser in src/bouncer/cli.py"), "", f"# {TITLE}", "",
              "Every `bouncer` command (installed with the package; `python -m bouncer` is the same), its usage "
              "and its options, as `bouncer COMMAND --help` prints them. A command with subcommands runs one of "
              "them."]
-    for path, help_text, parser in commands():
+    for path, help_text, command in commands(parser):
         name = " ".join(("bouncer", *path))
         level = "#" * min(2 + max(len(path) - 1, 0), 4)
         if path:
             parts += ["", f"{level} {code(name)}"]
         if help_text and path:
             parts += ["", help_text[0].upper() + help_text[1:] + ("" if help_text.endswith(".") else ".")]
-        parts += ["", "```text", _usage(parser), "```"]
-        sub = _subparsers(parser)
+        parts += ["", "```text", _usage(command), "```"]
+        sub = _subparsers(command)
         if sub is not None:
             rows = [[code(" ".join((name, a.dest))), a.help or ""] for a in sub._choices_actions]
             parts += ["", table(["command", "what it does"], rows)]
-        rows = [[_flags(a), _value(a), _default(a), _help(a)] for a in parser._actions
+        rows = [[_flags(a), _value(a), _default(a), _help(a)] for a in command._actions
                 if not isinstance(a, argparse._HelpAction | argparse._SubParsersAction)]
         if rows:
             parts += ["", table(["argument", "value", "default", "description"], rows)]

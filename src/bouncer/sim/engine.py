@@ -49,8 +49,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from operator import attrgetter
 
-from bouncer.core.blocks import num_blocks
-from bouncer.core.latency import prefill_pairs
+from bouncer.core.fleet.blocks import num_blocks
+from bouncer.core.learning.latency import prefill_pairs
 from bouncer.sim.kv_pool import KVEventSink, KVPool
 from bouncer.sim.profiles import EngineProfile
 

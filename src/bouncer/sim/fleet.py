@@ -33,7 +33,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from bouncer.core.fleet import Telemetry
+from bouncer.core.fleet.replica import Telemetry
 from bouncer.sim.engine import EngineModel, EngineRequest, QueueFull, RequestTooLong
 from bouncer.sim.profiles import EngineProfile
 

@@ -12,8 +12,8 @@ Each gateway scrapes every replica and hears every replica's KV events itself. W
 - or, as several Bouncer gateways on Redis do: one rate-limit store and one retry ledger (each
   request's verdict is one atomic call there, so no staleness is modelled, only sharing), and
   every `sync_s` each gateway's part of the fleet's load and tenants' service
-  (`bouncer.core.peers`), seen by the others `delay_s` later; and a dispatch to a nearly full
-  replica claims it first (`bouncer.core.claims`), checked at once against what the others hold.
+  (`bouncer.core.sharing.peers`), seen by the others `delay_s` later; and a dispatch to a nearly full
+  replica claims it first (`bouncer.core.sharing.claims`), checked at once against what the others hold.
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from bouncer.core import claims
-from bouncer.core.fleet import Telemetry
+from bouncer.core.fleet.replica import Telemetry
 from bouncer.core.outcomes import Claim
-from bouncer.core.peers import GatewayShare
+from bouncer.core.sharing import claims
+from bouncer.core.sharing.peers import GatewayShare
 from bouncer.core.stores import Stores
 from bouncer.sim.fleet import PolicyEvent, SimRequest
 from bouncer.sim.policies import CorePolicy
@@ -170,7 +170,7 @@ class Gateways:
 
     # -- the shared state ---------------------------------------------------------------------------
     def _claim(self, i: int, replica: str, claim: Claim) -> int | None:
-        """Gateway `i`'s claim (`bouncer.core.claims`), atomic and at once (its round trip is not
+        """Gateway `i`'s claim (`bouncer.core.sharing.claims`), atomic and at once (its round trip is not
         modelled): what the others hold on the replica is their own count of it now."""
         others = 0
         for j, g in enumerate(self.gateways):

@@ -11,7 +11,7 @@ every block is copied to host memory once computed (write-through), kept there l
 and a prefix found there is loaded back instead of recomputed (the engine charges the transfer).
 
 Observers of the cache (a precise prefix router) can subscribe to events, which carry the same
-chained digests that `bouncer.core.blocks` computes: `stored`/`removed` for the GPU tier,
+chained digests that `bouncer.core.fleet.blocks` computes: `stored`/`removed` for the GPU tier,
 `offloaded`/`dropped` for the CPU tier.
 """
 

@@ -2,7 +2,7 @@
 
 Each picks a prefill worker and a decode worker per request (`Dispatched.decode_replica`), as
 vLLM's P/D proxy and llm-d's P/D scheduling profiles do. Bouncer itself runs the same core as on a
-colocated fleet (`CorePolicy`): its decode workers' room is predicted (`bouncer.core.decode_room`).
+colocated fleet (`CorePolicy`): its decode workers' room is predicted (`bouncer.core.fleet.decode_room`).
 
 - `none`: round-robin over each pool, no admission (vLLM's disaggregated-serving proxy example).
 - `vllm-queue-cap`: the same, engines started with queue caps on both pools; a decode worker

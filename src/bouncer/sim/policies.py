@@ -1,7 +1,7 @@
 """Gateway policies for the fleet simulator: Bouncer's own core, and the peers' baselines.
 
 Each baseline follows the peer's documented algorithm and defaults (sources cited per class;
-docs/benchmarks.md, "Baselines", lists them). All are driven through the same `GatewayPolicy`
+docs/benchmarks/method.md, "Baselines", lists them). All are driven through the same `GatewayPolicy`
 interface as Bouncer.
 """
 
@@ -16,15 +16,15 @@ import xxhash
 from bouncer.config import BouncerConfig, key_digest, parse_config
 from bouncer.core.admission import AdmissionCore
 from bouncer.core.arrivals import Exemption
-from bouncer.core.dispatch import blocks_and_prefill
-from bouncer.core.fleet import ReplicaState, Telemetry
+from bouncer.core.fleet.permits import LocalPermits
+from bouncer.core.fleet.pool import PoolView
+from bouncer.core.fleet.prefix_index import ApproxPrefixIndex
+from bouncer.core.fleet.replica import ReplicaState, Telemetry
+from bouncer.core.fleet.routing import RoundRobinRouter, Router, cached_tokens
+from bouncer.core.flow.dispatch import blocks_and_prefill
 from bouncer.core.outcomes import Claim, Dispatch, Reject, Terminal
-from bouncer.core.peers import GatewayShare
-from bouncer.core.permits import LocalPermits
-from bouncer.core.pool import PoolView
-from bouncer.core.prefix_index import ApproxPrefixIndex
 from bouncer.core.requests import Admission, RequestInfo
-from bouncer.core.routing import RoundRobinRouter, Router, cached_tokens
+from bouncer.core.sharing.peers import GatewayShare
 from bouncer.core.stores import Stores
 from bouncer.sim.fleet import Dispatched, PolicyEvent, Refused, SimRequest
 

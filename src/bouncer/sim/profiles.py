@@ -29,13 +29,13 @@ Llama-3.1-70B: 80 layers, 8 KV heads, head dim 128; Qwen3-32B: 64 layers, 8 KV h
 128), BF16 weights and KV. Cross-check: vLLM's published Llama-3.1-8B H100 decode ITL at batch 1
 is ~6-7 ms, and the 70B on 4xH100 ~15-20 ms, which `a` reproduces within ~15%.
 
-`vllm-cpu-tiny` is measured, not derived: see docs/engine-model.md for the calibration run.
+`vllm-cpu-tiny` is measured, not derived: see docs/benchmarks/engine-model.md for the calibration run.
 
 Disaggregated (P/D) fleets: `kv_transfer_s` is a prompt's KV over the link below; how many workers
 should prefill is the traffic's as much as the model's (`prefill_seconds`, `decode_seconds`):
 from the repository's traces, chat and long-context traffic (Azure conversations, Mooncake) want
 0.62-0.77 of the workers prefilling on these pairs, a reasoning model's long answers (ServeGen
-DeepSeek-R1) 0.24-0.35 (table and derivation in docs/engine-model.md, "Disaggregated fleets").
+DeepSeek-R1) 0.24-0.35 (table and derivation in docs/benchmarks/engine-model.md, "Disaggregated fleets").
 """
 
 from __future__ import annotations
@@ -125,7 +125,7 @@ class EngineProfile:
     def prefill_share(self, prompt_tokens: float, output_tokens: float) -> float:
         """The share of a disaggregated fleet's workers that should prefill so that both pools
         run equally loaded, for requests of these mean lengths. Typical splits in
-        docs/engine-model.md ("Disaggregated fleets")."""
+        docs/benchmarks/engine-model.md ("Disaggregated fleets")."""
         prefill_s = self.prefill_seconds(prompt_tokens)
         return prefill_s / (prefill_s + self.decode_seconds(prompt_tokens, output_tokens))
 
@@ -167,7 +167,7 @@ PROFILES: dict[str, EngineProfile] = {
     for p in (
         _llama_8b("h100", "1xH100-80GB", _H100_BW, 80),
         # the H100's compute, more bandwidth and memory; checked against step times measured on
-        # one (docs/engine-model.md, "The derived profiles on a real H200")
+        # one (docs/benchmarks/engine-model.md, "The derived profiles on a real H200")
         _llama_8b("h200", "1xH200-141GB", _H200_BW, 141),
         EngineProfile(
             name="llama-3.1-70b-4xh100", model="meta-llama/Llama-3.1-70B-Instruct",

@@ -235,7 +235,7 @@ def get_scenario(name: str, duration_s: float) -> Scenario:
                         {"mooncake": MOONCAKE_CONV}, max_model_len=131_072, cpu_offload_gib=200.0)
     if name == "flood":
         # the only sheddable band beside rogue-tenant's bursty free tier: a change that cost
-        # this flood 3-5% went unseen for two days (docs/benchmarks.md, "Sheddable bands do not stand")
+        # this flood 3-5% went unseen for two days (docs/benchmarks/history/sheddable-bands.md)
         return flood()
     raise ValueError(f"unknown scenario {name!r}; known: {', '.join(SCENARIOS)}")
 

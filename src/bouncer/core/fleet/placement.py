@@ -1,0 +1,278 @@
+"""Placement: a replica with room for a request now, predicted in time, ranked by the router.
+In a disaggregated fleet that replica is a prefill worker, and a decode worker must also be
+predicted to have room when the prefill ends (`bouncer.core.fleet.decode_room`), or the request waits:
+it is never sent to prefill without a place to decode.
+
+Layer 3 of a request's life. The pool-wide checks come first (`pool_admits`: long requests wait
+while the pool is under pressure; tenants' KV shares), then each replica's room (`room`, a pure
+query: KV headroom, prefill queue, the TPOT hold, the TTFT and TPOT reserves of higher bands, the
+in-flight limit), then the deadline (only replicas predicted to meet it), then the router.
+A replica's busy mark (hysteresis) and the end of its rest after a refusal are moved by `place`,
+once, before its room is asked. The prompt tokens each replica holds are computed once per placement
+and handed to everything that reads them.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from bouncer.config import ModelConfig, Policy, Tenant
+from bouncer.core.agents.gate import AgentGate
+from bouncer.core.fleet.blocks import num_blocks
+from bouncer.core.fleet.decode_room import choose_decode
+from bouncer.core.fleet.permits import PermitStore
+from bouncer.core.fleet.pool import PoolView
+from bouncer.core.fleet.replica import ReplicaState
+from bouncer.core.fleet.routing import Router, cached_tokens
+from bouncer.core.learning.latency import prefill_pairs
+from bouncer.core.outcomes import RETRY_AFTER_MIN_S, Layer, Reason, Refusal
+from bouncer.core.requests import Admission
+
+
+class Room(enum.Enum):
+    YES = "yes"
+    LATER = "later"  # usable but full for now (KV, prefill queue): only a warm prefix may justify sending it there
+    # not this one, a smaller one may fit: its prefill would eat into a higher band's TTFT reserve,
+    # or its context would slow the batch past a TPOT promised there
+    SMALLER = "smaller"
+    NO = "no"  # a brake that holds every cold request alike (the busy mark, in-flight limits)
+
+
+class Held(enum.Enum):
+    """Why a request is held (`Placement.place`)."""
+
+    # no replica has room for its size now (KV, prefill queue, a higher band's TTFT reserve, the
+    # TPOT hold): room frees as work drains, and smaller requests would take it meanwhile
+    ROOM = "room"
+    # a rule holds it that holds the others alike or lets them go first: the busy mark and
+    # in-flight limits (warm requests pass them), long requests while the pool is under
+    # pressure, KV shares, the agent window
+    RULE = "rule"
+
+
+@dataclass(frozen=True, slots=True)
+class Late:
+    """No replica can serve the request within its TTFT deadline."""
+
+    by_s: float  # predicted lateness on the best replica
+
+
+INF = float("inf")
+
+
+def update_busy(r: ReplicaState, usage: float, policy: Policy) -> None:
+    """Its busy mark follows its KV usage with hysteresis: busy at kv_busy_threshold, usable
+    again under kv_resume_threshold."""
+    if r.busy and usage < policy.kv_resume_threshold:
+        r.busy = False
+    elif not r.busy and usage >= policy.kv_busy_threshold:
+        r.busy = True
+
+
+def room(r: ReplicaState, adm: Admission, cached: int, usage: float, protected: tuple[float, float],
+         policy: Policy, now: float) -> Room:
+    """Whether `r` (usable, not resting) can take `adm` now, `cached` of its prompt tokens being
+    cached there, at KV `usage`, and `protected` the TTFT and TPOT SLOs of a higher band it must
+    leave room for."""
+    p = policy
+    protected_ttft, protected_tpot = protected
+    # A request whose prefix is cached here is warm: it adds little prefill and few new blocks,
+    # and the checks below (predicted TPOT, the KV it still needs) look at what it adds. The
+    # coarse brakes (the busy mark's hysteresis, the TPOT guard's in-flight limit) would only
+    # send it to a cold replica to compute its whole prompt again.
+    warm = cached > 0 and r.latency is not None
+    if (r.busy and not warm) or r.requests_in_flight >= p.max_inflight_per_replica:
+        return Room.NO
+    if r.requests_in_flight >= r.concurrency_limit and not warm:
+        return Room.NO
+    if p.tpot_hold and r.requests_in_flight and r.latency is not None and r.role != "prefill":
+        # the batch it would join must stay within the strictest TPOT promised there, and
+        # while a higher band sends, leave room in it for that band's next requests
+        limit = min(min(r.tpot_slos, default=INF), adm.tpot_slo or INF) * p.tpot_guard_margin
+        if protected_tpot < INF:
+            limit = min(limit, protected_tpot * p.tpot_guard_margin * (1 - p.tpot_reserve_fraction))
+        if limit < INF and r.predict_tpot(adm, now) > limit:  # type: ignore[operator]
+            return Room.SMALLER
+    uncached = adm.info.prompt_tokens - cached
+    if r.latency is not None and p.ttft_reserve_fraction > 0 and protected_ttft < INF:
+        # keep the prefill queue short enough for a higher band's next request to start in time
+        pairs = r.queued_prefill_pairs + prefill_pairs(adm.info.prompt_tokens, uncached)
+        if r.latency.ttft(r.queued_prefill_tokens + uncached, 1, r.decoding, r.decode_context, pairs) \
+                > protected_ttft * p.ttft_reserve_fraction:
+            return Room.SMALLER
+    # the blocks it still needs: its cached prefix is in the pool already (counted in usage
+    # while others use it; where it sits evictable, this underestimates, and the engine may
+    # have to preempt: measured, rarely)
+    cap = r.capacity_blocks
+    # a prefill worker holds the prompt only: the answer is generated on a decode worker
+    output = 0 if r.role == "prefill" else adm.expected_output
+    need = num_blocks(adm.info.prompt_tokens - cached + output, r.block_size) / cap if cap else 0.0
+    if r.requests_in_flight and usage + need > p.kv_busy_threshold:
+        return Room.LATER
+    # its prefill queue is full (what it holds cached adds no prefill work there): about one
+    # engine step, or less where the TPOT guard found steps too long for short answers
+    # (`feedback.adapt_limits`). Sheddable work queued there does not make others wait: it was
+    # let in to use spare capacity, and a request held behind it would still wait for that
+    # prefill, then often be refused as late (in rogue-tenant: the SLA tenant's long prompts,
+    # behind the free tier's, at load 0.5).
+    if r.queued_prefill_tokens and r.queued_prefill_tokens + uncached > min(p.prefill_busy_tokens, r.prefill_limit) \
+            and (adm.priority < 0 or r.unstarted_at_or_above(0)):
+        return Room.LATER
+    return Room.YES
+
+
+def rest(r: ReplicaState, policy: Policy, now: float, retry_after: float | None) -> None:
+    """A replica refused a request: it gets nothing for `upstream_refusal_cooldown_s` (doubled
+    for each refusal in a row while it runs nothing of ours: then it is not merely full), or for
+    as long as its own Retry-After asked (both bounded); and no more in flight than it holds
+    now, until completions let it grow."""
+    p = policy
+    if not r.requests_in_flight:
+        r.idle_refusals += 1
+    span = p.upstream_refusal_cooldown_s * 2 ** min(20, max(0, r.idle_refusals - 1))
+    if retry_after is not None:
+        span = max(span, retry_after)
+    r.cooldown_until = now + min(p.upstream_refusal_cooldown_max_s, span)
+    r.concurrency_limit = max(1.0, min(r.concurrency_limit, r.requests_in_flight))
+    r.refusals_cut_limit = True
+
+
+def nowhere_to_go(replicas: dict[str, ReplicaState], adm: Admission, policy: Policy, now: float) -> Refusal | None:
+    """Why no replica will take a request a backend just refused (503 upstream_refused), or None:
+    every usable one refuses everything (`upstream_refusal_retries` refusals in a row while
+    running none of ours), or rests past the request's TTL."""
+    usable = [r for r in replicas.values() if not r.removed and r.healthy]
+    wake = min((r.cooldown_until or now for r in usable), default=None)
+    if wake is not None and wake <= adm.deadline and not all(r.idle_refusals >= policy.upstream_refusal_retries
+                                                             for r in usable):
+        return None
+    return Refusal(Layer.UPSTREAM, Reason.UPSTREAM_REFUSED, "no backend will take this request: they refuse it "
+                   "for load, or rest longer than its queue TTL",
+                   max(RETRY_AFTER_MIN_S, (wake or now + RETRY_AFTER_MIN_S) - now))
+
+
+class Placement:
+    """Where requests of one core go. Reads the policy, the tenants' KV shares and what their
+    permits hold; changes nothing but the replicas' marks."""
+
+    def __init__(self, policy: Policy, router: Router, tenants: dict[str, Tenant], permits: PermitStore) -> None:
+        self.policy = policy
+        self.router = router
+        self.tenants = tenants  # name -> config, for context caps
+        self.kv_shares = [(name, t.kv_share) for name, t in tenants.items() if t.kv_share > 0]
+        self.permits = permits
+
+    def best_ttft(self, replicas: dict[str, ReplicaState], adm: Admission, view: PoolView) -> float | None:
+        """The lowest TTFT predicted for `adm` on a usable replica, were it sent now (None
+        without a step-time model)."""
+        ttfts = [ttft for r in view.prompt_workers()
+                 if (ttft := r.predict_ttft(adm, adm.info.prompt_tokens - cached_tokens(r, adm, view.now)))
+                 is not None]
+        return min(ttfts) if ttfts else None
+
+    def place(self, model: ModelConfig, replicas: dict[str, ReplicaState], adm: Admission, view: PoolView,
+              protected: tuple[float, float], agents: AgentGate, acts_on_late: bool
+              ) -> tuple[ReplicaState, dict[str, int]] | Late | Held:
+        """A replica for `adm` (with the prompt tokens each replica holds), Late when none would
+        start it in time (waiting would not help: the deadline nears as fast as the work ahead
+        drains), or Held: hold it, and why. In time: its predicted TTFT there, with what is queued there,
+        is within its deadline. (Not times its band's margin, `bouncer.core.learning.ttft_margin`: that
+        refused requests with a fair chance, costing up to 10% of goodput in the simulator.)"""
+        now = view.now
+        if not self._pool_admits(model, replicas, adm, view):
+            return Held.RULE
+        cached = {r.name: cached_tokens(r, adm, now) for r in replicas.values()}
+        candidates: list[ReplicaState] = []
+        # usable, but full for now (prefill queue, KV headroom): only a replica
+        # holding this prompt's prefix may still get it, if the router's stickiness gate allows
+        backlogged: list[ReplicaState] = []
+        sized = False  # some replica lacks room for its size only (`Held.ROOM`)
+        policy = self.policy
+        for r in replicas.values():
+            if not view.usable(r) or r.role == "decode":
+                continue
+            if r.cooldown_until is not None:  # resting after a refusal, until the end of its rest
+                if now < r.cooldown_until:
+                    continue
+                r.cooldown_until = None
+            usage = view.usage(r)
+            update_busy(r, usage, policy)
+            fit = room(r, adm, cached[r.name], usage, protected, policy, now)
+            if fit is Room.YES:
+                candidates.append(r)
+            elif fit is Room.LATER:
+                backlogged.append(r)
+                sized = True
+            elif fit is Room.SMALLER:
+                sized = True
+        instead: list[ReplicaState] = []  # an agent's step: where it may go if its place would start it late
+        if adm.session is not None and agents.enabled:
+            where = agents.where(adm, candidates, backlogged, cached, replicas, now)  # type: ignore[union-attr]
+            if where is None:
+                return Held.RULE
+            candidates, backlogged, instead = where
+        if not candidates:
+            return Held.ROOM if sized else Held.RULE
+        if adm.ttft_deadline is not None and candidates[0].latency is not None:
+            budget = adm.ttft_deadline - now
+            ttfts = [r.predict_ttft(adm, adm.info.prompt_tokens - cached[r.name]) or 0.0 for r in candidates]
+            in_time = [r for r, ttft in zip(candidates, ttfts, strict=True) if ttft <= budget]
+            if not in_time and instead:  # its agent's place would start it late: where it is in time, instead
+                more = [r.predict_ttft(adm, adm.info.prompt_tokens - cached[r.name]) or 0.0 for r in instead]
+                in_time = [r for r, ttft in zip(instead, more, strict=True) if ttft <= budget]
+                ttfts += more
+            if not in_time:
+                if acts_on_late:
+                    return Late(min(ttfts) - budget)
+                adm.predicted_infeasible = True  # only flagged: it goes where the router says
+            else:
+                candidates = in_time
+                backlogged = [r for r in backlogged
+                              if (r.predict_ttft(adm, adm.info.prompt_tokens - cached[r.name]) or 0.0) <= budget]
+        chosen = self.router.choose(adm, candidates, view, self.policy.prefill_busy_tokens, backlogged, cached)
+        if model.disaggregated:
+            decode = self._decode_worker(replicas, adm, chosen, cached, view)
+            if decode is None:
+                return Held.ROOM
+            adm.decode_replica = decode.name
+        return chosen, cached
+
+    def _decode_worker(self, replicas: dict[str, ReplicaState], adm: Admission, prefill: ReplicaState,
+                       cached: dict[str, int], view: PoolView) -> ReplicaState | None:
+        """The decode worker predicted to have room for `adm` when its prefill on `prefill` ends."""
+        workers = [r for r in replicas.values() if r.role == "decode" and view.usable(r)]
+        ttft = prefill.predict_ttft(adm, adm.info.prompt_tokens - cached[prefill.name]) or 0.0
+        return choose_decode(workers, adm.info.prompt_tokens, adm.mean_output or adm.expected_output,
+                             prefill.block_size, view.now + ttft, self.policy.kv_busy_threshold, view.now)
+
+    def _pool_admits(self, model: ModelConfig, replicas: dict[str, ReplicaState], adm: Admission,
+                     view: PoolView) -> bool:
+        """The checks that look at the whole pool: context squeeze under pressure, KV shares."""
+        p = self.policy
+        total = adm.info.prompt_tokens + adm.max_tokens
+        pressure = view.pool_usage()
+        if pressure > p.context_pressure_start:
+            t = self.tenants[adm.tenant]
+            cap = t.context_cap or model.max_model_len
+            squeeze = min(1.0, (pressure - p.context_pressure_start) / max(1e-9, 1 - p.context_pressure_start))
+            if total > cap * (1 - (1 - p.context_pressure_min_fraction) * squeeze):
+                return False  # long requests wait while the pool is under pressure
+        return self._within_kv_share(model, replicas, adm, view)
+
+    def _within_kv_share(self, model: ModelConfig, replicas: dict[str, ReplicaState], adm: Admission,
+                         view: PoolView) -> bool:
+        """Tenants' KV shares reserve part of the pool; what a tenant does not use is lent out,
+        but a borrower may not take the part other tenants have reserved and not yet used."""
+        shares = self.kv_shares
+        if not shares:
+            return True
+        caps = [r.capacity_blocks for r in view.usable_replicas()]
+        if not caps or not all(caps):
+            return True
+        pool = sum(caps)  # type: ignore[arg-type]
+        used = sum(r.inflight_blocks for r in replicas.values())
+        reserved_idle = sum(max(0.0, share * pool - self.permits.tenant_blocks(name))
+                            for name, share in shares if name != adm.tenant)
+        need = num_blocks(adm.info.prompt_tokens + adm.expected_output, model.block_size)
+        return used + need <= pool * self.policy.kv_busy_threshold - reserved_idle or used == 0

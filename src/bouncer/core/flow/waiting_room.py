@@ -1,0 +1,91 @@
+"""The waiting room's doors, at arrival: whether a request may join the queue at all.
+
+Layers 4 and 5 as a request arrives, in order: a model being drained holds only so many; with no
+usable backend nothing is queued; sheddable traffic is refused while the pool is saturated past
+its band's ceiling; a tenant's own queue is bounded (429: its fault), and so is the whole room,
+per band and in total (529: the fleet's), where a newcomer that outranks the lowest queued
+sheddable request evicts it instead of being refused.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from bouncer.config import Policy
+from bouncer.core.fleet.pool import PoolView
+from bouncer.core.flow.saturation import SaturationDetector, ceiling
+from bouncer.core.model_state import ModelState
+from bouncer.core.outcomes import Layer, Reason, Refusal, Reject, Terminal
+from bouncer.core.requests import Admission
+
+if TYPE_CHECKING:
+    from bouncer.core.finaliser import Finaliser
+
+
+def door_shut(ms: ModelState, tenant: str, band: int, view: PoolView, saturation: SaturationDetector,
+              policy: Policy, now: float, min_prompt: int = 0) -> Refusal | None:
+    """Why no request of `tenant` in `band` may join the waiting room now, whatever its size
+    (of at least `min_prompt` tokens): the checks that need no prompt, so that a request they
+    refuse is refused before its prompt is tokenized (`AdmissionCore.precheck`)."""
+    # (no closure for the refusals: this runs at every arrival, and they are rare)
+    flow = ms.flow
+    if ms.draining:
+        if len(flow) >= policy.drain_queue_cap:
+            return _refused(ms, band, tenant, now, Layer.FLOW, Reason.DRAINING,
+                            f"model `{ms.cfg.name}` is draining for a swap")
+    else:
+        if not view.any_usable():
+            return _refused(ms, band, tenant, now, Layer.QUEUE, Reason.NO_BACKEND,
+                            f"no usable backend for model `{ms.cfg.name}`")
+        if band < 0 and saturation.saturation(view) >= ceiling(policy, band):
+            return _refused(ms, band, tenant, now, Layer.FLOW, Reason.SATURATED,
+                            "the fleet is saturated; sheddable traffic is refused")
+    q = flow.queue_of(tenant, band)
+    if q is not None and (q.count >= policy.queues.tenant_max_requests
+                          or (min_prompt and q.tokens + min_prompt > policy.queues.tenant_max_tokens)):
+        return _refused(ms, band, tenant, now, Layer.QUEUE, Reason.TENANT_QUEUE_FULL,
+                        f"tenant {tenant!r} has too many queued requests")
+    band_state = flow.bands.get(band)
+    if band_state is not None and band_state.count >= policy.queues.band_max_requests:
+        # (evicting from the bands below would not make room in this one)
+        return _refused(ms, band, tenant, now, Layer.QUEUE, Reason.QUEUE_FULL, "the waiting room is full")
+    return None
+
+
+def _refused(ms: ModelState, band: int, tenant: str, now: float, layer: Layer, reason: Reason,
+             message: str) -> Refusal:
+    """A door's refusal, with when to come back: once the backlog ahead has turned over."""
+    return Refusal(layer, reason, message, ms.backlog.retry_after(band, now, tenant))
+
+
+def door(ms: ModelState, adm: Admission, view: PoolView, saturation: SaturationDetector,
+         policy: Policy, now: float) -> Refusal | list[Admission]:
+    """Why `adm` may not join the waiting room, or the queued requests it evicts (often none)."""
+    flow, band = ms.flow, adm.priority
+    shut = door_shut(ms, adm.tenant, band, view, saturation, policy, now)
+    if shut is not None:
+        return shut
+
+    q = flow.tenant_queue(adm)
+    qc = policy.queues
+    prompt = adm.info.prompt_tokens
+    if q is not None and q.tokens + prompt > qc.tenant_max_tokens:
+        return _refused(ms, band, adm.tenant, now, Layer.QUEUE, Reason.TENANT_QUEUE_FULL,
+                        f"tenant {adm.tenant!r} has too many queued requests")
+    victims: list[Admission] = []
+    count, tokens = len(flow), flow.tokens
+    while count >= qc.max_requests or tokens + prompt > qc.max_tokens:
+        victim = flow.lowest_sheddable(below=band, excluding=victims)
+        if victim is None:
+            return _refused(ms, band, adm.tenant, now, Layer.QUEUE, Reason.QUEUE_FULL, "the waiting room is full")
+        victims.append(victim)
+        count, tokens = count - 1, tokens - victim.info.prompt_tokens
+    return victims
+
+
+def leave(finaliser: Finaliser, ms: ModelState, adm: Admission, terminal: Terminal, reason: Reason, message: str,
+          now: float) -> Reject:
+    """A queued request leaves the waiting room with an error (evicted, expired, drained); its
+    Retry-After counts the room without it."""
+    return finaliser.refuse(adm, lambda: Refusal(Layer.FLOW, reason, message, ms.backlog.retry_after(
+        adm.priority, now, adm.tenant)), now, terminal, ms.flow)

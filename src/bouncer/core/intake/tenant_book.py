@@ -1,0 +1,56 @@
+"""The tenants a core knows, as the config last named them, and what it keeps per tenant.
+
+- who a request is: its API key's digest names a tenant, or the configured default tenant takes
+  it (`identify`);
+- each tenant's circuit breaker, kept across reloads that leave its settings alone;
+- each tenant's output lengths as learned per model (`feedback.expected_output` reads them);
+- its rate limits, configured in the rate-limit store (which keeps their levels).
+
+The dicts are shared by reference with the parts that read them (the finaliser reads the
+breakers, placement the tenants): a reload refills them in place.
+"""
+
+from __future__ import annotations
+
+from bouncer.config import BouncerConfig, Tenant
+from bouncer.core.intake.breaker import CircuitBreaker
+from bouncer.core.intake.rate_limit import RateLimitStore
+from bouncer.core.learning.output_length import OutputLengthModel
+
+
+class TenantBook:
+    def __init__(self, rate_limits: RateLimitStore) -> None:
+        self.by_name: dict[str, Tenant] = {}
+        self.breakers: dict[str, CircuitBreaker] = {}
+        self.output_models: dict[str, dict[str, OutputLengthModel]] = {}  # tenant -> model -> learned lengths
+        self._by_key: dict[str, Tenant] = {}
+        self._default: Tenant | None = None
+        self._rate_limits = rate_limits
+
+    def reconfigure(self, config: BouncerConfig, now: float) -> None:
+        """The config's tenants. A tenant's breaker restarts only when its settings change, its
+        learned output lengths never (a tenant named again keeps them)."""
+        self._by_key = config.tenant_by_key()
+        self._default = next((t for t in config.tenants if t.name == config.default_tenant), None)
+        b = config.policy.breaker
+        self.by_name.clear()
+        for t in config.tenants:
+            self.by_name[t.name] = t
+            self._rate_limits.configure(t.name, t.rate_limit, now)
+            current = self.breakers.get(t.name)
+            if current is None or (current.threshold, current.window_s, current.open_s) != (b.failures, b.window_s,
+                                                                                            b.open_s):
+                self.breakers[t.name] = CircuitBreaker(b.failures, b.window_s, b.open_s)
+            self.output_models.setdefault(t.name, {})
+
+    def identify(self, key_digest: str | None) -> Tenant | None:
+        """The tenant a request's API key (its SHA-256) names, else the default tenant, if any."""
+        return (self._by_key.get(key_digest) if key_digest else None) or self._default
+
+    def get(self, name: str) -> Tenant | None:
+        return self.by_name.get(name)
+
+    def weight(self, name: str) -> float:
+        """Its fair-share weight; 1 for a tenant no longer configured (its requests still finish)."""
+        t = self.by_name.get(name)
+        return t.weight if t is not None else 1.0

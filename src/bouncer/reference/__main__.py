@@ -1,5 +1,0 @@
-import sys
-
-from bouncer.reference import main
-
-sys.exit(main())
