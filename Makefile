@@ -76,9 +76,9 @@ system-tools:
 	  fi; \
 	fi
 
+# The venvs' paths are handed to the tests absolute: some tests run them from another directory.
 test: $(STAMP) $(VLLM_STAMP) $(GUIDELLM_STAMP) $(KV_TESTER_STAMP) system-tools
 	$(VENV)/bin/ruff check src tests scripts
-	# absolute paths: some tests run these from another working directory
 	BOUNCER_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python BOUNCER_GUIDELLM=$(abspath $(GUIDELLM_VENV))/bin/guidellm \
 	BOUNCER_KV_TESTER_PYTHON=$(abspath $(KV_TESTER_VENV))/bin/python $(PY) -m pytest
 
