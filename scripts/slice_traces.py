@@ -2,7 +2,7 @@
 
     python scripts/slice_traces.py FULL_TRACES_DIR [OUT_DIR]   # OUT_DIR default: data/traces
 
-FULL_TRACES_DIR has the upstream layout (azure-2023/, mooncake-fast25/, servegen/{deepseek-r1,m-mid}/,
+FULL_TRACES_DIR has the upstream layout (azure-2023/, mooncake-fast25/, servegen/{deepseek-r1,m-mid,m-large}/,
 weka-claude-code/{traces,subagents}/; data/traces/README.md says where each comes from). What is kept, and
 why it is enough for the published benchmarks to regenerate unchanged:
 
@@ -10,7 +10,8 @@ why it is enough for the published benchmarks to regenerate unchanged:
 - Mooncake FAST'25: the conversation trace whole, gzipped (the `prefix` scenario).
 - WEKA Claude Code: every session of traces/ and of subagents/ (sessions with subagents), each
   gzipped (the `agents` scenario draws from all of a folder).
-- ServeGen DeepSeek-R1 and m-mid: only what a replay reads. A replay takes the day's busiest hour over all
+- ServeGen DeepSeek-R1, m-mid and m-large (a validation pool for what is tuned on m-mid): only
+  what a replay reads. A replay takes the day's busiest hour over all
   clients (`bouncer.sim.servegen.busiest_span`); the slice keeps that hour's windows of the
   clients that send in it, and of each client's token distributions only the periods those
   windows draw from (gzipped). Clients that send nothing in that hour draw no random numbers in
@@ -119,6 +120,7 @@ def main() -> None:
     weka(full, out, "subagents")
     servegen(full, out, "deepseek-r1")
     servegen(full, out, "m-mid")
+    servegen(full, out, "m-large")
     assert WINDOW_S == 600.0  # the slice keeps whole windows of the upstream's 600 s rows
     print(f"wrote {out}")
 
