@@ -77,16 +77,19 @@ def room(r: ReplicaState, adm: Admission, cached: int, usage: float, protected: 
     leave room for."""
     p = policy
     protected_ttft, protected_tpot = protected
+    # (each read once: this runs for every replica on every placement, the core's hottest call)
+    lat = r.latency
+    inflight = r.requests_in_flight
     # A request whose prefix is cached here is warm: it adds little prefill and few new blocks,
     # and the checks below (predicted TPOT, the KV it still needs) look at what it adds. The
     # coarse brakes (the busy mark's hysteresis, the TPOT guard's in-flight limit) would only
     # send it to a cold replica to compute its whole prompt again.
-    warm = cached > 0 and r.latency is not None
-    if (r.busy and not warm) or r.requests_in_flight >= p.max_inflight_per_replica:
+    warm = cached > 0 and lat is not None
+    if (r.busy and not warm) or inflight >= p.max_inflight_per_replica:
         return Room.NO
-    if r.requests_in_flight >= r.concurrency_limit and not warm:
+    if inflight >= r.concurrency_limit and not warm:
         return Room.NO
-    if p.tpot_hold and r.requests_in_flight and r.latency is not None and r.role != "prefill":
+    if p.tpot_hold and inflight and lat is not None and r.role != "prefill":
         # the batch it would join must stay within the strictest TPOT promised there, and
         # while a higher band sends, leave room in it for that band's next requests
         limit = min(min(r.tpot_slos, default=INF), adm.tpot_slo or INF) * p.tpot_guard_margin
@@ -95,10 +98,10 @@ def room(r: ReplicaState, adm: Admission, cached: int, usage: float, protected: 
         if limit < INF and r.predict_tpot(adm, now) > limit:  # type: ignore[operator]
             return Room.SMALLER
     uncached = adm.info.prompt_tokens - cached
-    if r.latency is not None and p.ttft_reserve_fraction > 0 and protected_ttft < INF:
+    if lat is not None and p.ttft_reserve_fraction > 0 and protected_ttft < INF:
         # keep the prefill queue short enough for a higher band's next request to start in time
         pairs = r.queued_prefill_pairs + prefill_pairs(adm.info.prompt_tokens, uncached)
-        if r.latency.ttft(r.queued_prefill_tokens + uncached, 1, r.decoding, r.decode_context, pairs) \
+        if lat.ttft(r.queued_prefill_tokens + uncached, 1, r.decoding, r.decode_context, pairs) \
                 > protected_ttft * p.ttft_reserve_fraction:
             return Room.SMALLER
     # the blocks it still needs: its cached prefix is in the pool already (counted in usage
@@ -108,7 +111,7 @@ def room(r: ReplicaState, adm: Admission, cached: int, usage: float, protected: 
     # a prefill worker holds the prompt only: the answer is generated on a decode worker
     output = 0 if r.role == "prefill" else adm.expected_output
     need = num_blocks(adm.info.prompt_tokens - cached + output, r.block_size) / cap if cap else 0.0
-    if r.requests_in_flight and usage + need > p.kv_busy_threshold:
+    if inflight and usage + need > p.kv_busy_threshold:
         return Room.LATER
     # its prefill queue is full (what it holds cached adds no prefill work there): about one
     # engine step, or less where the TPOT guard found steps too long for short answers

@@ -289,9 +289,10 @@ class ReplicaState:
     def predict_tpot(self, adm, now: float, raw: bool = False) -> float | None:
         """The TPOT of the batch `adm` would join: what decodes here now, what was sent and has
         not started yet, and itself (`raw`: before the online correction)."""
-        if self.latency is None:
+        lat = self.latency
+        if lat is None:
             return None
-        predict = self.latency.raw_tpot if raw else self.latency.tpot
+        predict = lat.raw_tpot if raw else lat.tpot
         return predict(self.decoding + self.unstarted + 1,
                        self.decode_context + self.pending_context + decode_context(adm), now)
 

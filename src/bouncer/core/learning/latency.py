@@ -71,6 +71,8 @@ class LatencyPredictor:
         self.tpot_factor = 1.0
         self._rate_acc = 0.0  # exponentially decayed sum of dispatched prefill tokens
         self._rate_at = 0.0
+        # a step's share left to decoding (`raw_tpot`), and the `now`, model and prefill rate it is of
+        self._free, self._free_now, self._free_model, self._free_of = 1.0, -math.inf, None, (-math.inf, 0.0)
 
     @property
     def model(self) -> StepTimeModel | None:
@@ -100,9 +102,13 @@ class LatencyPredictor:
     def raw_tpot(self, decoding: int, decode_context: int, now: float) -> float:
         """Uncorrected TPOT (s) of a batch of `decoding` requests reading `decode_context` tokens,
         with prefill chunks arriving at the recent rate."""
-        m = self.model
-        load = min(0.9, m.b * self.prefill_rate(now))  # a step cannot be all prefill
-        return m.step(decoding, decode_context) / (1.0 - load)
+        m = self.given if self.learner is None else self.learner.model
+        # the share of a step left to decoding, kept while `now`, the rate and the model stay: it
+        # is asked for every replica on every placement, most of them at one `now`
+        if now != self._free_now or m is not self._free_model or self._free_of != (self._rate_at, self._rate_acc):
+            self._free_now, self._free_model, self._free_of = now, m, (self._rate_at, self._rate_acc)
+            self._free = 1.0 - min(0.9, m.b * self.prefill_rate(now))  # type: ignore[union-attr]  # not all prefill
+        return (m.a + m.b * decoding + m.c * decode_context) / self._free  # type: ignore[union-attr]  # as m.step
 
     def ttft(self, prefill_ahead: int, own_prefill: int, decoding: int, decode_context: int,
              pairs: int = 0) -> float:
