@@ -14,7 +14,9 @@ calls:
 `scripts/bench_core_cost.sh REV` records once and replays on REV and on this tree, alternating,
 and reports the fastest replay of each (the least disturbed by a noisy machine), per entry point.
 A replay also sorts each `offer` and `tick` by how many requests were queued when it was made
-(`by_queue`): a cost that grows with the backlog shows there.
+(`by_queue`), and by how many requests the core had refused or expired in the second of the
+run's clock before it (`by_refusals`, per second): a cost that grows with the backlog, or with a
+flood of refusals and the retries they bring back, shows there.
 """
 
 from __future__ import annotations
@@ -24,12 +26,13 @@ import json
 import pickle
 import statistics
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 
 ENTRY_POINTS = ("offer", "tick", "started", "finished", "observe", "cancel", "requeue", "renew", "kv_digests")
 
 
 QUEUE_BUCKETS = (10, 100, 1000, 10_000)  # upper bounds (exclusive) of the queue depths calls are sorted by
+REFUSAL_BUCKETS = (10, 100, 1000, 10_000)  # the same for refusals per second
 BY_QUEUE = ("offer", "tick")
 
 
@@ -70,39 +73,55 @@ def replay(path: str) -> dict:
     """Feed a fresh core the recorded calls; seconds spent per entry point."""
     from bouncer.config import parse_config
     from bouncer.core.admission import AdmissionCore
+    from bouncer.core.outcomes import Reject
 
     with open(path, "rb") as f:
         recorded = pickle.load(f)
     core = AdmissionCore(parse_config(recorded["config"]), 0.0)
     spent: dict[str, float] = defaultdict(float)
     counts: dict[str, int] = defaultdict(int)
-    by_queue: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0.0])  # (entry, bucket) -> [n, s]
+    # (entry, bucket) -> [n, s]: by requests queued, and by refusals in the second before
+    by_queue: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0.0])
+    by_refusals: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0.0])
+    refused: deque[float] = deque()  # when the core refused or expired a request, by the run's clock
+    now = 0.0  # the run's clock, as the last `offer` or `tick` gave it (the other calls come between)
     clock = time.perf_counter
     decisions = hashlib.sha256()
     for entry, args, kwargs in recorded["calls"]:
         call = getattr(core, entry)
-        depth = core.view.queued if entry in BY_QUEUE else 0  # outside the timed span
+        if entry in BY_QUEUE:  # outside the timed span
+            depth = core.view.queued
+            now = args[1] if entry == "offer" else args[0]
+            while refused and refused[0] < now - 1.0:
+                refused.popleft()
+            rate = len(refused)
         t0 = clock()
         events = call(*args, **kwargs)
         took = clock() - t0
         decisions.update(repr(events).encode())
+        refused.extend(now for event in events or () if isinstance(event, Reject))
         spent[entry] += took
         counts[entry] += 1
         if entry in BY_QUEUE:
-            cell = by_queue[(entry, _bucket(depth))]
-            cell[0] += 1
-            cell[1] += took
+            for cells, value, bounds in ((by_queue, depth, QUEUE_BUCKETS), (by_refusals, rate, REFUSAL_BUCKETS)):
+                cell = cells[(entry, _bucket(value, bounds))]
+                cell[0] += 1
+                cell[1] += took
     return {"calls": {e: {"n": counts[e], "seconds": spent[e], "mean_us": spent[e] / counts[e] * 1e6}
                       for e in counts}, "total_seconds": sum(spent.values()),
-            "by_queue": {e: {b: {"n": n, "mean_us": s / n * 1e6} for (e2, b), (n, s) in by_queue.items() if e2 == e}
-                         for e in BY_QUEUE},
+            "by_queue": _cells(by_queue), "by_refusals": _cells(by_refusals),
             "decisions_sha256": decisions.hexdigest()}
 
 
-def _bucket(depth: int) -> str:
+def _cells(cells: dict[tuple[str, str], list[float]]) -> dict[str, dict[str, dict]]:
+    return {e: {b: {"n": n, "mean_us": s / n * 1e6} for (e2, b), (n, s) in cells.items() if e2 == e}
+            for e in BY_QUEUE}
+
+
+def _bucket(value: int, bounds: tuple[int, ...]) -> str:
     low = 0
-    for high in QUEUE_BUCKETS:
-        if depth < high:
+    for high in bounds:
+        if value < high:
             return f"{low}-{high - 1}"
         low = high
     return f"{low}+"
@@ -122,10 +141,10 @@ def main(scenario: str, load: float, duration_s: float, replicas: int, out_path:
         spread = [r["calls"][entry]["mean_us"] for r in runs]
         print(f"  {entry:>10}: {c['n']:>7} calls, {c['mean_us']:7.1f} us each "
               f"(replays: {min(spread):.1f}-{max(spread):.1f}, median {statistics.median(spread):.1f})")
-    for entry in BY_QUEUE:
-        cells = sorted(best["by_queue"][entry].items(), key=lambda kv: int(kv[0].split("-")[0].rstrip("+")))
-        print(f"  {entry:>10} by requests queued: " +
-              ", ".join(f"{b}: {c['mean_us']:.1f} us ({c['n']})" for b, c in cells))
+    for key, what in (("by_queue", "requests queued"), ("by_refusals", "refusals in the second before")):
+        for entry in BY_QUEUE:
+            cells = sorted(best[key][entry].items(), key=lambda kv: int(kv[0].split("-")[0].rstrip("+")))
+            print(f"  {entry:>10} by {what}: " + ", ".join(f"{b}: {c['mean_us']:.1f} us ({c['n']})" for b, c in cells))
     if out_path:
         with open(out_path, "w") as out:
             json.dump({"scenario": scenario, "load": load, "duration_s": duration_s, "replicas": replicas,
