@@ -74,3 +74,12 @@ def test_the_slugs_are_the_sites():
     assert _slug("Goodput against the peers' admission policies") == "goodput-against-the-peers-admission-policies"
     assert _slug("Live: `bouncer bench gateways`") == "live-bouncer-bench-gateways"
     assert _slug("Agents under WEKA's kv-cache-tester") == "agents-under-wekas-kv-cache-tester"
+
+
+def test_the_troubleshooting_page_names_every_reason_bouncer_gives():
+    """A reason added to the core without a word on what it means and whether to retry fails here."""
+    from bouncer.core.outcomes import Reason
+
+    page = (ROOT / "docs" / "operations" / "troubleshooting.md").read_text()
+    missing = [reason.value for reason in Reason if f"`{reason.value}`" not in page]
+    assert not missing, f"docs/operations/troubleshooting.md does not name {missing}"
