@@ -53,8 +53,9 @@ def unmatched_names() -> list[str]:
     return out
 
 
-if unmatched_names():  # a name the config accepts and nothing implements would fail only at reload
-    raise ImportError("bouncer.core.registry and bouncer.config disagree: " + "; ".join(unmatched_names()))
+_UNMATCHED = unmatched_names()
+if _UNMATCHED:  # a name the config accepts and nothing implements would fail only at reload
+    raise ImportError("bouncer.core.registry and bouncer.config disagree: " + "; ".join(_UNMATCHED))
 
 
 def _lookup(kind: str, name: str):

@@ -72,7 +72,8 @@ class LatencyPredictor:
         self._rate_acc = 0.0  # exponentially decayed sum of dispatched prefill tokens
         self._rate_at = 0.0
         # a step's share left to decoding (`raw_tpot`), and the `now`, model and prefill rate it is of
-        self._free, self._free_now, self._free_model, self._free_of = 1.0, -math.inf, None, (-math.inf, 0.0)
+        self._free, self._free_now, self._free_model = 1.0, -math.inf, None
+        self._free_at, self._free_acc = -math.inf, 0.0
 
     @property
     def model(self) -> StepTimeModel | None:
@@ -105,8 +106,9 @@ class LatencyPredictor:
         m = self.given if self.learner is None else self.learner.model
         # the share of a step left to decoding, kept while `now`, the rate and the model stay: it
         # is asked for every replica on every placement, most of them at one `now`
-        if now != self._free_now or m is not self._free_model or self._free_of != (self._rate_at, self._rate_acc):
-            self._free_now, self._free_model, self._free_of = now, m, (self._rate_at, self._rate_acc)
+        if (now != self._free_now or m is not self._free_model or self._free_at != self._rate_at
+                or self._free_acc != self._rate_acc):
+            self._free_now, self._free_model, self._free_at, self._free_acc = now, m, self._rate_at, self._rate_acc
             self._free = 1.0 - min(0.9, m.b * self.prefill_rate(now))  # type: ignore[union-attr]  # not all prefill
         return (m.a + m.b * decoding + m.c * decode_context) / self._free  # type: ignore[union-attr]  # as m.step
 
