@@ -297,7 +297,8 @@ def _bench_agents(args) -> None:
     if args.policy not in agents.AGENT_POLICIES:
         raise SystemExit(f"bouncer: the agents scenario compares {', '.join(agents.AGENT_POLICIES)}")
     result = agents.run(args.policy, args.sessions, duration_s=args.duration, replicas=args.replicas,
-                        seed=args.seed, trace=args.trace, profile=args.profile, gateways=_gateway_setup(args))
+                        seed=args.seed, trace=args.trace, profile=args.profile, gateways=_gateway_setup(args),
+                        policy_set=_policy_settings(args.set))
     if args.out:
         save(result, args.out)
     print(f"agents / {result['policy']} with {result['sessions']} concurrent sessions on {result['replicas']} "

@@ -26,7 +26,7 @@ import time
 from bouncer.core.stores import Stores
 from bouncer.sim.fleet import FleetConfig, FleetSim, SimRequest
 from bouncer.sim.gateways import Gateways, GatewaySetup
-from bouncer.sim.policies import BOUNCER_POLICY, CorePolicy, NoAdmission, core_config, tenant_config
+from bouncer.sim.policies import BOUNCER_POLICY, CorePolicy, NoAdmission, core_config, merged, tenant_config
 from bouncer.sim.profiles import get_profile
 from bouncer.sim.scenarios import WEKA_SESSIONS
 from bouncer.sim.traces import AgentSession, AgentStep, SessionDigests, load_weka
@@ -197,9 +197,11 @@ def _steps(session: AgentSession) -> list[AgentStep]:
 
 
 def _policy(name: str, replicas: int, blocks: int, block_size: int, cap: int, step_time: dict,
-            stores: Stores | None = None):
+            stores: Stores | None = None, policy_set: dict | None = None):
     names = [f"r{i}" for i in range(replicas)]
     if name == "none":
+        if policy_set:
+            raise ValueError("policy settings apply to bouncer and request-cap, not none")
         return NoAdmission(names)
     tenants = [tenant_config(TENANT, 0, queue_ttl_s=STEP_TIMEOUT_S, max_tokens_cap=MAX_OUTPUT,
                              max_tokens_default=MAX_OUTPUT)]
@@ -208,17 +210,20 @@ def _policy(name: str, replicas: int, blocks: int, block_size: int, cap: int, st
         policy.update(max_inflight_per_replica=cap, agents={"enabled": False})
     elif name != "bouncer":
         raise ValueError(f"unknown policy {name!r} for the agents scenario; known: {', '.join(AGENT_POLICIES)}")
+    if policy_set:
+        policy = merged(policy, policy_set)
     return CorePolicy(name, core_config(tenants, replicas, blocks, block_size, MAX_MODEL_LEN, policy,
                                         step_time=step_time), stores=stores)
 
 
 def run(policy: str, sessions: int, duration_s: float = 3600.0, replicas: int = 2, seed: int = 0,
         trace: str | None = None, profile: str = "llama-3.1-8b-h100", name_parents: bool = True,
-        gateways: GatewaySetup | None = None) -> dict:
+        gateways: GatewaySetup | None = None, policy_set: dict | None = None) -> dict:
     """One closed-loop run. `name_parents=False` sends subagents' steps without
     `x-parent-session-id`, so the window sees each subagent as an agent of its own. `gateways`:
     several gateways (bouncer and request-cap), each agent's steps through one of them (its
-    session's, as a load balancer hashing the session header keeps them)."""
+    session's, as a load balancer hashing the session header keeps them). `policy_set` changes
+    policy settings (nested, as in the config's `policy`)."""
     pool = load_weka(trace or WEKA_SESSIONS)
     prof = dataclasses.replace(get_profile(profile), max_model_len=MAX_MODEL_LEN)
     steps = [s for a in pool for s in _steps(a)]
@@ -229,9 +234,10 @@ def run(policy: str, sessions: int, duration_s: float = 3600.0, replicas: int = 
         if policy == "none":
             raise ValueError("--gateways runs several admission cores: none has none")
         gw = Gateways(gateways, lambda stores: _policy(policy, replicas, prof.num_blocks, prof.block_size, cap,
-                                                       prof.step_time_config, stores))
+                                                       prof.step_time_config, stores, policy_set))
     else:
-        gw = _policy(policy, replicas, prof.num_blocks, prof.block_size, cap, prof.step_time_config)
+        gw = _policy(policy, replicas, prof.num_blocks, prof.block_size, cap, prof.step_time_config,
+                     policy_set=policy_set)
     sim = FleetSim(cfg, gw, gw.replica_names)
     replay = SessionReplay(pool, prof.block_size, seed, name_parents)
     wall0 = time.perf_counter()
@@ -254,7 +260,7 @@ def run(policy: str, sessions: int, duration_s: float = 3600.0, replicas: int = 
     return {
         "scenario": "agents", "trace": pathlib.Path(trace or WEKA_SESSIONS).name,
         "policy": policy, "sessions": sessions, "replicas": replicas, "seed": seed,
-        "gateways": (gateways or GatewaySetup()).describe(),
+        "gateways": (gateways or GatewaySetup()).describe(), "policy_set": policy_set or {},
         "duration_s": duration_s, "sim_seconds": reached, "wall_seconds": wall,
         "request_cap_per_replica": cap if policy == "request-cap" else None,
         "sessions_completed": done["sessions"], "sessions_failed": done["failed_sessions"],

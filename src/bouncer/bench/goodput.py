@@ -33,6 +33,7 @@ from bouncer.sim.policies import (
     TgiCap,
     VllmQueueCap,
     core_config,
+    merged,
     tenant_config,
 )
 from bouncer.sim.profiles import EngineProfile, get_profile
@@ -79,13 +80,6 @@ def tenant_configs(scenario: Scenario) -> list[dict]:
             for t in scenario.tenants]
 
 
-def _merged(base: dict, changes: dict) -> dict:
-    out = dict(base)
-    for key, value in changes.items():
-        out[key] = _merged(out.get(key, {}), value) if isinstance(value, dict) else value
-    return out
-
-
 STEP_TIMES = ("given", "learned", "off")
 
 
@@ -116,7 +110,7 @@ def make_policy(name: str, scenario: Scenario, cfg: FleetConfig, routing: str | 
         if routing:
             policy = {**policy, "routing": {**policy.get("routing", {}), "router": routing}}
         if policy_set:
-            policy = _merged(policy, policy_set)
+            policy = merged(policy, policy_set)
         offload = cfg.profile.offload_blocks(cfg.cpu_offload_gib)
         # llm-d predicts no latency
         step = _step_time_config(cfg, step_time) if name == "bouncer" else {"mode": "off"}

@@ -358,6 +358,14 @@ def core_config(tenants: list[dict], replicas: int | dict[str, str], kv_blocks: 
 
 # Bouncer's own policy in the simulator: the shipped defaults (bouncer/config.py, tuned once for
 # every scenario, no per-scenario knobs), with waiting-room bounds sized for the simulated fleet.
+def merged(base: dict, changes: dict) -> dict:
+    """`base` (a policy, nested as in the config) with `changes` (`--set`) over it, key by key."""
+    out = dict(base)
+    for key, value in changes.items():
+        out[key] = merged(out.get(key, {}), value) if isinstance(value, dict) else value
+    return out
+
+
 BOUNCER_POLICY = {
     "queues": {"max_requests": 5000, "band_max_requests": 5000, "tenant_max_requests": 2000,
                "tenant_max_tokens": 20_000_000, "max_tokens": 50_000_000},
