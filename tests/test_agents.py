@@ -179,6 +179,15 @@ def _step(core, session, prompt, now, digests):
     return core.offer(info(session_id=session, prompt=prompt, max_tokens=100, block_digests=digests), now)
 
 
+def _keep_busy(core, now, replicas=2):
+    """A short request without a session on each replica, left running: a replica that runs
+    nothing takes a new agent whatever the contexts living there, so tests of room keep them busy."""
+    busy = [d for _ in range(replicas) for d in dispatched(core.offer(info(prompt=100, max_tokens=100), now))]
+    assert len({d.replica for d in busy}) == replicas
+    for d in busy:
+        core.started(d.request_id, now, measured=False)  # decoding: no prefill queued ahead of the next
+
+
 def test_an_agents_steps_wait_for_its_home_replica_rather_than_recompute_elsewhere():
     core = make_core(policy={"max_inflight_per_replica": 1})
     ctx = list(range(100, 350))  # a 4,000-token context
@@ -200,7 +209,8 @@ def test_a_new_agent_goes_only_where_the_living_agents_leave_room_for_its_contex
         homes.append(d.replica)
         core.finished(d.request_id, 0.5, Terminal.COMPLETED)
     assert len(set(homes)) == 2  # one agent's context per replica
-    # both replicas are idle, but each holds an agent's context between its steps
+    _keep_busy(core, 0.6)
+    # each replica holds an agent's context between its steps
     held = _step(core, "agent-3", 12_000, 1.0, list(range(5000, 5750)))
     assert not dispatched(held) and not rejected(held)
     events = observe_idle(core, 6.0)  # agent-1 and agent-2 idled out: their contexts may go
@@ -219,13 +229,14 @@ def test_a_new_agent_waits_for_room_only_while_its_deadline_allows_then_goes_whe
     for i, s in enumerate(("agent-1", "agent-2")):  # one 750-block context on each replica
         [d] = dispatched(_step(core, s, 12_000, 0.0, list(range(1000 * i, 1000 * i + 750))))
         core.finished(d.request_id, 0.5, Terminal.COMPLETED)
+    _keep_busy(core, 0.6)
     held = _step(core, "agent-3", 12_000, 1.0, list(range(5000, 5750)))
     assert not dispatched(held) and not rejected(held)
-    # it may wait until 2.49 (its 2 s SLO less twice its predicted 0.255 s): the first half of
-    # that for room, then it goes where it fits now
-    assert not dispatched(core.tick(1.7)) and core.view.queued == 1
-    [d] = dispatched(core.tick(1.75))
-    assert admission_of(core, d).session == "agent-3" and d.predicted_ttft_s == pytest.approx(0.255)
+    # it may wait until 2.32 (its 2 s SLO less twice its predicted 0.34 s, beside a decoding
+    # request): the first half of that for room, then it goes where it fits now
+    assert not dispatched(core.tick(1.6)) and core.view.queued == 1
+    [d] = dispatched(core.tick(1.7))
+    assert admission_of(core, d).session == "agent-3" and d.predicted_ttft_s == pytest.approx(0.34)
 
 
 def test_an_agents_step_that_its_home_cannot_start_in_time_goes_where_it_can():
@@ -250,8 +261,9 @@ def test_a_new_agent_without_a_ttft_slo_waits_for_room_until_its_queue_ttl():
     for i, s in enumerate(("agent-1", "agent-2")):
         [d] = dispatched(_step(core, s, 12_000, 0.0, list(range(1000 * i, 1000 * i + 750))))
         core.finished(d.request_id, 0.5, Terminal.COMPLETED)
+    _keep_busy(core, 0.6)
     held = _step(core, "agent-3", 12_000, 1.0, list(range(5000, 5750)))
-    assert not dispatched(held) and not dispatched(core.tick(10.9))
+    assert not dispatched(held) and not rejected(held) and not dispatched(core.tick(10.9))
     [expired] = rejected(core.tick(11.0))
     assert expired.refusal.reason == "ttl_expired"
 
@@ -265,7 +277,8 @@ def test_a_new_agent_with_a_ttft_slo_is_not_refused_for_room_while_the_window_ha
         observe_idle(core, t)
         [d] = dispatched(_step(core, f"agent-{i}", 6400, t, list(range(1000 * i, 1000 * i + 400))))
         core.finished(d.request_id, t + 0.5, Terminal.COMPLETED)
-    # 750 blocks fit beside none of them; at one start per ~14 s it would have been refused
+    _keep_busy(core, 40.6)
+    # 750 blocks fit beside none of them
     held = _step(core, "agent-3", 12_000, 41.0, list(range(5000, 5750)))
     assert not dispatched(held) and not rejected(held) and not observe_idle(core, 41.5)
     # queued until 42.49 (its 2 s SLO less twice its predicted 0.255 s), half of it for room
@@ -299,7 +312,9 @@ def test_a_returning_agents_step_goes_before_a_new_agents():
     assert [admission_of(core, d).session for d in dispatched(events)] == ["agent-1"]
 
 
-def test_a_new_agent_that_would_outwait_its_ttl_for_a_slot_is_refused_at_once_with_the_wait():
+def test_a_new_agent_waiting_for_a_slot_is_never_refused_on_a_guess_of_its_wait():
+    # refusing a new agent costs its whole session: refused at once on the rate agents had taken
+    # a slot, new agents were turned away that a request cap served (issue 51)
     core = make_core(tenants=[tenant("a", queue_ttl_s=10)],
                      policy={"agents": {"initial": 1, "max": 1, "idle_timeout_s": 5}})
     for i, t in enumerate((0.0, 5.5, 11.0)):  # three agents take the one slot in turn, one per ~4 s
@@ -307,41 +322,37 @@ def test_a_new_agent_that_would_outwait_its_ttl_for_a_slot_is_refused_at_once_wi
             observe_idle(core, t)  # the previous one idled out
         [d] = dispatched(core.offer(info(session_id=f"agent-{i}"), t))
         core.finished(d.request_id, t + 0.5, Terminal.COMPLETED)
-    # agent-2 holds the slot; new agents queue while the expected wait fits their 10 s TTL
-    for s in ("agent-3", "agent-4"):
+    for s in ("agent-3", "agent-4", "agent-5"):  # agent-2 holds the slot: they wait, however many
         events = core.offer(info(session_id=s), 12.0)
         assert not dispatched(events) and not rejected(events)
-    [refused] = rejected(core.offer(info(session_id="agent-5"), 12.0))
-    assert refused.refusal.reason == "agent_window_full" and refused.refusal.status == 529
-    assert refused.refusal.retry_after == pytest.approx(3 * 12.0 / 3)  # two ahead, one slot per 4 s
-    assert refused.refusal.message == ("2 agents wait for a slot in the agent window before this one; "
-                                       "expected wait ~12 s, past the 10.0 s it may wait")
-    # an agent coming back mid-session is never turned away: it waits, ahead of the new ones
+    # an agent coming back mid-session waits too, ahead of the new ones
     events = core.offer(info(session_id="agent-0"), 12.0)
-    assert not dispatched(events) and not rejected(events) and core.view.queued == 3
+    assert not dispatched(events) and not rejected(events) and core.view.queued == 4
+    # agent-2 idles out: agent-0 takes the slot, and each new agent waits out its TTL
+    assert [admission_of(core, d).session for d in dispatched(observe_idle(core, 16.6))] == ["agent-0"]
+    assert not rejected(core.tick(21.9))
+    expired = rejected(core.tick(22.0))
+    assert sorted(e.refusal.reason for e in expired) == ["ttl_expired"] * 3
 
 
-def test_a_new_agent_that_would_outwait_its_ttl_for_room_says_the_window_has_free_slots():
-    # the rate at which agents started says how soon a new one gets in, whether the window or
-    # room on the replicas holds it; the refusal says which (under kv-cache-tester the window was
-    # 14 of 52 full, and "wait for a slot in the agent window" read as a window that was full)
-    core = make_core(replicas=1, kv_blocks=1000, max_model_len=16_384, tenants=[tenant("a", queue_ttl_s=0.5)],
-                     policy={"agents": {"initial": 8, "max": 8}})
-    for i, t in enumerate((0.0, 1.0, 2.0)):  # three agents in 3 s: a start a second
+def test_a_replica_that_runs_nothing_takes_a_new_agent_no_replica_has_room_for():
+    # contexts that may be reused are worth keeping while the replica is busy with others, not
+    # an idle replica: held for room alone, replicas ran idle 16% of the time at 256 agents
+    core = make_core(replicas=1, kv_blocks=1000, max_model_len=16_384, policy={"agents": {"idle_timeout_s": 60}})
+    for i, t in enumerate((0.0, 1.0, 2.0)):  # three agents live there: 750 of 1,000 blocks
         [d] = dispatched(_step(core, f"agent-{i}", 4_000, t, list(range(1000 * i, 1000 * i + 250))))
         core.finished(d.request_id, t + 0.5, Terminal.COMPLETED)
-    # they live there (750 of 1,000 blocks): a 12,000-token context waits for room, ~1 s
-    [refused] = rejected(_step(core, "agent-new", 12_000, 3.0, list(range(5000, 5750))))
-    assert refused.refusal.status == 529 and refused.refusal.retry_after == pytest.approx(1.0)
-    assert refused.refusal.message == (
-        "0 new agents wait to start before this one (the window has 5 free slots; the replicas lack room for "
-        "new contexts); expected wait ~1 s, past the 0.5 s it may wait")
+    [d] = dispatched(_step(core, "agent-new", 12_000, 3.0, list(range(5000, 5750))))  # it runs nothing
+    assert admission_of(core, d).session == "agent-new"
+    # while it runs that step, another new agent waits for room
+    assert not dispatched(_step(core, "agent-newer", 12_000, 3.5, list(range(6000, 6750))))
 
 
 def test_agents_waiting_for_a_slot_take_it_in_order_a_long_context_is_not_passed_over():
     core = make_core(replicas=1, kv_blocks=1000, max_model_len=16_384, policy={"agents": {"idle_timeout_s": 5}})
     [a1] = dispatched(_step(core, "agent-1", 9_000, 0.0, list(range(560))))
     core.finished(a1.request_id, 0.5, Terminal.COMPLETED)  # agent-1 lives there, between steps
+    _keep_busy(core, 0.6, replicas=1)
     assert not dispatched(_step(core, "agent-2", 12_000, 1.0, list(range(1000, 1750))))  # does not fit yet
     # a short context behind it would fit beside agent-1, but would keep agent-2 waiting for ever
     assert not dispatched(_step(core, "agent-3", 1_000, 2.0, list(range(2000, 2062))))

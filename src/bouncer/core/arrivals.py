@@ -24,7 +24,6 @@ import itertools
 from dataclasses import dataclass
 
 from bouncer.config import Tenant
-from bouncer.core.agents.gate import WindowGate
 from bouncer.core.finaliser import UNKNOWN_TENANT
 from bouncer.core.fleet.pool import PoolView
 from bouncer.core.flow import deadlines
@@ -37,7 +36,7 @@ from bouncer.core.model_state import ModelState
 from bouncer.core.outcomes import Event, Layer, Reason, Refusal, Reject, Terminal
 from bouncer.core.parts import CoreParts
 from bouncer.core.precheck import cheap_refusal
-from bouncer.core.requests import STEP_OTHER, Admission, RequestInfo
+from bouncer.core.requests import Admission, RequestInfo
 
 # How stale the dispatch loop's last run may be for an arrival that cannot go (queued behind its
 # tenant's head) not to run it again. Measured in `consolidation` at load 3: never running it
@@ -149,17 +148,6 @@ class Arrivals:
         if self._loop_due(ms, adm, bool(entry), now):
             events.extend(c.dispatcher.run(ms, now, view))
         queued = adm.request_id in ms.flow
-        if queued and adm.queue_rank == STEP_OTHER and adm.session is not None and isinstance(ms.agents, WindowGate):
-            outwaits = ms.agents.outwaits_ttl(adm, ms.flow.waiting_agents, now)
-            if outwaits is not None:
-                ahead, wait, free = outwaits
-                held_by = (f"{ahead} agents wait for a slot in the agent window before this one" if free <= ahead else
-                           f"{ahead} new agents wait to start before this one (the window has {free} free slots; "
-                           "the replicas lack room for new contexts)")
-                events.append(c.finaliser.refuse(adm, Refusal(
-                    Layer.FLOW, Reason.AGENT_WINDOW_FULL, f"{held_by}; expected wait ~{wait:.0f} s, past the "
-                    f"{max(0.0, adm.deadline - now):.1f} s it may wait", wait), now, flow=ms.flow))
-                queued = False
         if ttft_left and queued and not ms.draining and adm.ttft_deadline is not None:
             # It has to wait. If the backlog ahead and the prefill work on the best replica already
             # add up to more than its TTFT SLO, say so now (before any prefill), and when to come

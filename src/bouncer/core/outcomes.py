@@ -53,7 +53,6 @@ class Reason(StrEnum):
     RETRY_PAST_DEADLINE = "retry_past_deadline"
     QUEUE_FULL = "queue_full"
     SATURATED = "saturated"
-    AGENT_WINDOW_FULL = "agent_window_full"
     EVICTED = "evicted"
     TTL_EXPIRED = "ttl_expired"
     DRAINING = "draining"
@@ -87,7 +86,6 @@ STATUS_BY_REASON: dict[Reason, int] = {
     Reason.RETRY_PAST_DEADLINE: 429,
     Reason.QUEUE_FULL: 529,
     Reason.SATURATED: 529,
-    Reason.AGENT_WINDOW_FULL: 529,
     Reason.EVICTED: 529,
     Reason.TTL_EXPIRED: 503,
     Reason.DRAINING: 503,

@@ -3,7 +3,8 @@
 With `policy.agents.enabled`, `WindowGate` puts `bouncer.core.agents.window.AgentWindow` (the window, the
 homes, the rules, all explained there) in the request path: it names a request's session and its
 place in its tenant's queue, may hold an agent's next step, keeps an agent on its home replica, and
-refuses a new agent that would outwait its TTL for a slot. `NoAgents` does none of it: requests get
+lets a replica that runs nothing take a new agent that no replica has room for. `NoAgents`
+does none of it: requests get
 no session, so every agent branch of the core is skipped by the same test (`adm.session`).
 """
 
@@ -80,23 +81,6 @@ class WindowGate:
             adm.queue_rank = (STEP_ACTIVE if w.is_active(family) else
                               STEP_RETURNING if w.is_returning(family) else STEP_OTHER)
 
-    def outwaits_ttl(self, adm: Admission, waiting: Container[str], now: float) -> tuple[int, float, int] | None:
-        """For a new agent's first step that waits for a slot: (agents waiting before it, the
-        expected wait, the window's free slots) when that wait runs past its queue TTL, else
-        None. `waiting`: the agents with a step queued (a subagent's counted as its parent's).
-        Never for a step with a TTFT SLO while the window has a slot for it and every agent
-        before it: then only room on the replicas holds it, and half its time at most."""
-        w = self.window
-        me = adm.parent_session or adm.session
-        ahead = sum(1 for s in waiting if s != me and not w.is_active(s))  # type: ignore[attr-defined]
-        free = w.free_slots()
-        if adm.ttft_deadline is not None and free > ahead:
-            return None  # only room holds it, and `waited_half` bounds that
-        wait = w.wait_for_slot(ahead, now)
-        if wait is None or now + wait <= adm.deadline:
-            return None
-        return ahead, wait, free
-
     def is_newcomer(self, adm: Admission) -> bool:
         """Its step would take a slot: its agent (its parent, for a subagent's) holds none."""
         return adm.session is not None and not self.window.is_active(adm.parent_session or adm.session)
@@ -109,10 +93,11 @@ class WindowGate:
         """Where an agent's step may go: an active agent's goes where its context is, or waits
         for room there (None: hold it), since computed again elsewhere its context would also
         evict another agent's; a new agent's (or one whose context is gone) only where the agents
-        living there leave room for it. Keeping those contexts is worth a wait, not the request:
-        a step with a TTFT SLO goes to the other `candidates` (`Where.instead`) when none of its
-        places would start it in time, and waits for one half its time in the queue at most
-        (`waited_half`), then goes wherever there is room."""
+        living there leave room for it, or, where none has, onto one that runs nothing (an idle
+        replica is never kept idle for contexts that may be reused). Keeping those contexts is
+        worth a wait, not the request: a step with a TTFT SLO goes to the other `candidates`
+        (`Where.instead`) when none of its places would start it in time, and waits for one half
+        its time in the queue at most (`waited_half`), then goes wherever there is room."""
         w = self.window
         home = w.home(adm.session)  # type: ignore[arg-type]
         if home is not None and cached[home] > 0:
@@ -122,6 +107,8 @@ class WindowGate:
             return Where(candidates, backlogged, []) if candidates and waited_half(adm, now) else None
         fits = [r for r in candidates if r.name == home or w.room(r.name, r.capacity_blocks)
                 >= num_blocks(adm.info.prompt_tokens + adm.expected_output, r.block_size)]
+        if not fits:  # where nothing runs, contexts that may be reused are not worth an idle replica
+            fits = [r for r in candidates if not r.requests_in_flight]
         if not fits and waited_half(adm, now):
             return Where(candidates, backlogged, [])
         return Where(fits, backlogged, [r for r in candidates if r not in fits])

@@ -56,17 +56,15 @@ recomputes it, and throughput collapses (thrashing). So a window W bounds the *a
   such steps outwaited their clients' timeouts and their sessions failed in the middle, the
   work already done for them wasted;
 - agents waiting for a slot take it in their order (the core passes over none of them);
-- a new agent that would wait longer than its queue TTL for a slot is told so at once, with the
-  expected wait (`wait_for_slot`: the agents ahead of it over the rate at which agents recently
-  took a slot), instead of sitting in the queue until it expires. That rate is how fast new
-  agents get in whatever holds them, the window or room for their contexts on the replicas, so
-  it counts the agents ahead even while the window has free slots (the refusal then says so).
-  Leaving the free slots out of the count let new agents wait out their TTL for room instead:
-  fewer sessions failed at their first step, but 5% fewer completed per hour at 128 agents, 13%
-  with subagents (24 simulated hours). A step with a TTFT SLO waits for room half its time at
-  most, so while the window has a slot for it and every agent before it, it is not refused:
-  live, new agents starting together were refused with 529 while the window had 33-36
-  free slots.
+- a new agent held back waits, while its queue TTL allows, and is never refused on a guess of
+  its wait: refusing a new agent costs its whole session. Refused at once when the rate agents
+  had recently taken a slot put its wait past its TTL, new agents whose replica would soon have
+  run idle were turned away: on sessions it was not tuned on, 120 of them in two hours at 128
+  agents on 4 replicas, and fewer sessions per hour than a plain request cap (issue 51);
+- a replica that runs nothing takes a new agent whatever the contexts living there (`room`):
+  they are worth keeping while the replica is busy with others, but an idle replica is pure
+  loss. Held for room alone, replicas ran idle 16% of the time at 256 agents on 2 replicas,
+  and a request cap that thrashed (prefix hit rate 0) completed more sessions per hour;
 - with several gateways sharing state, each tells the others the agents holding a slot there,
   with their homes and contexts (`own_agents`), and counts theirs (`seen_elsewhere`): the window
   bounds the fleet's agents, not each gateway's (N gateways alone let N windows of agents in,
@@ -79,7 +77,7 @@ Pure: every method takes `now`. One instance per model.
 
 from __future__ import annotations
 
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Container
 from dataclasses import dataclass
 
@@ -97,10 +95,6 @@ class _Agent:
     branches: int = 0  # its subagents' steps in flight (of an agent that holds a slot)
 
 
-STARTS_WINDOW_S = 600.0  # agents taking a slot are counted over this long, for the expected wait
-MIN_STARTS = 3  # fewer in the window: no estimate
-
-
 class AgentWindow:
     def __init__(self, cfg: AgentWindowConfig) -> None:
         self.cfg = cfg
@@ -110,7 +104,6 @@ class AgentWindow:
         self._last_counts: tuple[float, float] | None = None  # cumulative (queries, hits) at the last update
         self.ended: dict[str, float] = {}  # agents that idled out -> when, oldest first; kept memory_s
         self.living: Counter[str] = Counter()  # replica -> KV blocks of the active agents' contexts there
-        self._starts: deque[float] = deque()  # when agents took a slot, recently
         self._subagents = 0  # of `active`, the subagents: they hold no slot
         self.kv_usage = 0.0  # the pool's, as last observed: the slack extra branches need
         # the agents holding a slot at other gateways: session -> (home, blocks), as last seen
@@ -206,8 +199,6 @@ class AgentWindow:
             agent = self.active[session] = _Agent(now, now)
             if session in self._elsewhere:
                 self._both += 1
-            else:
-                self._starts.append(now)
         agent.last_seen = now
         return agent
 
@@ -268,17 +259,6 @@ class AgentWindow:
             elif home is not None:
                 living[home] += blocks
         self._living_elsewhere, self._both = living, both
-
-    def wait_for_slot(self, ahead: int, now: float) -> float | None:
-        """Expected seconds until an agent with `ahead` others waiting before it takes a slot, at
-        the rate agents took one over the last STARTS_WINDOW_S; None with too few to tell."""
-        starts = self._starts
-        while starts and starts[0] < now - STARTS_WINDOW_S:
-            starts.popleft()
-        if len(starts) < MIN_STARTS:
-            return None
-        span = min(STARTS_WINDOW_S, max(1.0, now - starts[0]))
-        return (ahead + 1) * span / len(starts)
 
     def next_expiry(self, waiting: Container[str] = ()) -> float | None:
         """When the next idle agent times out (a dispatch opportunity)."""

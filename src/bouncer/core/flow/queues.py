@@ -112,9 +112,6 @@ class FlowQueues:
         self._queued: dict[str, Admission] = {}
         self.tokens = 0
         self.waiting_sessions: Counter[str] = Counter()  # agents with steps queued here: not idle
-        # of them, those that hold or need a slot of the agent window: not a subagent, whose
-        # parent's slot it runs in (its parent counts here for it)
-        self.waiting_agents: Counter[str] = Counter()
 
     def __len__(self) -> int:
         return len(self._queued)
@@ -161,7 +158,6 @@ class FlowQueues:
             self.waiting_sessions[adm.session] += 1
             if adm.parent_session is not None:  # its parent waits on it: not idle either
                 self.waiting_sessions[adm.parent_session] += 1
-            self.waiting_agents[adm.parent_session or adm.session] += 1
         heapq.heappush(self._ttl, (adm.deadline, adm.seq, adm))
 
     def remove(self, adm: Admission) -> bool:
@@ -170,13 +166,12 @@ class FlowQueues:
         if self._queued.pop(adm.request_id, None) is None:
             return False
         if adm.session is not None:
-            for counter, keys in ((self.waiting_sessions, (adm.session, adm.parent_session)),
-                                  (self.waiting_agents, (adm.parent_session or adm.session,))):
-                for s in keys:
-                    if s is not None:
-                        counter[s] -= 1
-                        if not counter[s]:
-                            del counter[s]
+            waiting = self.waiting_sessions
+            for s in (adm.session, adm.parent_session):
+                if s is not None:
+                    waiting[s] -= 1
+                    if not waiting[s]:
+                        del waiting[s]
         band = self.bands[adm.priority]
         q = band.queues[adm.tenant]
         q.remove(adm)
