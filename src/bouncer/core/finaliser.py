@@ -122,6 +122,9 @@ class Finaliser:
         flow.remove(adm)
         self._departed(adm, now, dispatched=True)
         self.backlog.note_dispatch(adm.info.model, now)
+        ms = self.models.get(adm.info.model)
+        if ms is not None:
+            ms.backlog.comebacks.dispatched(adm.tenant, adm.arrival, now)
 
     # -- an admitted request, holding a permit ----------------------------------------------------
     def finish(self, request_id: str, terminal: Terminal, reason: str | None, now: float,

@@ -24,7 +24,7 @@ from bouncer.core.flow.waiting_room import door_shut
 from bouncer.core.intake.breaker import CircuitBreaker
 from bouncer.core.intake.checks import TenantGate
 from bouncer.core.model_state import ModelState
-from bouncer.core.outcomes import RETRY_AFTER_MIN_S, Layer, Reason, Refusal
+from bouncer.core.outcomes import Layer, Reason, Refusal
 from bouncer.core.requests import RequestInfo
 
 
@@ -79,4 +79,4 @@ def _surely_late(ms: ModelState, tenant: Tenant, info: RequestInfo, view: PoolVi
         return None
     standing = behind_own and ms.standing.standing(tenant.priority, tenant.name, now)
     return Refusal(Layer.SLO, Reason.DEADLINE_INFEASIBLE, deadlines.late_message(late, slo, standing, policy),
-                   max(RETRY_AFTER_MIN_S, late, ms.backlog.turnover_wait(tenant.priority, now, tenant.name) or 0.0))
+                   ms.backlog.retry_after(tenant.priority, now, tenant.name, late))

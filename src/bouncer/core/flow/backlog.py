@@ -8,6 +8,10 @@ Three rates, each over a recent window, kept by a `BacklogStore` (in this proces
   cancelled): how soon the backlog ahead has gone (`turnover_wait`, what Retry-After says);
 - completions of the fleet: a slower, steadier rate, for when the waiting room has none
   (`estimated_wait`).
+
+Retry-After says when a refused tenant next gets in: from how long its recent refusals took to
+be answered where it has some (`bouncer.core.flow.comebacks`), else from these rates
+(`retry_after`).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from collections import deque
 from typing import Protocol
 
 from bouncer.core.fleet.replica import ReplicaState
+from bouncer.core.flow.comebacks import Comebacks
 from bouncer.core.flow.queues import FlowQueues
 from bouncer.core.outcomes import RETRY_AFTER_MIN_S
 from bouncer.core.sharing.peers import FleetShares
@@ -135,6 +140,7 @@ class Backlog:
         self.replicas = replicas
         self.store = store
         self.peers = peers  # with several gateways: their queues and rates count too
+        self.comebacks = Comebacks()  # each tenant's refusals at this gateway, until answered
 
     def _ahead(self, priority: int, tenant: str | None) -> float:
         peers = self.peers
@@ -180,15 +186,21 @@ class Backlog:
         unstarted = sum(r.unstarted_at_or_above(priority) for r in self.replicas.values())
         return (self._ahead(priority, tenant) + unstarted) / rate
 
-    def retry_after(self, priority: int, now: float, tenant: str | None = None) -> float:
-        """When a request of this priority and tenant, sent again, would be let through: once
-        the backlog ahead of it has left the waiting room (`turnover_wait`), else over the rate
-        the fleet completes requests, else a second or so while there is no rate yet. Checked
-        against what happened in the simulator: `bench run` reports, per refusal reason, the
-        ratio of this to the time until a request of the tenant sent after it got in."""
-        wait = self.turnover_wait(priority, now, tenant) if tenant is not None else None
+    def retry_after(self, priority: int, now: float, tenant: str | None = None, late: float = 0.0) -> float:
+        """A request of this priority and tenant is refused now: when one sent again would be let
+        through. How long its tenant's refusals lately took to be answered (`Comebacks`, which
+        follows this one too), else once the backlog ahead of it has left the waiting room
+        (`turnover_wait`), else over the rate the fleet completes requests, else a second or so
+        while there is no rate yet; and then no sooner than `late`, how late this one was
+        predicted to start. Checked against what happened in the simulator: `bench run`
+        reports, per refusal reason, the ratio of this to the time until a request of the
+        tenant sent after it got in."""
+        wait = self.comebacks.refused(tenant, now) if tenant is not None else None
         if wait is None:
-            wait = self.estimated_wait(priority, now, tenant)
-        if wait is None:
-            wait = RETRY_AFTER_MIN_S + len(self.flow) * 0.05
+            wait = self.turnover_wait(priority, now, tenant) if tenant is not None else None
+            if wait is None:
+                wait = self.estimated_wait(priority, now, tenant)
+            if wait is None:
+                wait = RETRY_AFTER_MIN_S + len(self.flow) * 0.05
+            wait = max(wait, late)
         return min(RETRY_AFTER_MAX_S, max(RETRY_AFTER_MIN_S, wait))

@@ -20,7 +20,7 @@ from __future__ import annotations
 from bouncer.config import Policy, Tenant
 from bouncer.core.finaliser import CoreStats, Finaliser
 from bouncer.core.model_state import ModelState
-from bouncer.core.outcomes import RETRY_AFTER_MIN_S, Event, Layer, Reason, Refusal, Terminal
+from bouncer.core.outcomes import Event, Layer, Reason, Refusal, Terminal
 from bouncer.core.requests import Admission, RequestInfo, RetryKey
 
 INF = float("inf")
@@ -162,5 +162,5 @@ def act_on_late(adm: Admission, tenant: Tenant | None, ms: ModelState, policy: P
     standing = ms.standing.standing(adm.priority, adm.tenant, now)
     return [finaliser.refuse(adm, lambda: Refusal(
         Layer.SLO, Reason.DEADLINE_INFEASIBLE, late_message(late_by, adm.ttft_slo, standing, policy),
-        max(RETRY_AFTER_MIN_S, late_by, ms.backlog.turnover_wait(adm.priority, now, adm.tenant) or 0.0)),
+        ms.backlog.retry_after(adm.priority, now, adm.tenant, late_by)),
         now, terminal, ms.flow)]

@@ -1,0 +1,75 @@
+"""Retry-After from how long a tenant's refusals took to be answered (bouncer.core.flow.comebacks)."""
+
+from __future__ import annotations
+
+import pytest
+
+from bouncer.core.flow.comebacks import MAX_FOLLOWED, WINDOW_S, Comebacks
+from bouncer.core.outcomes import Terminal
+from core_helpers import dispatched, info, make_core, rejected
+
+
+def test_no_estimate_until_enough_of_its_refusals_were_answered():
+    c = Comebacks()
+    assert c.refused("a", 0.0) is None
+    c.dispatched("a", sent_at=0.5, now=2.0)  # sent after the refusal: answers it, 2 s on
+    assert c.refused("a", 3.0) is None and c.refused("a", 3.1) is None  # one answered: too few
+
+
+def test_retry_after_is_the_mean_lag_of_its_refusals_answered_lately():
+    c = Comebacks()
+    for t in (0.0, 1.0, 2.0):
+        c.refused("a", t)
+    c.dispatched("a", sent_at=1.5, now=4.0)  # answers the refusals at 0 and 1: lags 4 and 3
+    c.dispatched("a", sent_at=1.9, now=4.5)  # sent before the refusal at 2: answers nothing
+    c.dispatched("a", sent_at=2.5, now=5.0)  # answers the one at 2: lag 3
+    assert c.refused("a", 5.0) == pytest.approx((4 + 3 + 3) / 3)
+    # another tenant's refusals are its own
+    assert c.refused("b", 5.0) is None
+
+
+def test_answers_older_than_the_window_no_longer_count():
+    c = Comebacks()
+    for t in (0.0, 0.1, 0.2):
+        c.refused("a", t)
+    c.dispatched("a", sent_at=0.3, now=1.0)
+    assert c.refused("a", 1.0 + WINDOW_S - 0.01) is not None
+    assert c.refused("a", 1.0 + WINDOW_S + 0.01) is None
+
+
+def test_a_starved_tenant_is_told_how_long_its_refusals_have_waited():
+    c = Comebacks()
+    c.refused("a", 0.0)
+    assert c.refused("a", WINDOW_S - 1) is None  # not long yet: no estimate
+    assert c.refused("a", 25.0) == pytest.approx(25.0)  # unanswered for 25 s, and counting
+
+
+def test_a_tenant_never_refused_is_not_followed():
+    c = Comebacks()
+    c.dispatched("a", sent_at=0.0, now=0.1)
+    assert c.refused("a", 1.0) is None
+
+
+def test_refusals_followed_are_bounded_the_oldest_kept():
+    c = Comebacks()
+    for i in range(MAX_FOLLOWED + 100):
+        c.refused("a", i * 0.02)
+    last = (MAX_FOLLOWED + 100) * 0.02
+    # the oldest refusal is still followed: the tenant's wait so far counts from it
+    assert c.refused("a", last) == pytest.approx(last)
+
+
+def test_the_core_tells_a_refused_tenant_how_long_its_last_refusals_took_to_be_answered():
+    core = make_core(replicas=1, policy={"max_inflight_per_replica": 1,
+                                         "queues": {"tenant_max_requests": 1}})
+    [a] = dispatched(core.offer(info(), 0.0))
+    assert not core.offer(info(), 0.0)  # queued behind it: the tenant's queue is full
+    for t in (1.0, 1.1, 1.2):
+        [r] = rejected(core.offer(info(), t))
+        assert r.refusal.reason == "tenant_queue_full"
+    [b] = dispatched(core.finished(a.request_id, 3.0, Terminal.COMPLETED))  # sent before them
+    assert not core.offer(info(), 3.0)  # sent after them: queued
+    [f] = dispatched(core.finished(b.request_id, 5.0, Terminal.COMPLETED))  # it answers them
+    assert not core.offer(info(), 5.0)
+    [r] = rejected(core.offer(info(), 5.1))
+    assert r.refusal.retry_after == pytest.approx((4.0 + 3.9 + 3.8) / 3)
