@@ -37,11 +37,15 @@ def test_answers_older_than_the_window_no_longer_count():
     assert c.refused("a", 1.0 + WINDOW_S + 0.01) is None
 
 
-def test_a_starved_tenant_is_told_how_long_its_refusals_have_waited():
+def test_refusals_not_answered_yet_count_at_how_long_they_have_waited():
     c = Comebacks()
-    c.refused("a", 0.0)
-    assert c.refused("a", WINDOW_S - 1) is None  # not long yet: no estimate
-    assert c.refused("a", 25.0) == pytest.approx(25.0)  # unanswered for 25 s, and counting
+    for t in (0.0, 1.0):
+        c.refused("a", t)
+    assert c.refused("a", 2.0) is None  # two followed: too few
+    # none answered: a starved tenant is told how long its refusals have waited so far
+    assert c.refused("a", 25.0) == pytest.approx((25 + 24 + 23) / 3)
+    c.dispatched("a", sent_at=2.5, now=26.0)  # answers the first three (lags 26, 25, 24)
+    assert c.refused("a", 27.0) == pytest.approx((26 + 25 + 24 + 2) / 4)  # and the one at 25 waits
 
 
 def test_a_tenant_never_refused_is_not_followed():
@@ -55,8 +59,8 @@ def test_refusals_followed_are_bounded_the_oldest_kept():
     for i in range(MAX_FOLLOWED + 100):
         c.refused("a", i * 0.02)
     last = (MAX_FOLLOWED + 100) * 0.02
-    # the oldest refusal is still followed: the tenant's wait so far counts from it
-    assert c.refused("a", last) == pytest.approx(last)
+    # the first MAX_FOLLOWED are followed, the oldest from 0: a starved tenant's wait counts from it
+    assert c.refused("a", last) == pytest.approx(last - (MAX_FOLLOWED - 1) * 0.02 / 2)
 
 
 def test_the_core_tells_a_refused_tenant_how_long_its_last_refusals_took_to_be_answered():

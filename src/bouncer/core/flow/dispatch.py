@@ -17,7 +17,7 @@ from bouncer.config import Policy
 from bouncer.core.agents.gate import AgentGate, WindowGate
 from bouncer.core.fleet.blocks import num_blocks
 from bouncer.core.fleet.permits import PermitStore
-from bouncer.core.fleet.placement import Held, Late, Placement
+from bouncer.core.fleet.placement import Held, HeldForRoom, Late, Placement
 from bouncer.core.fleet.pool import PoolView
 from bouncer.core.fleet.replica import ReplicaState
 from bouncer.core.flow.queues import FlowQueues, TenantQueue
@@ -71,6 +71,7 @@ class Dispatcher:
             limit = ceiling(self.placement.policy, band.priority)
             protected = ms.band_slos.protected(band.priority, now)  # the same for every request of the band
             skip: set[str] = set()
+            held_for_room = HeldForRoom()
             hold = False  # a tenant whose turn it was waits for room for its head (`_holds_room`)
             shared = self.shares.enabled
             if shared and self.shares.outranked(band.model, band.priority):
@@ -97,7 +98,7 @@ class Dispatcher:
                     adm, placed = step
                 else:
                     placed = self.placement.place(ms.cfg, ms.replicas, adm, view, protected, agents,
-                                                  self.acts_on_late(adm))
+                                                  self.acts_on_late(adm), held_for_room)
                 if isinstance(placed, Late):
                     events.extend(self.on_late(adm, now, placed.by_s))
                     continue
