@@ -3,9 +3,9 @@
 With `policy.agents.enabled`, `WindowGate` puts `bouncer.core.agents.window.AgentWindow` (the window, the
 homes, the rules, all explained there) in the request path: it names a request's session and its
 place in its tenant's queue, may hold an agent's next step, keeps an agent on its home replica, and
-lets a replica that runs nothing take a new agent that no replica has room for. `NoAgents`
-does none of it: requests get
-no session, so every agent branch of the core is skipped by the same test (`adm.session`).
+lets a replica that runs nothing take a new agent that no replica has room for. `NoAgents` does
+none of it: requests get no session, so every agent branch of the core is skipped by the same
+test (`adm.session`).
 """
 
 from __future__ import annotations

@@ -61,10 +61,11 @@ recomputes it, and throughput collapses (thrashing). So a window W bounds the *a
   had recently taken a slot put its wait past its TTL, new agents whose replica would soon have
   run idle were turned away: on sessions it was not tuned on, 120 of them in two hours at 128
   agents on 4 replicas, and fewer sessions per hour than a plain request cap (issue 51);
-- a replica that runs nothing takes a new agent whatever the contexts living there (`room`):
-  they are worth keeping while the replica is busy with others, but an idle replica is pure
-  loss. Held for room alone, replicas ran idle 16% of the time at 256 agents on 2 replicas,
-  and a request cap that thrashed (prefix hit rate 0) completed more sessions per hour;
+- a new agent that no replica has room for (`room`) goes to a replica that runs nothing,
+  whatever the contexts living there: they are worth keeping while the replica is busy with
+  others, but an idle replica is pure loss (`WindowGate.where`). Held for room alone, replicas
+  ran idle 16% of the time at 256 agents on 2 replicas, and a request cap that thrashed
+  (prefix hit rate 0) completed more sessions per hour;
 - with several gateways sharing state, each tells the others the agents holding a slot there,
   with their homes and contexts (`own_agents`), and counts theirs (`seen_elsewhere`): the window
   bounds the fleet's agents, not each gateway's (N gateways alone let N windows of agents in,

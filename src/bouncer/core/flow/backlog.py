@@ -5,7 +5,7 @@ Three rates, each over a recent window, kept by a `BacklogStore` (in this proces
 - dispatches from the waiting room: how fast a queued backlog is served (`queue_wait`, what SLO
   feasibility uses at arrival);
 - departures from the waiting room, by any way (dispatched, expired, refused as late, evicted,
-  cancelled): how soon the backlog ahead has gone (`turnover_wait`, what Retry-After says);
+  cancelled): how soon the backlog ahead has gone (`turnover_wait`, what Retry-After falls back on);
 - completions of the fleet: a slower, steadier rate, for when the waiting room has none
   (`estimated_wait`).
 
