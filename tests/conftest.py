@@ -51,20 +51,22 @@ def engine_server(bg_loop):
     cleanup()
 
 
-def start_gateway(bg_loop: BackgroundLoop, config_dict: dict):
-    """A real gateway on loopback, served as `bouncer serve` serves it; returns (base_url,
-    Gateway, cleanup)."""
+def start_gateway(bg_loop: BackgroundLoop, config_dict: dict, **proxy_kw):
+    """A real gateway on loopback, served as `bouncer serve` serves it (the proxy front,
+    `proxy_kw` for its `Proxy`); returns (base_url, its ControlPlane, cleanup)."""
     import asyncio
 
     from bouncer.config import parse_config
-    from bouncer.gateway.server import Gateway, serve_gateway
+    from bouncer.gateway.control_plane import ControlPlane
+    from bouncer.gateway.fronts.proxy import Proxy, serve_proxy
 
     port = free_port()
     config = parse_config({**config_dict, "listen": {**config_dict.get("listen", {}), "host": "127.0.0.1",
                                                      "port": port}})
-    gateway = bg_loop.call(lambda: Gateway(config))
+    gateway = bg_loop.call(lambda: ControlPlane(config))
+    proxy = bg_loop.call(lambda: Proxy(gateway, **proxy_kw))
     ready = bg_loop.call(asyncio.Event)
-    task = bg_loop.start_task(serve_gateway(gateway, "127.0.0.1", port, ready))
+    task = bg_loop.start_task(serve_proxy(gateway, "127.0.0.1", port, ready, proxy=proxy))
     bg_loop.run(asyncio.wait_for(ready.wait(), 30))
     base = f"http://127.0.0.1:{port}"
     wait_http_ok(base + "/health")

@@ -23,8 +23,8 @@ from bouncer.config import key_digest, parse_config
 from bouncer.core.fleet.replica import Telemetry
 from bouncer.core.outcomes import STATUS_BY_REASON, Terminal
 from bouncer.core.requests import RequestInfo
+from bouncer.gateway.control_plane import ControlPlane
 from bouncer.gateway.request_parsing import key_digest_from_headers
-from bouncer.gateway.server import Gateway
 from conftest import start_gateway
 from gateway_setup import Fleet, tenant
 from misbehaving_upstream import ANSWERS, CUT, Misbehaving
@@ -101,11 +101,11 @@ def _one_replica_config(**kw) -> dict:
 
 def test_1_a_client_leaving_in_the_turn_its_request_is_dispatched_returns_the_permit():
     async def scenario():
-        gw = Gateway(parse_config(_one_replica_config()))
+        gw = ControlPlane(parse_config(_one_replica_config()))
         core = gw.core
         core.observe("r0", Telemetry(at=gw.clock(), kv_usage=1.0, running=0, waiting=0), gw.clock())  # full: it queues
         info = RequestInfo("q1", key_digest("alice"), "m", 100, 10)
-        task = asyncio.create_task(gw._decision("q1", lambda: core.offer(info, gw.clock())))
+        task = asyncio.create_task(gw.decision("q1", lambda: core.offer(info, gw.clock())))
         await asyncio.sleep(0)
         assert core.view.queued == 1
         # room opens: the core dispatches it and its future gets the result; in that same turn,
@@ -186,18 +186,28 @@ def test_2_admin_drain_with_a_model_that_is_not_a_name_is_404(fleet):
     assert_openai_error(code, headers, raw, 404)
 
 
-@pytest.fixture
-def misbehaving(bg_loop):
+def _misbehaving(bg_loop, **proxy_kw):
     up = Misbehaving(bg_loop)
     base, gw, cleanup = start_gateway(bg_loop, {
         "tenants": [tenant("alice", priority=10)],
         "models": [{"name": "m", "engine": "openai", "backends": [{"url": up.url, "name": "bad", "kv_blocks": 1000}]}],
         "policy": {"telemetry": {"scrape_interval_s": 0.05, "staleness_s": 2.0}, "upstream_refusal_cooldown_s": 0.05},
-    })
+    }, **proxy_kw)
     poll_until(lambda: bg_loop.call(lambda: all(r.telemetry for r in gw.core.replicas.values())), what="scraped")
     yield up, base, gw
     cleanup()
     up.close()
+
+
+@pytest.fixture
+def misbehaving(bg_loop):
+    yield from _misbehaving(bg_loop)
+
+
+@pytest.fixture
+def misbehaving_impatient(bg_loop):
+    """The same, its proxy waiting at most 0.3 s for the backend's next byte."""
+    yield from _misbehaving(bg_loop, read_timeout_s=0.3)
 
 
 # what a client gets for each answer of the backend's, streaming and not
@@ -233,10 +243,10 @@ def test_2_whatever_the_backend_answers_the_client_gets_an_openai_answer(bg_loop
 
 
 @pytest.mark.parametrize("stream", [True, False])
-def test_2_a_backend_that_never_answers_times_out_as_504_and_its_connection_is_not_reused(bg_loop, misbehaving,
+def test_2_a_backend_that_never_answers_times_out_as_504_and_its_connection_is_not_reused(bg_loop,
+                                                                                          misbehaving_impatient,
                                                                                           stream):
-    up, base, gw = misbehaving
-    bg_loop.call(lambda: setattr(gw.upstream, "read_timeout", 0.3))
+    up, base, gw = misbehaving_impatient
     up.mode = "silent"
     started = time.monotonic()
     code, headers, raw = post(base + "/v1/completions", {"model": "m", "prompt": "hi", "max_tokens": 4,

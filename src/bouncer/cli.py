@@ -122,6 +122,8 @@ def cmd_serve(args) -> None:
     from bouncer.gateway import logs
 
     if args.config is None:
+        if args.mode == "epp":
+            raise SystemExit("bouncer: --mode epp needs --config (the backends Envoy sends to)")
         from bouncer.demo import DEMO_ENGINE_PORTS, run_demo
 
         logs.configure(args.log_level or "info", args.log_format or "logfmt")
@@ -130,21 +132,56 @@ def cmd_serve(args) -> None:
     if args.engine_ports:
         raise SystemExit("bouncer: --engine-ports is for the embedded demo; a config names its backends")
     from bouncer.config import load_config
-    from bouncer.gateway.server import Gateway, serve_gateway
+    from bouncer.gateway.control_plane import ControlPlane
 
     config = load_config(args.config)
     logs.configure(args.log_level or config.logging.level, args.log_format or config.logging.format)
-    gateway = Gateway(config, config_path=args.config)  # loads tokenizers: a bad file stops here
+    if args.mode == "epp" and any(b.role != "both" for m in config.models for b in m.backends):
+        raise SystemExit("bouncer: --mode epp cannot serve a disaggregated model (Envoy sends a request to one "
+                         "replica; the prefill hop needs the proxy)")
+    plane = ControlPlane(config, config_path=args.config)  # loads tokenizers: a bad file stops here
     host = args.host or config.listen.host
     port = args.port or config.listen.port
+    models = ", ".join(m.name for m in config.models)
+    if args.mode == "epp":
+        from bouncer.gateway.fronts.picker import serve_picker
 
-    def listening() -> None:
-        print(f"bouncer: gateway on http://{host}:{port} for models "
-              f"{', '.join(m.name for m in config.models)}", flush=True)
+        where = f"{config.picker.host}:{config.picker.port}"
+        serving = serve_picker(plane, host, port, on_listening=lambda: print(
+            f"bouncer: endpoint picker (ext_proc) on {where}, metrics and admin on http://{host}:{port}, for models "
+            f"{models}", flush=True))
+    else:
+        from bouncer.gateway.fronts.proxy import serve_proxy
+
+        serving = serve_proxy(plane, host, port, on_listening=lambda: print(
+            f"bouncer: gateway on http://{host}:{port} for models {models}", flush=True))
     try:
-        _run(serve_gateway(gateway, host, port, on_listening=listening))
+        _run(serving)
     except OSError as exc:  # the address is taken, say
-        raise SystemExit(f"bouncer: cannot listen on {host}:{port}: {exc}") from None
+        raise SystemExit(f"bouncer: cannot listen: {exc}") from None
+
+
+def cmd_envoy_config(args) -> None:
+    import shlex
+
+    import yaml
+
+    from bouncer.config import load_config
+    from bouncer.gateway.fronts.envoy_bootstrap import bootstrap
+
+    config = load_config(args.config)
+    for where in [args.listen, *(args.picker or [])]:
+        host, _, port = where.rpartition(":")
+        if not host or not port.isdigit():
+            raise SystemExit(f"bouncer envoy-config: --listen and --picker take HOST:PORT, not {where!r}")
+    host, _, port = args.listen.rpartition(":")
+    doc = bootstrap(config, listen_host=host, listen_port=int(port), pickers=args.picker,
+                    fail_open=args.failure_mode == "open", admin_port=args.admin_port,
+                    duplex=args.body_mode == "duplex")
+    made_by = " ".join(shlex.quote(a) for a in ["bouncer", *sys.argv[1:]])
+    print(f"# Envoy bootstrap for Bouncer's endpoint picker, written by: {made_by}\n"
+          f"# run: envoy -c THIS_FILE, and bouncer serve --mode epp --config {args.config}")
+    print(yaml.safe_dump(doc, sort_keys=False), end="")
 
 
 def cmd_recorder(args) -> None:
@@ -406,7 +443,28 @@ def build_parser() -> argparse.ArgumentParser:
                    help="default: the config's logging.level (info)")
     p.add_argument("--log-format", choices=["logfmt", "json", "text"],
                    help="default: the config's logging.format (logfmt)")
+    p.add_argument("--mode", choices=["proxy", "epp"], default="proxy",
+                   help="proxy: clients talk to Bouncer, which relays the answers (default); epp: Envoy's "
+                        "external processor, the Gateway API Inference Extension's endpoint picker, on the "
+                        "config's picker.port (see bouncer envoy-config)")
     p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("envoy-config", help="print an Envoy bootstrap that runs `bouncer serve --mode epp` as its "
+                                            "endpoint picker")
+    p.add_argument("--config", required=True, help="the Bouncer config the picker runs")
+    p.add_argument("--listen", default="127.0.0.1:10000", help="where Envoy listens for clients (HOST:PORT)")
+    p.add_argument("--picker", action="append", metavar="HOST:PORT",
+                   help="where Envoy reaches a picker; repeat it for several, which share state in Redis "
+                        "(default: the config's picker.host and picker.port)")
+    p.add_argument("--failure-mode", choices=["open", "close"], default="close",
+                   help="the picker down or failing: close answers 503 (default); open sends requests round robin "
+                        "to the config's backends, unadmitted")
+    p.add_argument("--admin-port", type=int, default=9901, help="Envoy's admin port on 127.0.0.1")
+    p.add_argument("--body-mode", choices=["buffered", "duplex"], default="buffered",
+                   help="buffered: the request body read whole, the answer watched without waiting (default, "
+                        "cheaper); duplex: every body chunk both ways through the picker, as GIE's gateways and "
+                        "llm-d set ext_proc up")
+    p.set_defaults(func=cmd_envoy_config)
 
     config = sub.add_parser("config", help="configuration helpers").add_subparsers(dest="config_cmd", required=True)
     p = config.add_parser("example", help="print a commented example config")

@@ -557,6 +557,22 @@ class Listen(_Strict):
                                                          "closed")
 
 
+class PickerFront(_Strict):
+    """`bouncer serve --mode epp`: Envoy's external processor (the Gateway API Inference
+    Extension's endpoint picker) instead of the HTTP proxy; `listen` then serves only /metrics,
+    /admin, /ui, /health and /ready."""
+
+    host: str = Field("127.0.0.1", description="address the ext_proc gRPC server listens on")
+    port: int = Field(9002, ge=0, le=65535, description="its port (llm-d's picker uses 9002); the gRPC health "
+                                                        "service answers there too")
+    advertise: str | None = Field(None, description="HOST:PORT at which Envoy reaches this picker (default: host:port; "
+                                                   "with several pickers, the address `bouncer envoy-config --picker` "
+                                                   "names it by, so each answer's watcher stream comes back here)")
+    answers_read_whole: int = Field(4, ge=0, description="answers read to their end at once, for their usage (output "
+                                                         "lengths, TPOT); every other answer is read to its first "
+                                                         "chunk only")
+
+
 def _digests(keys: list[str]) -> list[str]:
     for k in keys:
         if len(k) != 64 or any(c not in "0123456789abcdef" for c in k):
@@ -707,6 +723,7 @@ class BouncerConfig(_Strict):
     """The whole file."""
 
     listen: Listen = Field(Listen(), description="the gateway's HTTP server: address, port, client timeouts")
+    picker: PickerFront = Field(PickerFront(), description="the endpoint-picker front (`bouncer serve --mode epp`)")
     admin_keys_sha256: list[str] = Field(default_factory=list, description="SHA-256 hex digests of the keys that "
                                                                            "may call /admin/* (`bouncer config "
                                                                            "hash-key KEY`); empty: /admin is off")

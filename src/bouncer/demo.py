@@ -17,7 +17,8 @@ import tempfile
 
 from bouncer.config import BouncerConfig, key_digest, parse_config
 from bouncer.engine_server import EngineServer, KVEventPublisher, serve_engine
-from bouncer.gateway.server import Gateway, serve_gateway
+from bouncer.gateway.control_plane import ControlPlane
+from bouncer.gateway.fronts.proxy import serve_proxy
 from bouncer.sim.engine import EngineModel
 from bouncer.sim.profiles import get_profile
 
@@ -81,7 +82,7 @@ async def run_demo(host: str = "127.0.0.1", port: int = 8000,
         tasks += [asyncio.create_task(serve_engine(s, "127.0.0.1", p)) for s, p in zip(servers, engine_ports,
                                                                                        strict=True)]
         ready = asyncio.Event()
-        tasks.append(asyncio.create_task(serve_gateway(Gateway(config), host, port, ready)))
+        tasks.append(asyncio.create_task(serve_proxy(ControlPlane(config), host, port, ready)))
         await ready.wait()
         print(DEMO_BANNER.format(host=host, port=port, engines=", ".join(f"127.0.0.1:{p}" for p in engine_ports)),
               flush=True)

@@ -158,12 +158,13 @@ class AdmissionCore:
         self.permits.hand_over(adm, self.replicas, now)
         return self.dispatcher.run(self.models[adm.info.model], now)
 
-    def finished(self, request_id: str, now: float, terminal: Terminal, completion_tokens: int = 0,
+    def finished(self, request_id: str, now: float, terminal: Terminal, completion_tokens: int | None = 0,
                  reason: str | None = None) -> list[Event]:
         """The admitted request is over. `reason` for FAILED names the failure (a Reason, e.g.
-        "upstream_timeout"). Unknown ids are ignored, so a shell may call this from every exit
-        path."""
-        adm = self.finaliser.finish(request_id, terminal, reason, now, completion_tokens)
+        "upstream_timeout"). `completion_tokens` None: the shell did not see the answer (an
+        endpoint picker that let it pass), so nothing is learnt from its length or timing. Unknown
+        ids are ignored, so a shell may call this from every exit path."""
+        adm = self.finaliser.finish(request_id, terminal, reason, now, completion_tokens or 0)
         if adm is None:
             return []
         ms = self.models[adm.info.model]
@@ -173,11 +174,13 @@ class AdmissionCore:
             self._learn(ms, adm, now, completion_tokens)
         return self.dispatcher.run(ms, now)
 
-    def _learn(self, ms: ModelState, adm: Admission, now: float, completion_tokens: int) -> None:
+    def _learn(self, ms: ModelState, adm: Admission, now: float, completion_tokens: int | None) -> None:
         replica = self.replicas[adm.replica]  # type: ignore[index]
         replica.streamed_at = now
-        self.stats.served_tokens[adm.tenant] += adm.info.prompt_tokens + completion_tokens
+        self.stats.served_tokens[adm.tenant] += adm.info.prompt_tokens + (completion_tokens or 0)
         self.stores.backlog.note_completion(adm.info.model, now)
+        if completion_tokens is None:  # unseen: its length and timing teach nothing
+            return
         if adm.tenant in self.tenants.by_name:  # (not a tenant a reload removed)
             lengths = self.tenants.output_models[adm.tenant]
             feedback.learn_output(lengths, self.policy, adm.info.model, completion_tokens)

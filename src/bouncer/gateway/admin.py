@@ -3,7 +3,7 @@
 (admin keys), `/admin/timeline` (admin or viewer keys: the flight recorder).
 
 They read the gateway (its core's view, connections, recorder) and change it only through its
-own methods: a drain or undrain through the core, a reload through `Gateway.reconfigure`."""
+own methods: a drain or undrain through the core, a reload through `ControlPlane.reconfigure`."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from bouncer.recorder.page import timeline_response
 
 
 class Served(Protocol):
-    """What the admin endpoints read and call of the gateway they serve (`server.Gateway`)."""
+    """What the admin endpoints read and call of the control plane they serve (`control_plane.ControlPlane`)."""
 
     config: BouncerConfig
     config_path: str | None

@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from typing import Any
 
 import orjson
 from aiohttp import web
 
 from bouncer.core.outcomes import Reason, Terminal
+from bouncer.gateway.exchange import Outcome
 from bouncer.gateway.upstream import UpstreamError, UpstreamResponse, UpstreamTimeout
 from bouncer.openai_wire import ApiError, dumps
 
@@ -42,16 +42,6 @@ class Requeue(Exception):
 
 class ClientGone(Exception):
     """Writing to the client failed: it disconnected."""
-
-
-@dataclass(slots=True)
-class Outcome:
-    """How an admitted request ended, for the core's `finished`."""
-
-    terminal: Terminal = Terminal.FAILED
-    reason: Reason | None = Reason.UPSTREAM_ERROR
-    completion_tokens: int = 0
-    first_token_at: float | None = None
 
 
 class UpstreamFailure(Exception):

@@ -1,0 +1,495 @@
+"""The control plane: one per process, whichever front asks it (`bouncer.gateway.fronts`).
+
+It holds the admission core and what keeps the core's view true: the scrapers, the KV-event
+subscribers, outside pressure signals, the shared state of several gateways, the flight
+recorder, config reloads, the ticker that runs the core's deadlines, and the operator endpoints
+(`/metrics`, `/admin/*`, `/ui`, `/health`, `/ready`) on its HTTP port.
+
+A front hands it a parsed request (`admit`), then what it sees of the answer (`started`,
+`finish`) or the client leaving (cancelling `admit`'s wait, or `finish` with CANCELLED); each
+front says what it cannot see. Every admitted request is finished in the core on every path:
+the front that got its `Dispatch` owns its permit in one `try/finally` and marks it `live` while
+it serves it, which renews its lease (`_renew_leases`). A permit that still got lost (a bug) is
+taken back by the core when its lease runs out, counted in `bouncer_permits_reclaimed_total` and
+logged. Nothing policy-shaped lives here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import gc
+import itertools
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from bouncer.config import BouncerConfig
+from bouncer.core.admission import AdmissionCore
+from bouncer.core.fleet.replica import Telemetry
+from bouncer.core.intake import checks
+from bouncer.core.intake.retries import retry_key
+from bouncer.core.model_state import backend_name
+from bouncer.core.outcomes import Dispatch, Event, Layer, Reason, Reclaimed, Refusal, Reject, Terminal
+from bouncer.core.sharing.rate_limits import SharedRateLimits
+from bouncer.core.sharing.retries import SharedRetries
+from bouncer.core.stores import Stores
+from bouncer.gateway import kv_events, pressure_feeds
+from bouncer.gateway.admin import Admin
+from bouncer.gateway.connections import GuardedSite, Limits
+from bouncer.gateway.errors import error_response, plain_error
+from bouncer.gateway.exchange import Outcome, Parsed
+from bouncer.gateway.metrics import GatewayMetrics
+from bouncer.gateway.prepared import Prepared, prepare
+from bouncer.gateway.recording import GatewayRecorder
+from bouncer.gateway.request_parsing import request_head, with_prompt
+from bouncer.gateway.scrapers import PARSERS
+from bouncer.gateway.shared_state import SharedState
+from bouncer.openai_wire import ApiError, dumps, parse_json_object
+from bouncer.recorder.page import add_page_routes
+
+log = logging.getLogger("bouncer.gateway")
+
+TICK_MIN_S = 0.005
+TICK_MAX_S = 0.1  # the core's TTL deadlines are checked at least this often
+# Bodies larger than this are tokenized off the event loop. The tokenizer lets go of the GIL, so
+# in a thread a prompt of a few thousand tokens (1-3 ms) no longer holds up every other request
+# queued on the loop: in the rogue drill (300 clients on ~3,000-token prompts) the interactive
+# tenant's TTFT p99 went from 1.0-2.4 s (at 32 KB) to 0.36-0.40 s, for 50-400 us more gateway CPU
+# per refusal (bench flood, three alternating runs each).
+TOKENIZE_IN_THREAD_BYTES = 4 * 1024
+SCRAPE_TIMEOUT_S = 5.0  # a scrape that has not answered in this long failed
+LOOP_LAG_PROBE_S = 0.1
+
+
+class ControlPlane:
+    def __init__(self, config: BouncerConfig, *, config_path: str | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self.config_path = config_path
+        prepared = prepare(config)  # raises ConfigError before anything starts
+        self.shared: SharedState | None = None  # several gateways: what they share, in Redis
+        if config.shared_state is not None:
+            shared_limits = SharedRateLimits()
+            r = config.policy.retries
+            shared_retries = SharedRetries(r.remember_s, r.max_remembered)
+            self.core = AdmissionCore(config, clock(), dataclasses.replace(Stores.local(), rate_limits=shared_limits,
+                                                                           retries=shared_retries))
+            self.shared = SharedState(config.shared_state, shared_limits, clock,
+                                      own_part=lambda: self.core.own_share(self.clock()),
+                                      seen=lambda others: self.apply(self.core.peers(others, self.clock())),
+                                      retries=shared_retries)
+        else:
+            self.core = AdmissionCore(config, clock())
+        self._install(prepared)
+        self.connections = Limits(config.listen.header_timeout_s, config.listen.max_connections)
+        self.metrics = GatewayMetrics(lambda: self.core, clock, lambda: self.kv_event_stats, lambda: self.connections,
+                                      lambda: self.shared)
+        self.recorder = GatewayRecorder(config.recorder, lambda: self.core.view, clock, self._recorded_gauges)
+        self.loop_lag_s = 0.0  # the last probe's (`_probe_loop_lag`)
+        self._ids = itertools.count()
+        self._waiters: dict[str, asyncio.Future] = {}
+        self._live: set[str] = set()  # admitted requests being served: their permits' leases are renewed
+        self._tasks: list[asyncio.Task] = []
+        self._scrapers: dict[str, asyncio.Task] = {}
+        self._pressure_polls: list[asyncio.Task] = []  # one per outside signal (`pressure:`)
+        # KV-event subscriptions: replica -> ((endpoint, topic), task), and their counters
+        self._kv_subs: dict[str, tuple[tuple[str, str], asyncio.Task]] = {}
+        self.kv_event_stats: dict[str, kv_events.SubscriberStats] = {}
+        self._zmq: kv_events.zmq.asyncio.Context | None = None
+        self.session: aiohttp.ClientSession | None = None  # scrapes
+
+    def _install(self, prepared: Prepared) -> None:
+        self.prepared = prepared
+        self.config = prepared.config
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    def http_app(self) -> web.Application:
+        """The HTTP port's app: the operator endpoints, and the control loops' start and stop
+        with it; a front adds its own routes."""
+        app = web.Application(client_max_size=self.config.limits.max_body_bytes + 1, middlewares=[self.guard])
+        self._add_routes(app)
+        return app
+
+    # -- the HTTP port --------------------------------------------------------------------------------
+    @web.middleware
+    async def guard(self, request: web.Request, handler) -> web.StreamResponse:
+        """Tells the connection a request is being handled (its header deadline is met), and
+        turns whatever escapes a handler into an OpenAI error body."""
+        proto = request.protocol
+        notify = hasattr(proto, "request_started")
+        if notify:
+            proto.request_started()
+        try:
+            return await handler(request)
+        except web.HTTPException as exc:  # aiohttp's own: unknown path, wrong method
+            if exc.status < 400:
+                raise
+            return plain_error(exc.status, f"{request.method} {request.path}: {exc.reason}",
+                                "invalid_request_error", "not_found" if exc.status == 404 else "invalid_request")
+        except (asyncio.CancelledError, ConnectionError):
+            raise
+        except Exception:
+            self.metrics.internal_errors.inc()
+            log.exception("internal error", extra={"event": "internal_error", "path": request.path})
+            return error_response(Refusal(Layer.VALIDATION, Reason.INTERNAL_ERROR, "internal error in the gateway"))
+        finally:
+            if notify:
+                proto.request_finished()
+
+    def _add_routes(self, app: web.Application) -> None:
+        app.router.add_get("/health", self.handle_health)
+        app.router.add_get("/ready", self.handle_ready)
+        Admin(self).add_routes(app)
+        add_page_routes(app)
+        app.on_startup.append(self._start)
+        app.on_cleanup.append(self._stop)
+
+    async def _start(self, _app: web.Application) -> None:
+        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=30)
+        self.session = aiohttp.ClientSession(connector=connector, json_serialize=lambda o: dumps(o).decode(),
+                                             timeout=aiohttp.ClientTimeout(total=None))
+        loop = asyncio.get_running_loop()
+        self._tasks.append(loop.create_task(self._ticker()))
+        self._tasks.append(loop.create_task(self._renew_leases()))
+        self._tasks.append(loop.create_task(self.recorder.run()))
+        self._tasks.append(loop.create_task(self._probe_loop_lag()))
+        self._sync_scrapers()
+        self._sync_pressure()
+        if self.shared is not None:
+            await self.shared.start()  # degraded (as configured) until Redis answers
+
+    async def _stop(self, _app: web.Application) -> None:
+        subs = [task for _, task in self._kv_subs.values()]
+        for task in [*self._tasks, *self._scrapers.values(), *subs]:
+            task.cancel()
+        for task in self._pressure_polls:
+            task.cancel()
+        await asyncio.gather(*self._tasks, *self._scrapers.values(), *subs, *self._pressure_polls,
+                             return_exceptions=True)
+        if self._zmq is not None:
+            self._zmq.destroy(linger=0)  # closes any subscriber socket left, then terminates
+        if self.session is not None:
+            await self.session.close()
+        if self.shared is not None:
+            await self.shared.close()
+
+    def _sync_pressure(self) -> None:
+        """One poll per outside signal of the config in force (all restarted on a reload)."""
+        for task in self._pressure_polls:
+            task.cancel()
+        loop = asyncio.get_running_loop()
+        self._pressure_polls = [loop.create_task(pressure_feeds.poll(cfg, self.session, self.core.observe_pressure,
+                                                                     self.clock)) for cfg in self.config.pressure]
+
+    def _sync_scrapers(self) -> None:
+        loop = asyncio.get_running_loop()
+        live = set(self.core.view.replica_names(live_only=True))
+        for name in list(self._scrapers):
+            if name not in live:
+                self._scrapers.pop(name).cancel()
+        for name in live:
+            if name not in self._scrapers:
+                self._scrapers[name] = loop.create_task(self._scrape_loop(name))
+        self._sync_kv_subscriptions(live)
+
+    def _sync_kv_subscriptions(self, live: set[str]) -> None:
+        """One subscriber per live replica whose backend names a KV-event endpoint."""
+        wanted = {backend_name(m.name, i, b.name): (b.kv_events, b.kv_events_topic)
+                  for m in self.config.models for i, b in enumerate(m.backends) if b.kv_events}
+        for name, (where, task) in list(self._kv_subs.items()):
+            if name not in live or wanted.get(name) != where:
+                task.cancel()
+                del self._kv_subs[name]
+        for name, where in wanted.items():
+            if name in live and name not in self._kv_subs:
+                if self._zmq is None:
+                    self._zmq = kv_events.zmq.asyncio.Context()
+                stats = self.kv_event_stats.setdefault(name, kv_events.SubscriberStats())
+
+                def deliver(events, name=name):
+                    self.core.kv_events(name, events, self.clock())
+                task = asyncio.get_running_loop().create_task(
+                    kv_events.subscribe(where[0], where[1], deliver, stats, self._zmq))
+                self._kv_subs[name] = (where, task)
+
+    # -- core events -------------------------------------------------------------------------------
+    def apply(self, events: list[Event]) -> None:
+        """Act on the core's decisions: each waiting request hears its own."""
+        if self.shared is not None:
+            self.shared.settle()  # charges the core did not take, or gave back
+        for event in events:
+            if isinstance(event, Reclaimed):
+                log.warning("permit reclaimed: its lease ran out unrenewed", extra={
+                    "event": "permit_reclaimed", "rid": event.request_id, "tenant": event.tenant, "band": event.band,
+                    "replica": event.replica, "age_s": round(event.age_s, 3)})
+                continue
+            rid = event.request_id
+            fut = self._waiters.pop(rid, None)
+            if fut is not None and not fut.done():
+                fut.set_result(event)
+            elif isinstance(event, Dispatch):
+                # its client is gone already: give the permit straight back
+                self.apply(self.core.finished(rid, self.clock(), Terminal.CANCELLED,
+                                               reason=Reason.CLIENT_DISCONNECTED))
+
+    # -- what a front hands over ------------------------------------------------------------------
+    def request_id(self) -> str:
+        return f"bq-{next(self._ids)}"
+
+    def parse(self, rid: str, kind: str, raw: bytes, headers, line: dict[str, Any]) -> Parsed | Refusal:
+        """A generation request's body (already within `limits.max_body_bytes`) and headers,
+        checked whole but not tokenized; or the refusal its client gets (recorded here)."""
+        prepared = self.prepared  # one config for the whole request, even if a reload lands meanwhile
+        try:
+            body = parse_json_object(raw)
+            model = prepared.models.get(body.get("model")) if isinstance(body.get("model"), str) else None
+            tokenizer = prepared.tokenizers.get(model.name) if model else None
+            head = request_head(rid, kind, body, headers, tokenizer)
+        except ApiError as err:
+            reason = Reason.INVALID_REQUEST if err.code == "invalid_json" else Reason.INVALID_PARAMETER
+            return self.refuse_early(rid, Refusal(Layer.VALIDATION, reason, err.message, param=err.param), line)
+        line.update(model=head.model, stream=bool(body.get("stream")))
+        if head.session_id:  # an agent's step: its decisions can be followed session by session
+            line.update(session=head.session_id, parent_session=head.parent_session_id)
+        return Parsed(kind, body, head, raw, model, tokenizer)
+
+    def refuse_early(self, rid: str, refusal: Refusal, line: dict[str, Any]) -> Refusal:
+        """A refusal made before the core saw the request (body, JSON, parameters)."""
+        self.core.record_refusal(rid, refusal)
+        line.update(outcome=Terminal.REFUSED.value, layer=refusal.layer.value, reason=str(refusal.reason))
+        return refusal
+
+    @staticmethod
+    def refused(decision: Reject, line: dict[str, Any]) -> Refusal:
+        r = decision.refusal
+        line.update(tenant=decision.tenant, band=decision.band, outcome=decision.terminal.value, layer=r.layer.value,
+                    reason=str(r.reason))
+        return r
+
+    async def admit(self, parsed: Parsed, line: dict[str, Any]) -> Dispatch | Refusal:
+        """The core's decision for a parsed request: its dispatch (the front serves it and owns
+        its permit from here), or the refusal its client gets. A front cancelled while this waits
+        (its client left) takes the request out of the queue."""
+        head = parsed.head
+        # the layers that need no prompt first: what they refuse (a flood over its rate limit, a
+        # full tenant queue, sheddable traffic while saturated) is never tokenized
+        checked = self.core.precheck(head, self.clock())
+        if isinstance(checked, Reject):
+            return self.refused(checked, line)
+        block_size = parsed.model.block_size if parsed.model else 16
+        args = (head, parsed.kind, parsed.body, parsed.tokenizer, block_size)
+        info = await asyncio.to_thread(with_prompt, *args) if len(parsed.raw) > TOKENIZE_IN_THREAD_BYTES \
+            else with_prompt(*args)
+        line.update(prompt_tokens=info.prompt_tokens)
+        if self.shared is not None and info.retry_count and (key := retry_key(checked.name, info)) is not None:
+            await self.shared.first_attempt(key)  # a retry: when its first attempt came, at any gateway
+        if self.shared is not None and (charge := checks.rate_charge(
+                info, checked, parsed.model, self.config.limits)) is not None:
+            await self.shared.charge(checked.name, charge)  # the rate verdict, from the gateways' Redis
+        rid = head.request_id
+        return await self._claimed(await self.decision(rid, lambda: self.core.offer(info, self.clock(), checked)),
+                                   line)
+
+    async def requeue(self, rid: str, retry_after: float | None, line: dict[str, Any]) -> Dispatch | Refusal:
+        """The replica refused the dispatched request before its client saw anything: the core
+        holds it again until it fits elsewhere, or ends it."""
+        self._live.discard(rid)
+        return await self._claimed(await self.decision(rid, lambda: self.core.requeue(rid, self.clock(), retry_after)),
+                                   line)
+
+    async def _claimed(self, decision: Dispatch | Reject, line: dict[str, Any]) -> Dispatch | Refusal:
+        while True:
+            if isinstance(decision, Reject):
+                return self.refused(decision, line)
+            if decision.claim is None or self.shared is None:
+                break
+            others = await self._claim(decision)
+            if others is None:
+                break
+            # another gateway filled the replica first: held again
+            rid = decision.request_id
+            decision = await self.decision(rid, lambda o=others, r=rid: self.core.unclaimed(r, o, self.clock()))
+        line.update(tenant=decision.tenant, band=decision.band)
+        wait = decision.dispatched_at - decision.arrival
+        self.metrics.observe_queue_wait(decision.tenant, decision.band, wait)
+        line.update(queue_wait_s=round(wait, 4), replica=decision.replica)
+        self._live.add(decision.request_id)
+        return decision
+
+    def finish(self, d: Dispatch, out: Outcome, streamed: bool, line: dict[str, Any]) -> None:
+        """An admitted request is over, as its front saw it end: its permit goes back, and what
+        was seen of it is learnt and counted. `out.completion_tokens` None: the front did not see
+        the answer's length, and nothing is learnt from it."""
+        rid = d.request_id
+        self._live.discard(rid)
+        now = self.clock()
+        if out.terminal is Terminal.COMPLETED:
+            tokens = out.completion_tokens or 0
+            tpot = (now - out.first_token_at) / (tokens - 1) \
+                if out.first_token_at is not None and tokens > 1 and streamed else None
+            self.metrics.observe_completed(d.tenant, d.arrival, out.first_token_at, tpot, now)
+        line.update(outcome=out.terminal.value, reason=out.reason, completion_tokens=out.completion_tokens,
+                    ttft_s=None if out.first_token_at is None else round(out.first_token_at - d.arrival, 4),
+                    layer=Layer.UPSTREAM.value if out.terminal is Terminal.FAILED else None)
+        self.apply(self.core.finished(rid, now, out.terminal, out.completion_tokens, out.reason))
+
+    async def _claim(self, d: Dispatch) -> int | None:
+        """Claim the nearly full replica `d` goes to (`bouncer.core.sharing.claims`); the permit is this
+        request's meanwhile, so a client that leaves gives it back."""
+        assert self.shared is not None and d.claim is not None
+        try:
+            return await self.shared.claim(d.replica, d.claim)
+        except asyncio.CancelledError:
+            self.apply(self.core.finished(d.request_id, self.clock(), Terminal.CANCELLED,
+                                          reason=Reason.CLIENT_DISCONNECTED))
+            raise
+
+    async def decision(self, rid: str, call: Callable[[], list[Event]]) -> Dispatch | Reject:
+        """Run a core call and wait for this request's decision; a client that goes away while
+        its request is queued takes it out of the queue."""
+        fut = asyncio.get_running_loop().create_future()
+        self._waiters[rid] = fut
+        self.apply(call())
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            self._waiters.pop(rid, None)
+            now = self.clock()
+            if fut.done() and not fut.cancelled() and isinstance(fut.result(), Dispatch):
+                # dispatched in the very turn the client left (the result was set, the task was
+                # cancelled before it ran on): its permit goes straight back
+                self.apply(self.core.finished(rid, now, Terminal.CANCELLED, reason=Reason.CLIENT_DISCONNECTED))
+            else:
+                self.apply(self.core.cancel(rid, now))
+            raise
+
+    async def _ticker(self) -> None:
+        while True:
+            wake = self.core.next_wakeup()
+            delay = TICK_MAX_S if wake is None else min(TICK_MAX_S, max(TICK_MIN_S, wake - self.clock()))
+            await asyncio.sleep(delay)
+            self.apply(self.core.tick(self.clock()))
+
+    async def _probe_loop_lag(self) -> None:
+        """How late a 0.1 s timer fires: the event loop's backlog, which every request waits in
+        (a flood that starves admitted streams shows here first)."""
+        while True:
+            due = self.clock() + LOOP_LAG_PROBE_S
+            await asyncio.sleep(LOOP_LAG_PROBE_S)
+            self.loop_lag_s = max(0.0, self.clock() - due)
+            self.metrics.loop_lag.observe(self.loop_lag_s)
+
+    async def _renew_leases(self) -> None:
+        """The admitted requests this gateway is serving keep their permits."""
+        while True:
+            await asyncio.sleep(self.config.policy.permit_lease_s / 4)
+            self.core.renew(self._live, self.clock())
+
+    async def _scrape_loop(self, name: str) -> None:
+        healthy: bool | None = None
+        drifting = False
+        while True:
+            replica = self.core.view.replica(name)
+            model = self.prepared.models[replica.model]
+            interval = self.config.policy.telemetry.scrape_interval_s
+            at = self.clock()
+            telemetry: Telemetry | None
+            error = None
+            try:
+                telemetry = await self._scrape(replica.url, model.engine, replica.configured_blocks, at,
+                                               timeout=max(SCRAPE_TIMEOUT_S, 4 * interval))
+                telemetry = dataclasses.replace(telemetry, received=self.clock())  # a slow answer is still one
+            except Exception as exc:  # noqa: BLE001 (any failure is a failed scrape; the loop must live on)
+                telemetry, error = None, f"{type(exc).__name__}: {exc}"
+            self.apply(self.core.observe(name, telemetry, self.clock()))
+            if (telemetry is not None) != healthy:
+                if healthy is not None or telemetry is None:
+                    level = logging.INFO if telemetry is not None else logging.WARNING
+                    log.log(level, "backend healthy" if telemetry is not None else "backend unhealthy",
+                            extra={"event": "backend_health", "replica": name, "url": replica.url,
+                                   "healthy": telemetry is not None, "error": error})
+                healthy = telemetry is not None
+            replica = self.core.view.replica(name)
+            if replica.drift_reported != drifting:
+                drifting = replica.drift_reported
+                log.warning("in-flight drift: the engine runs fewer requests than the gateway counts there"
+                            if drifting else "in-flight drift cleared",
+                            extra={"event": "inflight_drift", "replica": name, "unseen": replica.unseen_by_engine})
+            await asyncio.sleep(max(0.0, at + interval - self.clock()))
+
+    async def _scrape(self, url: str, engine: str, blocks: int | None, at: float, timeout: float) -> Telemetry:
+        t = aiohttp.ClientTimeout(total=timeout)
+        if engine == "openai":  # no metrics: a liveness probe, load comes from our own accounting
+            async with self.session.get(url + "/v1/models", timeout=t) as resp:
+                resp.raise_for_status()
+            return Telemetry(at=at, kv_usage=0.0, running=0, waiting=0, counts_requests=False)
+        async with self.session.get(url + "/metrics", timeout=t) as resp:
+            resp.raise_for_status()
+            text = await resp.text()
+        return PARSERS[engine](text, at, blocks)
+
+    async def handle_health(self, _request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    def readiness(self) -> dict[str, bool]:
+        """Each model: whether a replica of it answers (ready when all do)."""
+        snap = self.core.snapshot(self.clock())
+        return {name: any(r["answering"] and not r["removed"] for r in m["replicas"].values())
+                for name, m in snap["models"].items()}
+
+    async def handle_ready(self, _request: web.Request) -> web.Response:
+        ready = self.readiness()
+        status = 200 if all(ready.values()) else 503
+        return web.json_response({"ready": status == 200, "models": ready}, status=status)
+
+    def _recorded_gauges(self) -> dict:
+        """What only the shell knows, for the flight recorder's samples."""
+        return {"serving": self.serving, "connections_open": self.connections.open,
+                "loop_lag_s": round(self.loop_lag_s, 4)}
+
+    @property
+    def serving(self) -> int:
+        """Admitted requests being served now."""
+        return len(self._live)
+
+    def reconfigure(self, prepared: Prepared) -> None:
+        """Swap in a new config, validated and prepared (`admin.py`'s reload): the core's
+        policies and tenants, scrapers for its replicas, its outside signals."""
+        old = self.config
+        config = prepared.config
+        self.apply(self.core.reload(config, self.clock()))
+        self._install(prepared)
+        self.recorder.reconfigure(config.recorder)
+        self._sync_scrapers()
+        if config.pressure != old.pressure:
+            self._sync_pressure()
+
+
+async def serve_http(plane: ControlPlane, app: web.Application, host: str, port: int,
+                     ready: asyncio.Event | None = None, on_listening: Callable[[], None] | None = None) -> None:
+    """Run `app` (`plane.http_app()` with a front's routes) until cancelled. Handler cancellation is on so
+    a client that disconnects while queued leaves the queue at once, and one that disconnects
+    mid-stream cancels upstream. `on_listening` runs once the socket is bound (an error binding
+    it raises instead)."""
+    listen = plane.config.listen
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    try:
+        site = GuardedSite(runner, host, port, plane.connections,
+                           handler_kwargs={"keepalive_timeout": listen.idle_timeout_s, "access_log": None})
+        await site.start()
+        # what start-up built (config, tokenizers and their vocabularies) leaves the collector's
+        # view: the collections that requests' garbage sets off no longer walk it
+        gc.freeze()
+        if on_listening is not None:
+            on_listening()
+        if ready is not None:
+            ready.set()
+        await asyncio.Event().wait()
+    finally:
+        await runner.cleanup()

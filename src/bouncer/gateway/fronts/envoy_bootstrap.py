@@ -1,0 +1,155 @@
+"""`bouncer envoy-config`: an Envoy bootstrap that puts Bouncer's picker front in the request path.
+
+The listener runs four HTTP filters, in order:
+1. `header_mutation` drops `x-gateway-destination-endpoint`, `x-bouncer-request-id` and
+   `x-bouncer-picker` from what clients send: only the picker names where a request goes, even
+   when it is down and Envoy fails open.
+2. the picker (`ext_proc`): request headers and the whole request body, then the response
+   headers; it answers the body once the core dispatches the request (holding is answering late).
+   `message_timeout` is the longest a request may be held plus a margin, so Envoy never cuts a
+   hold short; `failure_mode_allow` is the fail-open/fail-close choice.
+3. the watcher (`ext_proc` in `observability_mode`): the response body, sent without waiting; the
+   picker reads its first chunk (the first token) and closes it, or reads it whole for a sample.
+   With several pickers, a route per picker (matched on the `x-bouncer-picker` header the picker
+   sets) sends the watcher's stream to the picker that routed the request.
+4. the router. A request the picker routed carries `x-gateway-destination-endpoint` and goes to
+   the ORIGINAL_DST cluster keyed on it; one without (the picker down) goes, failing open, to a
+   round-robin cluster of the config's backends, or, failing closed, gets 503.
+
+`--body-mode duplex` writes the setup GIE's gateways and llm-d use instead: one ext_proc filter
+that gets every body chunk both ways (FULL_DUPLEX_STREAMED, trailers sent), no watcher. In full
+duplex `message_timeout` does not run; the idle timeouts below bound a hold.
+
+The HCM's `stream_idle_timeout` and the route's `idle_timeout` are at least the longest hold too
+(Envoy's defaults, 5 min and 15 s unless set, would end a long hold or a slow stream).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from yarl import URL
+
+from bouncer.config import BouncerConfig
+from bouncer.gateway.fronts.picker import DESTINATION, PICKED_BY, REQUEST_ID
+
+HOLD_MARGIN_S = 5.0  # past the longest queue TTL: the core ends a hold before Envoy would
+IDLE_FLOOR_S = 300.0  # never below Envoy's own stream idle default
+T = "type.googleapis.com/"
+
+
+# the picker: the request buffered whole, the answer's headers; the watcher: the answer's body,
+# sent without waiting; GIE's gateways: every body chunk both ways through the one filter
+BUFFERED = {"request_header_mode": "SEND", "request_body_mode": "BUFFERED", "response_header_mode": "SEND",
+            "response_body_mode": "NONE", "request_trailer_mode": "SKIP", "response_trailer_mode": "SKIP"}
+WATCHER = {"request_header_mode": "SEND", "request_body_mode": "NONE", "response_header_mode": "SKIP",
+           "response_body_mode": "STREAMED", "request_trailer_mode": "SKIP", "response_trailer_mode": "SKIP"}
+DUPLEX = {"request_header_mode": "SEND", "request_body_mode": "FULL_DUPLEX_STREAMED", "response_header_mode": "SEND",
+          "response_body_mode": "FULL_DUPLEX_STREAMED", "request_trailer_mode": "SEND",
+          "response_trailer_mode": "SEND"}
+
+
+def longest_hold_s(config: BouncerConfig) -> float:
+    """The longest a request may wait queued: the largest of every tenant's TTL."""
+    return max([config.policy.default_ttl_s, *(t.queue_ttl_s for t in config.tenants if t.queue_ttl_s)])
+
+
+def _seconds(s: float) -> str:
+    return f"{s:.3f}s"
+
+
+def _ext_proc(cluster: str, mode: dict[str, str], **extra: Any) -> dict[str, Any]:
+    return {"@type": T + "envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
+            "grpc_service": {"envoy_grpc": {"cluster_name": cluster}},
+            "processing_mode": mode, **extra}
+
+
+def _static_cluster(name: str, hosts: list[tuple[str, int]], http2: bool = False) -> dict[str, Any]:
+    cluster: dict[str, Any] = {
+        "name": name, "type": "STRICT_DNS", "connect_timeout": "5s", "lb_policy": "ROUND_ROBIN",
+        "dns_lookup_family": "V4_PREFERRED",
+        "load_assignment": {"cluster_name": name, "endpoints": [{"lb_endpoints": [
+            {"endpoint": {"address": {"socket_address": {"address": h, "port_value": p}}}} for h, p in hosts]}]}}
+    if http2:
+        cluster["typed_extension_protocol_options"] = {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+            "@type": T + "envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+            "explicit_http_config": {"http2_protocol_options": {}}}}
+    return cluster
+
+
+def bootstrap(config: BouncerConfig, *, listen_host: str = "127.0.0.1", listen_port: int = 10000,
+              pickers: list[str] | None = None, fail_open: bool = False, admin_port: int | None = 9901,
+              duplex: bool = False) -> dict[str, Any]:
+    """The bootstrap as a dict (YAML-ready). `pickers`: each picker's `host:port` as Envoy
+    reaches it (default: `picker.host:picker.port` of the config); several share the state in
+    Redis (`shared_state`) and Envoy spreads its streams over them. `duplex`: the setup GIE's
+    gateways and llm-d use instead, every body chunk both ways through the picker
+    (FULL_DUPLEX_STREAMED, trailers sent, no watcher)."""
+    hold = longest_hold_s(config) + HOLD_MARGIN_S
+    idle = max(IDLE_FLOOR_S, hold)
+    pickers = pickers or [config.picker.advertise or f"{config.picker.host}:{config.picker.port}"]
+    where = [p.rpartition(":") for p in pickers]
+    backends = []
+    for m in config.models:
+        for b in m.backends:
+            u = URL(b.url)
+            backends.append((u.host or "127.0.0.1", u.port or 80))
+    picked = {"cluster": "bouncer-picked", "timeout": "0s", "idle_timeout": _seconds(idle)}
+    has_destination = {"name": DESTINATION, "present_match": True}
+    routes: list[dict[str, Any]] = []
+    if len(pickers) > 1 and not duplex:
+        # an answer's watcher stream must reach the picker that routed it (which holds its
+        # permit): one route per picker, matched on the header it sets, overriding the
+        # watcher's cluster with that picker alone
+        for i, addr in enumerate(pickers):
+            routes.append({"name": f"picked-by-{i}", "match": {"prefix": "/", "headers": [
+                has_destination, {"name": PICKED_BY, "string_match": {"exact": addr}}]}, "route": picked,
+                "typed_per_filter_config": {"bouncer.watcher": {
+                    "@type": T + "envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute",
+                    "overrides": {"grpc_service": {"envoy_grpc": {"cluster_name": f"bouncer-picker-{i}"}}}}}})
+    routes.append({"name": "picked", "match": {"prefix": "/", "headers": [has_destination]}, "route": picked})
+    if fail_open:
+        routes.append({"name": "picker-down", "match": {"prefix": "/"},
+                       "route": {"cluster": "bouncer-backends", "timeout": "0s", "idle_timeout": _seconds(idle)}})
+    else:
+        routes.append({"name": "picker-down", "match": {"prefix": "/"}, "direct_response": {
+            "status": 503, "body": {"inline_string": '{"error":{"message":"no endpoint was picked for this request",'
+                                                     '"type":"service_unavailable","code":"no_endpoint"}}'}}})
+    http_filters = [
+        {"name": "bouncer.strip-destination", "typed_config": {
+            "@type": T + "envoy.extensions.filters.http.header_mutation.v3.HeaderMutation",
+            "mutations": {"request_mutations": [{"remove": h} for h in (DESTINATION, REQUEST_ID, PICKED_BY)]}}},
+        {"name": "bouncer.picker", "typed_config": _ext_proc(
+            "bouncer-picker", DUPLEX if duplex else BUFFERED,
+            failure_mode_allow=fail_open, message_timeout=_seconds(hold), max_message_timeout=_seconds(hold),
+            metadata_options={"receiving_namespaces": {"untyped": ["envoy.lb"]}})},
+        *([] if duplex else [{"name": "bouncer.watcher", "typed_config": _ext_proc(
+            "bouncer-picker", WATCHER, observability_mode=True, failure_mode_allow=True)}]),
+        {"name": "envoy.filters.http.router",
+         "typed_config": {"@type": T + "envoy.extensions.filters.http.router.v3.Router"}},
+    ]
+    listener = {
+        "name": "bouncer", "address": {"socket_address": {"address": listen_host, "port_value": listen_port}},
+        # the picker reads the request body whole: Envoy must buffer as much as Bouncer accepts
+        "per_connection_buffer_limit_bytes": config.limits.max_body_bytes + 1024,
+        "filter_chains": [{"filters": [{"name": "envoy.filters.network.http_connection_manager", "typed_config": {
+            "@type": T + "envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+            "stat_prefix": "bouncer", "stream_idle_timeout": _seconds(idle),
+            "route_config": {"name": "bouncer", "virtual_hosts": [{"name": "all", "domains": ["*"],
+                                                                  "routes": routes}]},
+            "http_filters": http_filters}}]}],
+    }
+    clusters = [
+        {"name": "bouncer-picked", "type": "ORIGINAL_DST", "lb_policy": "CLUSTER_PROVIDED", "connect_timeout": "5s",
+         "original_dst_lb_config": {"use_http_header": True, "http_header_name": DESTINATION}},
+        _static_cluster("bouncer-picker", [(host, int(port)) for host, _, port in where], http2=True),
+    ]
+    if len(pickers) > 1 and not duplex:
+        clusters += [_static_cluster(f"bouncer-picker-{i}", [(host, int(port))], http2=True)
+                     for i, (host, _, port) in enumerate(where)]
+    if fail_open:
+        clusters.append(_static_cluster("bouncer-backends", backends))
+    out: dict[str, Any] = {"static_resources": {"listeners": [listener], "clusters": clusters}}
+    if admin_port is not None:
+        out["admin"] = {"address": {"socket_address": {"address": "127.0.0.1", "port_value": admin_port}}}
+    return out

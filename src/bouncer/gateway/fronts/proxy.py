@@ -1,0 +1,204 @@
+"""The HTTP proxy front: an OpenAI-compatible server that relays each admitted request's answer.
+
+Per request: read the body (within `listen.body_timeout_s`), have the control plane check and
+admit it (queued requests wait there and leave the queue if the client disconnects), then relay
+the chosen replica's answer (`relay.py`) and tell the control plane how it ended.
+
+Admission happens before the first byte: a streaming response starts (200 and the event stream)
+only once the upstream has produced its first event, so a refusal, including vLLM's refusal sent
+as HTTP 200 with an error event, is always a clean HTTP error with Retry-After. A replica that
+refuses for load before anything reached the client has its request held again (`Requeue`).
+
+The proxy sees every byte, so it sees everything the control plane learns from: the first
+token, the usage, the end, the client leaving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+import yarl
+from aiohttp import web
+
+from bouncer.core.outcomes import Dispatch, Layer, Reason, Refusal, Terminal
+from bouncer.gateway import logs
+from bouncer.gateway.control_plane import ControlPlane, serve_http
+from bouncer.gateway.disaggregated import kv_transfer_params, prefill_body
+from bouncer.gateway.errors import error_response, plain_error
+from bouncer.gateway.exchange import Outcome
+from bouncer.gateway.relay import Requeue, UpstreamFailure, failure_for_status, relay_json, relay_stream
+from bouncer.gateway.request_parsing import key_digest_from_headers
+from bouncer.gateway.upstream import UpstreamError, UpstreamPool, UpstreamTimeout
+from bouncer.openai_wire import dumps, models_list
+
+UPSTREAM_CONNECT_TIMEOUT_S = 5.0
+UPSTREAM_READ_TIMEOUT_S = 300.0  # silence on an upstream stream this long is a timeout
+
+
+class Proxy:
+    def __init__(self, plane: ControlPlane, read_timeout_s: float = UPSTREAM_READ_TIMEOUT_S) -> None:
+        self.plane = plane
+        self.clock = plane.clock
+        self.upstream = UpstreamPool(UPSTREAM_CONNECT_TIMEOUT_S, read_timeout_s)
+        self._urls: dict[tuple[str, str], yarl.URL] = {}
+
+    def app(self) -> web.Application:
+        app = self.plane.http_app()
+        app.router.add_post("/v1/chat/completions", self.handle_chat)
+        app.router.add_post("/v1/completions", self.handle_completions)
+        app.router.add_get("/v1/models", self.handle_models)
+        app.on_cleanup.append(self._stop)
+        return app
+
+    async def _stop(self, _app: web.Application) -> None:
+        self.upstream.close()
+
+    # -- OpenAI endpoints --------------------------------------------------------------------------
+    async def handle_chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "chat", "/v1/chat/completions")
+
+    async def handle_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "completion", "/v1/completions")
+
+    async def _generate(self, request: web.Request, kind: str, path: str) -> web.StreamResponse:
+        rid = self.plane.request_id()
+        line: dict[str, Any] = {"rid": rid, "path": path, "tenant": "-", "outcome": Terminal.CANCELLED.value}
+        t0 = self.clock()
+        resp: web.StreamResponse | None = None
+        try:
+            resp = await self._generate_for(request, kind, path, rid, line)
+            return resp
+        finally:
+            if self.plane.config.logging.access_log:
+                line["status"] = resp.status if resp is not None else None
+                line["duration_s"] = round(self.clock() - t0, 4)
+                logs.access(line)
+
+    async def _generate_for(self, request: web.Request, kind: str, path: str, rid: str,
+                            line: dict[str, Any]) -> web.StreamResponse:
+        plane = self.plane
+        limits = plane.config.limits
+        too_large = Refusal(Layer.VALIDATION, Reason.BODY_TOO_LARGE,
+                            f"request body exceeds {limits.max_body_bytes} bytes")
+        if request.content_length is not None and request.content_length > limits.max_body_bytes:
+            return error_response(plane.refuse_early(rid, too_large, line))
+        try:
+            if request.content.is_eof():  # the whole body came with the headers: nothing to wait for
+                raw: bytes | None = await request.read()
+            else:
+                async with asyncio.timeout(plane.config.listen.body_timeout_s):  # no task per request (wait_for)
+                    raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:  # past the app's client_max_size of limit + 1
+            raw = None
+        except TimeoutError:
+            return error_response(plane.refuse_early(rid, Refusal(
+                Layer.VALIDATION, Reason.REQUEST_TIMEOUT,
+                f"the request body did not arrive within {plane.config.listen.body_timeout_s:g} s"), line))
+        if raw is None or len(raw) > limits.max_body_bytes:
+            return error_response(plane.refuse_early(rid, too_large, line))
+        parsed = plane.parse(rid, kind, raw, request.headers, line)
+        if isinstance(parsed, Refusal):
+            return error_response(parsed)
+        decision = await plane.admit(parsed, line)
+        while True:
+            if isinstance(decision, Refusal):
+                return error_response(decision)
+            result = await self._serve_admitted(request, path, parsed.body, decision, line)
+            if not isinstance(result, Requeue):
+                return result
+            decision = await plane.requeue(rid, result.retry_after, line)
+
+    async def _serve_admitted(self, request: web.Request, path: str, body: dict[str, Any], d: Dispatch,
+                              line: dict[str, Any]) -> web.StreamResponse | Requeue:
+        """Send an admitted request upstream and relay the answer. Owns its permit: whatever
+        happens here, the control plane hears how it ended (or gets it back to hold again, on
+        `Requeue`)."""
+        plane = self.plane
+        rid = d.request_id
+        out = Outcome()
+        requeued = False
+        streaming = bool(body.get("stream"))
+        try:
+            model = plane.prepared.models[d.model]
+            url = plane.core.view.replica(d.replica).url
+            upstream_body = dict(body)
+            upstream_body["model"] = model.upstream_model or model.name
+            upstream_body["max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"] = d.max_tokens
+            options = body.get("stream_options") or {}  # checked: an object
+            if streaming:
+                upstream_body["stream_options"] = {**options, "include_usage": True}
+
+            def first_token(at: float) -> None:
+                # a stream's first token is measured; a whole answer only says its prefill is over
+                plane.core.started(rid, at, measured=streaming)
+
+            read_timeout = self.upstream.read_timeout
+            if d.decode_replica is not None:  # disaggregated: the prompt first, on the prefill worker
+                url = await self._prefill(rid, url, path, upstream_body, d.decode_replica)
+            up = await self.upstream.post_json(self._upstream_url(url, path), dumps(upstream_body))
+            try:
+                if up.status != 200:
+                    raise failure_for_status(up.status, up.headers, await up.read(read_timeout))
+                if streaming:
+                    return await relay_stream(up, request, read_timeout, bool(options.get("include_usage")),
+                                              self.clock, first_token, out)
+                return await relay_json(up, request, read_timeout, self.clock, first_token, out)
+            finally:
+                up.close()  # an unfinished response takes its connection down: the engine aborts it
+        except Requeue as exc:
+            requeued = True
+            return exc
+        except UpstreamFailure as exc:
+            out.reason = exc.reason
+            return error_response(Refusal(Layer.UPSTREAM, exc.reason, exc.message, exc.retry_after))
+        except UpstreamTimeout:
+            out.reason = Reason.UPSTREAM_TIMEOUT
+            return error_response(Refusal(Layer.UPSTREAM, out.reason, "the backend timed out", 1.0))
+        except UpstreamError as exc:
+            out.reason = Reason.UPSTREAM_ERROR
+            return error_response(Refusal(Layer.UPSTREAM, out.reason, f"backend connection failed: {exc}", 1.0))
+        except (asyncio.CancelledError, ConnectionResetError):
+            out.terminal, out.reason = Terminal.CANCELLED, Reason.CLIENT_DISCONNECTED
+            raise
+        finally:
+            if not requeued:
+                plane.finish(d, out, streaming, line)
+
+    async def _prefill(self, rid: str, url: str, path: str, upstream_body: dict[str, Any], decode: str) -> str:
+        """The P/D hop (`bouncer.gateway.disaggregated`): the prompt on the prefill worker at
+        `url`; then the request is the decode worker's, whose URL is returned, and
+        `upstream_body` carries where its KV waits."""
+        up = await self.upstream.post_json(self._upstream_url(url, path), dumps(prefill_body(upstream_body)))
+        try:
+            params = await kv_transfer_params(up, self.upstream.read_timeout)
+        finally:
+            up.close()
+        self.plane.apply(self.plane.core.handed_over(rid, self.clock()))
+        upstream_body["kv_transfer_params"] = params
+        return self.plane.core.view.replica(decode).url
+
+    def _upstream_url(self, base: str, path: str) -> yarl.URL:
+        """Parsed once per backend and path: URL parsing is a visible cost per request."""
+        url = self._urls.get((base, path))
+        if url is None:
+            url = self._urls[(base, path)] = yarl.URL(base + path)
+        return url
+
+    async def handle_models(self, request: web.Request) -> web.Response:
+        names = list(self.plane.prepared.models)
+        if self.plane.config.access.models_need_key:
+            digest = key_digest_from_headers(request.headers)
+            tenant = self.plane.config.tenant_by_key().get(digest) if digest else None
+            if tenant is None:
+                return plain_error(401, "invalid or missing API key", "authentication_error", "unauthenticated")
+            names = [n for n in names if not tenant.models or n in tenant.models]
+        return web.Response(body=dumps(models_list(names)), content_type="application/json")
+
+
+async def serve_proxy(plane: ControlPlane, host: str, port: int, ready: asyncio.Event | None = None,
+                      on_listening: Callable[[], None] | None = None, proxy: Proxy | None = None) -> None:
+    """The proxy front and the control plane's endpoints on one HTTP port, until cancelled."""
+    await serve_http(plane, (proxy or Proxy(plane)).app(), host, port, ready, on_listening)
+

