@@ -229,7 +229,8 @@ def cmd_bench_overhead(args) -> None:
     from bouncer.bench.overhead import main as overhead
     from bouncer.tokenizer import default_tokenizer_path
 
-    overhead(args.seconds, args.out, None if args.no_tokenizer else str(default_tokenizer_path()))
+    overhead(args.seconds, args.out, None if args.no_tokenizer else str(default_tokenizer_path()),
+             paced_seconds=args.paced_seconds, paced_only=args.paced_only)
 
 
 def cmd_bench_flood(args) -> None:
@@ -631,6 +632,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="write the runs as JSON")
     p.add_argument("--no-tokenizer", action="store_true",
                    help="estimate prompt tokens instead of running the bundled tokenizer")
+    p.add_argument("--paced-seconds", type=float, default=8.0, help="per paced-stream measurement")
+    p.add_argument("--paced-only", action="store_true", help="only the paced stream case (no wrk runs)")
     p.set_defaults(func=cmd_bench_overhead)
     return parser
 

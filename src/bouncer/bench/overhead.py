@@ -5,8 +5,10 @@ it, one with the flight recorder on (the default) and one with it off, each in i
 (the upstream pinned to one core and the gateways to another, where `taskset` exists), then
 drives each with wrk at concurrency 1, 16 and 64, streaming and not, and prints requests/s and
 p50/p99 latency direct and through Bouncer, with the ratios, and the recorder's share of the
-gateway's CPU per request (on against off). Ratios are what to compare across
-machines: both sides are measured in the same run on the same (shared, noisy) machine.
+gateway's CPU per request (on against off). The peers (nginx, vllm-router, Envoy alone and with
+Bouncer as its endpoint picker) run in the same rounds. Then the paced stream case
+(`bouncer.bench.paced_streams`): CPU per 1,000 tokens streamed one write each, 20 ms apart.
+Ratios are what to compare across machines: both sides are measured in the same run on the same (shared, noisy) machine.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ import urllib.request
 from dataclasses import asdict, dataclass
 
 from bouncer.bench.loopback import cpu_seconds, free_port, pinned, stop, wait_ok
+from bouncer.bench.paced_streams import PACE_MS, PACED_TOKENS, PacedRun, measure
+from bouncer.bench.paced_streams import report as paced_report
 from bouncer.bench.peers import start_peers
 from bouncer.config import key_digest
 
@@ -95,6 +99,52 @@ def _gateway_config(upstream: str, port: int, recorder: bool = True) -> str:
     })
 
 
+def _gateway_config_for(upstream_port: int, tokenizer: str | None, port: int = 0) -> str:
+    cfg = json.loads(_gateway_config(f"http://127.0.0.1:{upstream_port}", port))
+    if tokenizer:
+        cfg["models"][0]["tokenizer"] = tokenizer
+    return json.dumps(cfg)
+
+
+def run_paced(seconds: float = 8.0, stream_counts: tuple[int, ...] = (64, 256),
+              tokenizer: str | None = None) -> tuple[list[PacedRun], dict[str, str]]:
+    """The paced stream case (`bouncer.bench.paced_streams`): a paced upstream and the client on
+    core 0; Bouncer's proxy, Envoy alone, Envoy + Bouncer's picker (both setups), nginx and
+    vllm-router on core 1, each run at each stream count."""
+    up_port, gw_port = free_port(), free_port()
+    procs: list[subprocess.Popen] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        work = pathlib.Path(tmp)
+        gateway = _gateway_config_for(up_port, tokenizer, gw_port)
+        (work / "gateway.json").write_text(gateway)
+        try:
+            procs.append(subprocess.Popen([*pinned(0), sys.executable, "-m", "bouncer.bench.fast_upstream", "--port",
+                                           str(up_port), "--pace-ms", str(PACE_MS), "--paced-tokens",
+                                           str(PACED_TOKENS)]))
+            procs.append(subprocess.Popen([*pinned(1), sys.executable, "-m", "bouncer", "serve", "--config",
+                                           str(work / "gateway.json"), "--log-level", "warning"],
+                                          stdout=subprocess.DEVNULL))
+            wait_ok(f"http://127.0.0.1:{up_port}/metrics")
+            wait_ok(f"http://127.0.0.1:{gw_port}/ready")
+            peers, missing = start_peers(up_port, work, gateway, envoy_duplex=True)
+            procs += [p for peer in peers for p in peer.procs]
+            targets = [("direct", f"http://127.0.0.1:{up_port}", []),
+                       ("bouncer", f"http://127.0.0.1:{gw_port}", [procs[1].pid])]
+            targets += [(peer.name, peer.url, peer.pids) for peer in peers]
+            for _name, url, _pids in targets:
+                wait_ok(url + "/v1/models", timeout=60)
+            runs = []
+            for streams in stream_counts:
+                for name, url, pids in targets:
+                    measure(name, url + "/v1/completions", pids, BENCH_KEY, min(streams, 16), 1.0, 0, pinned,
+                            cpu_seconds)  # warm-up
+                    runs.append(measure(name, url + "/v1/completions", pids, BENCH_KEY, streams, seconds, 0, pinned,
+                                        cpu_seconds))
+            return runs, missing
+        finally:
+            stop(procs)
+
+
 def run_overhead(seconds: int = 5, concurrencies: tuple[int, ...] = (1, 16, 64), tokenizer: str | None = None,
                  rounds: int = 3) -> tuple[list[Run], dict, dict[str, str]]:
     """The runs; what one flight-recorder sample cost the recording gateway (its own count, CPU
@@ -123,24 +173,24 @@ def run_overhead(seconds: int = 5, concurrencies: tuple[int, ...] = (1, 16, 64),
             wait_ok(f"http://127.0.0.1:{up_port}/metrics")
             wait_ok(f"http://127.0.0.1:{gw_port}/ready")
             wait_ok(f"http://127.0.0.1:{off_port}/ready")
-            peers, missing = start_peers(up_port, work)
-            procs += [peer.proc for peer in peers]
+            peers, missing = start_peers(up_port, work, _gateway_config_for(up_port, tokenizer))
+            procs += [p for peer in peers for p in peer.procs]
             runs = []
-            once = [("direct", (f"http://127.0.0.1:{up_port}/v1/chat/completions", procs[0].pid))] + [
-                (peer.name, (peer.url + "/v1/chat/completions", peer.proc.pid)) for peer in peers]
-            gateways = {"bouncer": (f"http://127.0.0.1:{gw_port}/v1/chat/completions", procs[1].pid),
-                        "bouncer-recorder-off": (f"http://127.0.0.1:{off_port}/v1/chat/completions", procs[2].pid)}
+            once = [("direct", (f"http://127.0.0.1:{up_port}/v1/chat/completions", [procs[0].pid]))] + [
+                (peer.name, (peer.url + "/v1/chat/completions", peer.pids)) for peer in peers]
+            gateways = {"bouncer": (f"http://127.0.0.1:{gw_port}/v1/chat/completions", [procs[1].pid]),
+                        "bouncer-recorder-off": (f"http://127.0.0.1:{off_port}/v1/chat/completions", [procs[2].pid])}
             for stream in (False, True):
                 for c in concurrencies:
                     # on, off / off, on / ...: neither gateway always runs first (which was worth
                     # up to 18% here when both ran with the recorder off)
                     pairs = list(gateways.items())
                     order = once + [pair for i in range(rounds) for pair in pairs[::1 - 2 * (i % 2)]]
-                    for target, (url, pid) in order:
+                    for target, (url, pids) in order:
                         _wrk(url, stream, c, 1, work)  # warm-up
-                        cpu0 = cpu_seconds(pid, children=True)
+                        cpu0 = sum(cpu_seconds(pid, children=True) for pid in pids)
                         rps, p50, p99, errors, total = _wrk(url, stream, c, seconds, work)
-                        cpu_us = (cpu_seconds(pid, children=True) - cpu0) / max(1, total) * 1e6
+                        cpu_us = (sum(cpu_seconds(pid, children=True) for pid in pids) - cpu0) / max(1, total) * 1e6
                         runs.append(Run(target, stream, c, rps, p50, p99, errors, total, cpu_us))
             return runs, _recorder_stats(gw_port), missing
         finally:
@@ -225,12 +275,22 @@ def peers_report(runs: list[Run], missing: dict[str, str]) -> str:
     return "\n".join(lines)
 
 
-def main(seconds: int, out: str | None, tokenizer: str | None) -> None:
-    runs, recorder, missing = run_overhead(seconds, tokenizer=tokenizer)
-    print(report(runs, recorder))
-    print()
-    print(peers_report(runs, missing))
+def main(seconds: int, out: str | None, tokenizer: str | None, paced_seconds: float = 8.0,
+         paced_only: bool = False) -> None:
+    runs: list[Run] = []
+    recorder: dict = {}
+    missing: dict[str, str] = {}
+    if not paced_only:
+        runs, recorder, missing = run_overhead(seconds, tokenizer=tokenizer)
+        print(report(runs, recorder))
+        print()
+        print(peers_report(runs, missing))
+        print()
+    paced, paced_missing = run_paced(paced_seconds, tokenizer=tokenizer)
+    print(f"Paced streams ({PACED_TOKENS} tokens each, one write every {PACE_MS:g} ms):")
+    print(paced_report(paced))
     if out:
         pathlib.Path(out).write_text(json.dumps({"runs": [asdict(r) for r in runs], "recorder": recorder,
-                                                 "missing_peers": missing}, indent=2))
+                                                 "missing_peers": {**missing, **paced_missing},
+                                                 "paced": [asdict(r) for r in paced]}, indent=2))
         print(f"saved {out}")

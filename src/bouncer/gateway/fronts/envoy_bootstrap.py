@@ -4,12 +4,13 @@ The listener runs four HTTP filters, in order:
 1. `header_mutation` drops `x-gateway-destination-endpoint`, `x-bouncer-request-id` and
    `x-bouncer-picker` from what clients send: only the picker names where a request goes, even
    when it is down and Envoy fails open.
-2. the picker (`ext_proc`): request headers and the whole request body, then the response
-   headers; it answers the body once the core dispatches the request (holding is answering late).
+2. the picker (`ext_proc`): request headers and the whole request body; it answers the body once
+   the core dispatches the request (holding is answering late).
    `message_timeout` is the longest a request may be held plus a margin, so Envoy never cuts a
    hold short; `failure_mode_allow` is the fail-open/fail-close choice.
-3. the watcher (`ext_proc` in `observability_mode`): the response body, sent without waiting; the
-   picker reads its first chunk (the first token) and closes it, or reads it whole for a sample.
+3. the watcher (`ext_proc` in `observability_mode`): the response headers and body, sent without
+   waiting; the picker reads the status and the first chunk (the first token) and closes it, or
+   reads it whole for a sample.
    With several pickers, a route per picker (matched on the `x-bouncer-picker` header the picker
    sets) sends the watcher's stream to the picker that routed the request.
 4. the router. A request the picker routed carries `x-gateway-destination-endpoint` and goes to
@@ -38,11 +39,12 @@ IDLE_FLOOR_S = 300.0  # never below Envoy's own stream idle default
 T = "type.googleapis.com/"
 
 
-# the picker: the request buffered whole, the answer's headers; the watcher: the answer's body,
-# sent without waiting; GIE's gateways: every body chunk both ways through the one filter
-BUFFERED = {"request_header_mode": "SEND", "request_body_mode": "BUFFERED", "response_header_mode": "SEND",
+# the picker: the request buffered whole, nothing of the answer; the watcher: the answer's headers
+# and body, sent without waiting (a round trip fewer per request on the picker's stream); GIE's
+# gateways: every body chunk both ways through the one filter
+BUFFERED = {"request_header_mode": "SEND", "request_body_mode": "BUFFERED", "response_header_mode": "SKIP",
             "response_body_mode": "NONE", "request_trailer_mode": "SKIP", "response_trailer_mode": "SKIP"}
-WATCHER = {"request_header_mode": "SEND", "request_body_mode": "NONE", "response_header_mode": "SKIP",
+WATCHER = {"request_header_mode": "SEND", "request_body_mode": "NONE", "response_header_mode": "SEND",
            "response_body_mode": "STREAMED", "request_trailer_mode": "SKIP", "response_trailer_mode": "SKIP"}
 DUPLEX = {"request_header_mode": "SEND", "request_body_mode": "FULL_DUPLEX_STREAMED", "response_header_mode": "SEND",
           "response_body_mode": "FULL_DUPLEX_STREAMED", "request_trailer_mode": "SEND",

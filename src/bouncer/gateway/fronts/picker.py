@@ -2,26 +2,29 @@
 Inference Extension's endpoint-picker protocol has it. Clients talk to Envoy; Envoy asks this
 front where each request goes, and carries the bytes itself.
 
-Envoy runs two ext_proc filters against this one gRPC service (`bouncer envoy-config` writes
-them), and the first message of each stream says which one it is:
+`bouncer envoy-config` runs two ext_proc filters against this one gRPC service, and the first
+message of each stream says which one it is:
 
-- **the picker** (request headers, the request body BUFFERED, response headers): the body is
-  checked and offered to the control plane. A refusal is answered as an ImmediateResponse (the
-  proxy's status, OpenAI error body and headers). A held request is answered late: its body
-  message is answered when the core dispatches it, with the chosen replica in
-  `x-gateway-destination-endpoint` (overwriting whatever the client sent) and in the `envoy.lb`
-  metadata; a client that leaves meanwhile makes Envoy cancel the stream, which cancels the
-  request in the queue. Envoy half-closes the stream when the request is over, completed or
-  abandoned alike: that returns the permit.
-- **the watcher** (`observability_mode`: Envoy sends and never waits; request headers and the
-  response body, STREAMED): its first response chunk is the first token. It then closes its
-  stream, so Envoy sends it nothing more, except for at most `picker.answers_read_whole`
-  answers at once, read to their end for their usage (the output lengths and TPOT the core
-  learns from).
+- **the picker** (request headers, the request body BUFFERED): the body is checked and offered to
+  the control plane. A refusal is answered as an ImmediateResponse (the proxy's status, OpenAI
+  error body and headers). A held request is answered late: its body message is answered when the
+  core dispatches it, with the chosen replica in `x-gateway-destination-endpoint` (overwriting
+  whatever the client sent) and in the `envoy.lb` metadata; a client that leaves meanwhile makes
+  Envoy cancel the stream, which cancels the request in the queue. Envoy half-closes the stream
+  when the request is over, completed or abandoned alike: that returns the permit.
+- **the watcher** (`observability_mode`: Envoy sends and never waits; request headers, the
+  response headers and body, STREAMED): the answer's status, and its first chunk, the first
+  token. It then closes its stream, so Envoy sends it nothing more, except for at most
+  `picker.answers_read_whole` answers at once, read to their end for their usage (the output
+  lengths and TPOT the core learns from).
 
-So the picker sees every request's first token and end, and a sample of answers whole; it cannot
-tell a client that left mid-stream from a completed answer unless it read that answer whole
-(docs/operations/endpoint-picker.md says what each choice sees and costs). The routes Bouncer
+GIE's gateways set ext_proc up in full duplex instead (one filter, every body chunk both ways,
+`protocol_config` says so): the picker then answers the request's headers and body once the core
+dispatches it, passes each chunk of the answer back unchanged, and reads every answer whole.
+
+So the picker sees every request's first token and end, and answers whole where it reads them;
+it cannot tell a client that left mid-stream from a completed answer it did not read whole
+(docs/operations/endpoint-picker.md says what each setup sees and costs). The routes Bouncer
 serves itself (`/v1/models`, unknown paths) are answered here as the proxy answers them.
 """
 
@@ -92,6 +95,14 @@ def _set(key: str, value: str) -> base_pb2.HeaderValueOption:
 
 def _headers(msg: ext_proc.HttpHeaders) -> CIMultiDict[str]:
     return CIMultiDict((h.key, h.raw_value.decode("latin-1") if h.raw_value else h.value) for h in msg.headers.headers)
+
+
+def _header(msg: ext_proc.HttpHeaders, name: str) -> str:
+    """One header's value ("" if absent), without building them all."""
+    for h in msg.headers.headers:
+        if h.key == name:
+            return h.raw_value.decode("latin-1") if h.raw_value else h.value
+    return ""
 
 
 def _immediate(status: int, headers: dict[str, str], body: bytes, details: str) -> ext_proc.ProcessingResponse:
@@ -356,11 +367,13 @@ class Picker(ext_proc_grpc.ExternalProcessorServicer):
     async def _watch(self, first: ext_proc.ProcessingRequest, context: grpc.aio.ServicerContext) -> None:
         """The first response chunk is the first token; an answer read whole gives its usage.
         Returning closes the stream: Envoy sends it nothing more."""
-        served = self._served.get(_headers(first.request_headers).get(REQUEST_ID, ""))
+        served = self._served.get(_header(first.request_headers, REQUEST_ID))
         if served is None:
             return  # not a request the picker routed (Envoy's own reply, or a path Bouncer answered)
         while (msg := await context.read()) is not grpc.aio.EOF:
-            if msg.HasField("response_body"):
+            if msg.HasField("response_headers"):
+                served.line["status"] = self._answered(served, _headers(msg.response_headers))
+            elif msg.HasField("response_body"):
                 self._chunk(served, msg.response_body.body, msg.response_body.end_of_stream)
                 if not served.read_whole or served.read_to_end or served.done:
                     return
