@@ -17,7 +17,7 @@ class Fleet:
 
     def __init__(self, bg_loop, tenants: list[dict], engines: int = 1, policy: dict | None = None,
                  engine_kwargs: dict | None = None, speed: float = 1.0, limits: dict | None = None,
-                 admin_key: str | None = "admin", model: dict | None = None):
+                 admin_key: str | None = "admin", model: dict | None = None, extra: dict | None = None):
         self.bg_loop = bg_loop
         self.engines = []
         self._cleanups = []
@@ -36,6 +36,7 @@ class Fleet:
         }
         if limits:
             config["limits"] = limits
+        config.update(extra or {})  # more top-level settings (objectives, say)
         self.config = config
         self.url, self.gateway, cleanup = start_gateway(bg_loop, config)
         self._cleanups.append(cleanup)

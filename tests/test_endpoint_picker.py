@@ -44,7 +44,8 @@ class Picked:
     each its own process."""
 
     def __init__(self, tmp: pathlib.Path, tenants: list[dict], engines: int = 1, failure_mode: str = "close",
-                 body_mode: str = "buffered", pickers: int = 1, shared_state: dict | None = None) -> None:
+                 body_mode: str = "buffered", pickers: int = 1, shared_state: dict | None = None,
+                 extra: dict | None = None) -> None:
         self.tmp = tmp
         self.engines = [EngineProcess("--model", "demo-llm") for _ in range(engines)]
         self.envoy_port = free_port()
@@ -55,6 +56,7 @@ class Picked:
                                                           for i, e in enumerate(self.engines)]}],
             "policy": {"telemetry": {"scrape_interval_s": 0.05}},
             **({"shared_state": shared_state} if shared_state else {}),
+            **(extra or {}),
         }
         self.ports = [(free_port(), free_port()) for _ in range(pickers)]  # (HTTP, gRPC) of each picker
         for i, (http_port, grpc_port) in enumerate(self.ports):
@@ -136,8 +138,10 @@ def picked(tmp_path, request):
     """Both Envoy setups: `bouncer envoy-config`'s own (buffered request, watched answer) and the
     one GIE's gateways use (full duplex)."""
     fleet = Picked(tmp_path, [_tenant("alice", 10), _tenant("bob", 0, rate_limit={"requests_per_s": 0.2,
-                                                                                   "request_burst": 1})],
-                   body_mode=request.param)
+                                                                                   "request_burst": 1}),
+                              {"name": "gate", "api_keys_sha256": [key_digest("unused")], "priority": 3,
+                               "fairness_ids": ["team-x"]}],
+                   body_mode=request.param, extra={"objectives": [{"name": "batch", "priority": -1}]})
     yield fleet
     fleet.close()
 
@@ -176,6 +180,25 @@ def test_a_refusal_reaches_the_client_with_its_status_body_and_retry_after(picke
     with pytest.raises(openai.AuthenticationError):
         picked.client("mallory").completions.create(model="demo-llm", prompt="x", max_tokens=2)
     poll_until(picked.idle, what="nothing in flight")
+
+
+def test_llm_d_s_request_vocabulary_through_envoy(picked):
+    """A client written for llm-d's picker: objective, fairness id, TTL and SLO headers."""
+    batch = picked.client("alice", default_headers={"x-llm-d-inference-objective": "batch",
+                                                     "x-llm-d-inference-ttl": "30s", "x-llm-d-slo-ttft-ms": "5000"})
+    assert batch.completions.create(model="demo-llm", prompt="x", max_tokens=2).usage.completion_tokens == 2
+    keyless = openai.OpenAI(base_url=picked.url + "/v1", api_key="a key no tenant lists", max_retries=0,
+                            default_headers={"x-llm-d-inference-fairness-id": "team-x"})
+    assert keyless.completions.create(model="demo-llm", prompt="x", max_tokens=2).usage.completion_tokens == 2
+    with pytest.raises(openai.BadRequestError) as exc:
+        picked.client("alice", default_headers={"x-llm-d-inference-objective": "vip"}).completions.create(
+            model="demo-llm", prompt="x", max_tokens=2)
+    assert exc.value.response.headers["x-llm-d-request-dropped-reason"] == "invalid_parameter"
+    poll_until(picked.idle, what="nothing in flight")
+    with urllib.request.urlopen(f"http://127.0.0.1:{picked.http_port}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    assert 'bouncer_decisions_total{band="-1",layer="-",outcome="admitted",reason="-",tenant="alice"} 1.0' in text
+    assert 'bouncer_decisions_total{band="3",layer="-",outcome="admitted",reason="-",tenant="gate"} 1.0' in text
 
 
 def test_the_client_cannot_pick_the_replica(picked):

@@ -86,6 +86,10 @@ class Tenant(_Strict):
     queue_ttl_s: float | None = Field(None, gt=0, description="longest a request may wait queued, seconds (then 503 "
                                                               "with Retry-After); default: policy.default_ttl_s")
     models: list[str] = Field(default_factory=list, description="names of the models it may use; empty means all")
+    fairness_ids: list[str] = Field(default_factory=list, description="values of x-llm-d-inference-fairness-id that "
+                                                                      "name this tenant for a request whose API key "
+                                                                      "names no tenant (a gateway in front that "
+                                                                      "authenticates, as llm-d's clients send it)")
 
     @field_validator("api_keys_sha256")
     @classmethod
@@ -557,6 +561,15 @@ class Listen(_Strict):
                                                          "closed")
 
 
+class Objective(_Strict):
+    """An inference objective (llm-d's `InferenceObjective`): a name clients send in
+    `x-llm-d-inference-objective` to run a request in a lower band than its tenant's."""
+
+    name: str = Field(min_length=1, description="as sent in x-llm-d-inference-objective (or x-gateway-inference-"
+                                                "objective)")
+    priority: int = Field(description="its band; a request runs in the lower of this and its tenant's priority")
+
+
 class PickerFront(_Strict):
     """`bouncer serve --mode epp`: Envoy's external processor (the Gateway API Inference
     Extension's endpoint picker) instead of the HTTP proxy; `listen` then serves only /metrics,
@@ -740,6 +753,9 @@ class BouncerConfig(_Strict):
     shared_state: SharedState | None = Field(None, description="several gateways: what they share, in Redis; "
                                                                "unset: this gateway alone")
     pressure: list[Pressure] = Field(default_factory=list, description="outside signals that shed bands or tenants")
+    objectives: list[Objective] = Field(default_factory=list, description="inference objectives clients may name "
+                                                                          "(llm-d's vocabulary); one not listed is "
+                                                                          "refused (400)")
 
     @field_validator("admin_keys_sha256")
     @classmethod
@@ -765,6 +781,12 @@ class BouncerConfig(_Strict):
             raise ValueError("tenant kv_share values add up to more than 1")
         if self.default_tenant is not None and self.default_tenant not in names:
             raise ValueError(f"default_tenant {self.default_tenant!r} is not a tenant")
+        fairness_ids = [f for t in self.tenants for f in t.fairness_ids]
+        if len(set(fairness_ids)) != len(fairness_ids):
+            raise ValueError("a fairness id is listed for more than one tenant")
+        objectives = [o.name for o in self.objectives]
+        if len(set(objectives)) != len(objectives):
+            raise ValueError("objective names must be unique")
         signals = [p.name for p in self.pressure]
         if len(set(signals)) != len(signals):
             raise ValueError("pressure signal names must be unique")

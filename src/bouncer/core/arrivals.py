@@ -63,11 +63,15 @@ class Arrivals:
         """`AdmissionCore.precheck`, and the pool view it judged by (None where it did not get
         that far), which `offer` may use on: nothing between them moves a replica."""
         c = self.core
-        t = c.tenants.identify(info.key_digest)
+        t = c.tenants.identify(info.key_digest, info.fairness_id)
         c.stats.arrive(UNKNOWN_TENANT if t is None else t.name)
         if t is None:
             return self._refuse_new(info, UNKNOWN_TENANT, None, Refusal(
                 Layer.VALIDATION, Reason.UNAUTHENTICATED, "invalid or missing API key")), None
+        asked = c.tenants.as_asked(t, info.objective)
+        if asked is None:
+            return self._refuse_new(info, t.name, t.priority, _unknown_objective(info.objective)), None
+        t = asked
         ms = c.models.get(info.model)
         refusal = checks.validate_model(info.model, t, ms.cfg if ms else None) or pressure_refusal(
             c.pressures, t, now)
@@ -98,6 +102,10 @@ class Arrivals:
         if t is None:
             return [self._refuse_new(info, UNKNOWN_TENANT, None, Refusal(
                 Layer.VALIDATION, Reason.UNAUTHENTICATED, "invalid or missing API key"))]
+        asked = c.tenants.as_asked(t, info.objective)
+        if asked is None:
+            return [self._refuse_new(info, t.name, t.priority, _unknown_objective(info.objective))]
+        t = asked
         ms = c.models.get(info.model)
         refusal = checks.validate(info, t, ms.cfg if ms else None, c.config.limits)  # layer 1
         if refusal is not None or ms is None:
@@ -196,3 +204,8 @@ class Arrivals:
         c = self.core
         return deadlines.act_on_late(adm, c.tenants.get(adm.tenant), c.models[adm.info.model], c.policy, c.stats,
                                      c.finaliser, late_by, now)
+
+
+def _unknown_objective(name: str | None) -> Refusal:
+    return Refusal(Layer.VALIDATION, Reason.INVALID_PARAMETER, f"unknown inference objective {name!r}",
+                   param="x-llm-d-inference-objective")

@@ -31,6 +31,8 @@ class RequestInfo:
     # at most prompt_tokens, known before tokenizing (its text's bytes over the longest token's),
     # for the precheck: a request that would overfill its tenant's queued tokens even so is refused
     min_prompt_tokens: int = 0
+    fairness_id: str | None = None  # x-llm-d-inference-fairness-id: names a tenant where its key names none
+    objective: str | None = None  # x-llm-d-inference-objective: a configured objective, a lower band
 
 
 # An agent's step goes before other requests of its tenant: an active agent's first (its prefix is

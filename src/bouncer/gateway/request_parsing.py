@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
+import re
 from array import array
 from typing import Any
 
@@ -109,6 +110,30 @@ def _header_ms(headers, name: str) -> float | None:
     return value / 1000.0
 
 
+_GO_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "μs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+_GO_DURATION = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|μs|ms|s|m|h)")
+
+
+def _header_duration(headers, name: str) -> float | None:
+    """A Go duration (`1500ms`, `30s`, `1m30s`), as llm-d's headers carry them, in seconds."""
+    raw = headers.get(name)
+    if raw is None:
+        return None
+    text = raw.strip()
+    parts = _GO_DURATION.findall(text)
+    value = sum(float(n) * _GO_UNITS[u] for n, u in parts)
+    if not parts or "".join(n + u for n, u in parts) != text or not math.isfinite(value) or value <= 0:
+        raise ApiError(400, f"header {name} must be a positive duration such as 1500ms or 30s", param=name,
+                       code="invalid_parameter")
+    return value
+
+
+def _tightest(*values: float | None) -> float | None:
+    """Of a client's own limits (Bouncer's header and llm-d's for the same thing), the tighter."""
+    given = [v for v in values if v is not None]
+    return min(given) if given else None
+
+
 def _retry_count(headers) -> int | None:
     """The OpenAI SDKs' x-stainless-retry-count: 0 on a first attempt, n on the n-th retry. A
     client library's bookkeeping, not the caller's input: a malformed one is ignored."""
@@ -141,8 +166,14 @@ def request_head(request_id: str, kind: str, body: dict[str, Any], headers,
         request_id=request_id, key_digest=key_digest_from_headers(headers), model=model,
         prompt_tokens=0, max_tokens=max_tokens,
         n=body.get("n") or 1, best_of=body.get("best_of"), num_stop=num_stop,
-        ttl_s=_header_ms(headers, "x-bouncer-ttl-ms"), ttft_slo_s=_header_ms(headers, "x-bouncer-ttft-ms"),
-        tpot_slo_s=_header_ms(headers, "x-bouncer-tpot-ms"), session_id=headers.get("x-session-id") or None,
+        # Bouncer's own headers and llm-d's: each only tightens what the tenant's config allows
+        ttl_s=_tightest(_header_ms(headers, "x-bouncer-ttl-ms"), _header_duration(headers, "x-llm-d-inference-ttl")),
+        ttft_slo_s=_tightest(_header_ms(headers, "x-bouncer-ttft-ms"), _header_ms(headers, "x-llm-d-slo-ttft-ms")),
+        tpot_slo_s=_tightest(_header_ms(headers, "x-bouncer-tpot-ms"), _header_ms(headers, "x-llm-d-slo-tpot-ms")),
+        fairness_id=headers.get("x-llm-d-inference-fairness-id") or headers.get("x-gateway-inference-fairness-id")
+        or None,
+        objective=headers.get("x-llm-d-inference-objective") or headers.get("x-gateway-inference-objective") or None,
+        session_id=headers.get("x-session-id") or None,
         parent_session_id=headers.get("x-parent-session-id") or None,
         user=user, retry_count=retry_count, min_prompt_tokens=min_prompt_tokens(kind, prompt, tokenizer),
         # only a client that numbers its attempts can be known again when it retries; the prompt

@@ -31,6 +31,8 @@ class TenantBook:
         """The config's tenants. A tenant's breaker restarts only when its settings change, its
         learned output lengths never (a tenant named again keeps them)."""
         self._by_key = config.tenant_by_key()
+        self._by_fairness_id = {f: t for t in config.tenants for f in t.fairness_ids}
+        self._objectives = {o.name: o.priority for o in config.objectives}
         self._default = next((t for t in config.tenants if t.name == config.default_tenant), None)
         b = config.policy.breaker
         self.by_name.clear()
@@ -43,9 +45,21 @@ class TenantBook:
                 self.breakers[t.name] = CircuitBreaker(b.failures, b.window_s, b.open_s)
             self.output_models.setdefault(t.name, {})
 
-    def identify(self, key_digest: str | None) -> Tenant | None:
-        """The tenant a request's API key (its SHA-256) names, else the default tenant, if any."""
-        return (self._by_key.get(key_digest) if key_digest else None) or self._default
+    def identify(self, key_digest: str | None, fairness_id: str | None = None) -> Tenant | None:
+        """The tenant a request's API key (its SHA-256) names, else the one its fairness id
+        names (`Tenant.fairness_ids`), else the default tenant, if any."""
+        return (self._by_key.get(key_digest) if key_digest else None) or \
+            (self._by_fairness_id.get(fairness_id) if fairness_id else None) or self._default
+
+    def as_asked(self, t: Tenant, objective: str | None) -> Tenant | None:
+        """`t` in the band its request's objective asks, where that is lower than its own (an
+        objective never raises one); None for an objective the config does not list."""
+        if objective is None:
+            return t
+        priority = self._objectives.get(objective)
+        if priority is None:
+            return None
+        return t if priority >= t.priority else t.model_copy(update={"priority": priority})
 
     def get(self, name: str) -> Tenant | None:
         return self.by_name.get(name)
