@@ -45,7 +45,7 @@ class Picked:
 
     def __init__(self, tmp: pathlib.Path, tenants: list[dict], engines: int = 1, failure_mode: str = "close",
                  body_mode: str = "buffered", pickers: int = 1, shared_state: dict | None = None,
-                 extra: dict | None = None) -> None:
+                 extra: dict | None = None, subset: list[int] | None = None) -> None:
         self.tmp = tmp
         self.engines = [EngineProcess("--model", "demo-llm") for _ in range(engines)]
         self.envoy_port = free_port()
@@ -69,7 +69,14 @@ class Picked:
                               "--body-mode", body_mode, "--admin-port", str(free_port()),
                               *(arg for _, g in self.ports for arg in ("--picker", f"127.0.0.1:{g}"))],
                              check=True, capture_output=True, text=True)
-        (tmp / "envoy.yaml").write_text(out.stdout)
+        envoy_config = yaml.safe_load(out.stdout)
+        if subset is not None:  # as a Gateway API gateway does: the engines this request may go to
+            hcm = envoy_config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+            hcm["http_filters"].insert(0, {"name": "subset", "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.filters.http.set_metadata.v3.Config",
+                "metadata": [{"metadata_namespace": "envoy.lb.subset_hint", "value": {
+                    "x-gateway-destination-endpoint-subset": [f"127.0.0.1:{self.engines[i].port}" for i in subset]}}]}})
+        (tmp / "envoy.yaml").write_text(yaml.safe_dump(envoy_config))
         self.procs: list[subprocess.Popen | None] = [None] * pickers
         for i in range(pickers):
             self.start_picker(i)
@@ -325,6 +332,27 @@ def test_the_sdk_with_its_retries_gets_every_request_served_under_a_burst(picked
 def _metric(fleet: Picked, i: int, prefix: str) -> float:
     with urllib.request.urlopen(f"http://127.0.0.1:{fleet.ports[i][0]}/metrics", timeout=5) as resp:
         return sum(float(line.split()[-1]) for line in resp.read().decode().splitlines() if line.startswith(prefix))
+
+
+def _served(engine: EngineProcess) -> float:
+    with urllib.request.urlopen(engine.url + "/metrics", timeout=5) as resp:
+        return sum(float(line.split()[-1]) for line in resp.read().decode().splitlines()
+                   if line.startswith("vllm:request_success_total"))
+
+
+@pytest.mark.parametrize("body_mode", ["buffered", "duplex"])
+def test_the_subset_hint_keeps_requests_to_the_endpoints_it_names(tmp_path, body_mode):
+    fleet = Picked(tmp_path, [_tenant("alice", 10)], engines=2, body_mode=body_mode, subset=[1])
+    try:
+        poll_until(lambda: fleet.state()["models"]["demo-llm"]["replicas"]["e1"]["answering"], what="e1 scraped")
+        client = fleet.client()
+        for i in range(6):
+            assert client.completions.create(model="demo-llm", prompt=f"x{i}", max_tokens=2).usage \
+                .completion_tokens == 2
+        assert [_served(e) for e in fleet.engines] == [0, 6]
+        poll_until(fleet.idle, what="nothing in flight")
+    finally:
+        fleet.close()
 
 
 def test_two_pickers_active_active_keep_one_rate_limit_and_each_sees_its_answers(tmp_path):

@@ -375,7 +375,7 @@ def cmd_bench_live(args) -> None:
     for load in args.load:
         if args.driver == "guidellm":
             result = live.run_flood(load, args.duration, fleet, seed=args.seed, step_time=args.step_time,
-                                    guidellm_bin=args.guidellm, skip_direct=args.skip_direct)
+                                    guidellm_bin=args.guidellm, skip_direct=args.skip_direct, epp=args.epp)
         else:
             result = live.run(args.scenario, load, args.duration, fleet, seed=args.seed, step_time=args.step_time,
                               trace=args.trace, skip_direct=args.skip_direct, warm_up_s=args.warm_up)
@@ -577,6 +577,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trace", help="replace the scenario's main trace")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip-direct", action="store_true", help="do not run the traffic straight to the engines")
+    p.add_argument("--epp", action="store_true", help="guidellm driver: also run it through Envoy with Bouncer as "
+                                                      "its endpoint picker (bouncer serve --mode epp)")
     p.add_argument("--warm-up", type=float, default=0.0,
                    help="with --driver trace: count only the requests that arrive after this many seconds")
     p.add_argument("--out", help="a folder for the result JSON files")

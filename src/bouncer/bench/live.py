@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import yaml
 
-from bouncer.bench import guidellm
+from bouncer.bench import envoy_peers, guidellm
 from bouncer.bench.goodput import (
     BOUNCER_POLICY,
     engine_profile,
@@ -47,7 +47,8 @@ from bouncer.bench.goodput import (
     tenant_outcomes,
 )
 from bouncer.bench.loopback import free_port, wait_ok
-from bouncer.config import key_digest
+from bouncer.config import key_digest, parse_config
+from bouncer.gateway.fronts.envoy_bootstrap import bootstrap
 from bouncer.sim import scenarios
 from bouncer.sim.fleet import FleetSim, SimRequest
 from bouncer.sim.policies import SIM_MODEL
@@ -118,6 +119,30 @@ class Processes:
         url = f"http://127.0.0.1:{port}"
         wait_ok(url + "/ready", timeout=60)
         return url
+
+    def picker(self, config: dict, name: str = "picker") -> tuple[str, str]:
+        """`bouncer serve --mode epp` on `config` and an Envoy in front of it
+        (`bouncer envoy-config`'s bootstrap): the URL clients use (Envoy's), and the picker's
+        HTTP port (its /admin)."""
+        binary = envoy_peers.envoy_binary()
+        if binary is None:
+            raise RuntimeError(f"no Envoy: {envoy_peers.INSTALL}")
+        config = {**config, "picker": {"host": "127.0.0.1", "port": free_port()}}
+        path = self.work / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(config))
+        self.start(name, ["serve", "--mode", "epp", "--config", str(path), "--log-level", "warning"])
+        admin = f"http://127.0.0.1:{config['listen']['port']}"
+        wait_ok(admin + "/ready", timeout=60)
+        port = free_port()
+        envoy_yaml = self.work / f"{name}-envoy.yaml"
+        envoy_yaml.write_text(yaml.safe_dump(bootstrap(parse_config(config), listen_port=port, admin_port=None)))
+        log = open(self.work / f"{name}-envoy.log", "ab")  # noqa: SIM115 (closed in stop)
+        self.logs.append(log)
+        self.procs.append(subprocess.Popen([binary, "-c", str(envoy_yaml), "--use-dynamic-base-id", "--log-level",
+                                            "error"], stdout=log, stderr=subprocess.STDOUT))
+        url = f"http://127.0.0.1:{port}"
+        wait_ok(url + "/v1/models", timeout=60)
+        return url, admin
 
     def stop(self) -> None:
         for p in self.procs:
@@ -415,9 +440,11 @@ def _flood_records(reqs: list[guidellm.GuidellmRequest], t0_wall: float, spec: T
 
 
 def run_flood(load: float, duration_s: float = 40.0, fleet: LiveFleet = LiveFleet(), seed: int = 0,
-              step_time: str = "learned", guidellm_bin: str | None = None, skip_direct: bool = False) -> dict:
+              step_time: str = "learned", guidellm_bin: str | None = None, skip_direct: bool = False,
+              epp: bool = False) -> dict:
     """guidellm at `load` x the engines' capacity as the sheddable `flood` tenant, the top tenant
-    beside it; live through Bouncer, live straight to the engines (round-robin), and simulated."""
+    beside it; live through Bouncer, live straight to the engines (round-robin), and simulated.
+    `epp`: also live through Envoy with Bouncer as its endpoint picker (`bouncer_epp`)."""
     binary = pathlib.Path(guidellm_bin or os.environ.get("BOUNCER_GUIDELLM", ".venv-guidellm/bin/guidellm"))
     if not binary.exists():
         raise RuntimeError(f"no guidellm at {binary}: `make test` installs it in .venv-guidellm, or pass --guidellm")
@@ -431,23 +458,27 @@ def run_flood(load: float, duration_s: float = 40.0, fleet: LiveFleet = LiveFlee
     result.update(driver="guidellm", tail_s=FLOOD_TAIL_S)
     _simulated(result, scenario, requests, fleet, seed, step_time, duration_s, cut_at=run_s)
     top = [r for r in requests if r.tenant == "top"]
-    targets = ["bouncer"] if skip_direct else ["bouncer", "direct"]
+    targets = ["bouncer", *(["bouncer_epp"] if epp else []), *([] if skip_direct else ["direct"])]
     with tempfile.TemporaryDirectory(prefix="bouncer-live-") as work:
         for target in targets:
             procs = Processes(pathlib.Path(work))
             try:
                 engines = procs.engines(fleet)
-                if target == "bouncer":
+                if target != "direct":
                     config = gateway_config(scenario, fleet, engines, step_time_config(fleet, step_time), free_port())
                     config["models"][0]["tokenizer"] = str(default_tokenizer_path())  # guidellm's prompts are text
-                    gateway = procs.gateway(config)
-                    flood_at, route = [gateway], through_gateway(gateway)
+                    if target == "bouncer":
+                        gateway = procs.gateway(config)
+                        flood_at, route = [gateway], through_gateway(gateway)
+                    else:  # clients talk to Envoy; the picker's admin port says its state
+                        envoy, gateway = procs.picker(config)
+                        flood_at, route = [envoy], through_gateway(envoy)
                 else:
                     flood_at, route = engines, round_robin(engines)
                 records, refusals = _drive_flood(flood_at, engines, route, top, load * capacity, run_s, binary,
                                        pathlib.Path(work) / target, scenario.tenants[1], prof.block_size)
                 table = _with_attempts(_table(scenario, records, duration_s, cut_at=run_s), refusals)
-                if target == "bouncer":
+                if target != "direct":
                     table["step_time"] = _state(gateway)["models"][SIM_MODEL]["step_time"]
                 result[f"live_{target}"] = table
             finally:
@@ -498,7 +529,8 @@ def _until_engines_see_traffic(engines: list[str], timeout_s: float = 180.0) -> 
     raise RuntimeError(f"no request reached the engines in {timeout_s:g} s")
 
 
-COLUMNS = (("live_bouncer", "live Bouncer"), ("live_direct", "live direct"), ("sim_bouncer", "sim Bouncer"),
+COLUMNS = (("live_bouncer", "live Bouncer"), ("live_bouncer_epp", "live Envoy + Bouncer picker"),
+           ("live_direct", "live direct"), ("sim_bouncer", "sim Bouncer"),
            ("sim_none", "sim none"))
 
 

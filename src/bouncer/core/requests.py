@@ -33,6 +33,7 @@ class RequestInfo:
     min_prompt_tokens: int = 0
     fairness_id: str | None = None  # x-llm-d-inference-fairness-id: names a tenant where its key names none
     objective: str | None = None  # x-llm-d-inference-objective: a configured objective, a lower band
+    replicas: frozenset[str] | None = None  # only these may serve it (an endpoint picker's subset hint)
 
 
 # An agent's step goes before other requests of its tenant: an active agent's first (its prefix is

@@ -199,7 +199,8 @@ class Placement:
     def best_ttft(self, replicas: dict[str, ReplicaState], adm: Admission, view: PoolView) -> float | None:
         """The lowest TTFT predicted for `adm` on a usable replica, were it sent now (None
         without a step-time model)."""
-        ttfts = [ttft for r in view.prompt_workers()
+        subset = adm.info.replicas
+        ttfts = [ttft for r in view.prompt_workers() if subset is None or r.name in subset
                  if (ttft := r.predict_ttft(adm, adm.info.prompt_tokens - cached_tokens(r, adm, view.now)))
                  is not None]
         return min(ttfts) if ttfts else None
@@ -216,8 +217,10 @@ class Placement:
         now = view.now
         if not self._pool_admits(model, replicas, adm, view):
             return Held.RULE
+        subset = adm.info.replicas
         cached = {r.name: cached_tokens(r, adm, now) for r in replicas.values()}
-        cold = held_for_room is not None and adm.session is None and not any(cached.values())
+        # (one kept to a subset is no smaller than another only within that subset)
+        cold = held_for_room is not None and adm.session is None and subset is None and not any(cached.values())
         known = held_for_room.find(adm) if cold else None  # type: ignore[union-attr]
         candidates: list[ReplicaState] = []
         # usable, but full for now (prefill queue, KV headroom): only a replica
@@ -227,6 +230,8 @@ class Placement:
         policy = self.policy
         for r in replicas.values():
             if not view.usable(r) or r.role == "decode":
+                continue
+            if subset is not None and r.name not in subset:
                 continue
             if r.cooldown_until is not None:  # resting after a refusal, until the end of its rest
                 if now < r.cooldown_until:

@@ -32,7 +32,7 @@ from typing import Any
 from yarl import URL
 
 from bouncer.config import BouncerConfig
-from bouncer.gateway.fronts.picker import DESTINATION, PICKED_BY, REQUEST_ID
+from bouncer.gateway.fronts.picker import DESTINATION, PICKED_BY, REQUEST_ID, SUBSET_NAMESPACE
 
 HOLD_MARGIN_S = 5.0  # past the longest queue TTL: the core ends a hold before Envoy would
 IDLE_FLOOR_S = 300.0  # never below Envoy's own stream idle default
@@ -124,7 +124,9 @@ def bootstrap(config: BouncerConfig, *, listen_host: str = "127.0.0.1", listen_p
         {"name": "bouncer.picker", "typed_config": _ext_proc(
             "bouncer-picker", DUPLEX if duplex else BUFFERED,
             failure_mode_allow=fail_open, message_timeout=_seconds(hold), max_message_timeout=_seconds(hold),
-            metadata_options={"receiving_namespaces": {"untyped": ["envoy.lb"]}})},
+            # the picker's `envoy.lb` metadata comes back; a gateway's subset hint goes to it
+            metadata_options={"receiving_namespaces": {"untyped": ["envoy.lb"]},
+                              "forwarding_namespaces": {"untyped": [SUBSET_NAMESPACE]}})},
         *([] if duplex else [{"name": "bouncer.watcher", "typed_config": _ext_proc(
             "bouncer-picker", WATCHER, observability_mode=True, failure_mode_allow=True)}]),
         {"name": "envoy.filters.http.router",

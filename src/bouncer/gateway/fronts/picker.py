@@ -31,6 +31,7 @@ serves itself (`/v1/models`, unknown paths) are answered here as the proxy answe
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import ipaddress
 import logging
 import socket
@@ -63,6 +64,7 @@ log = logging.getLogger("bouncer.gateway")
 
 DESTINATION = "x-gateway-destination-endpoint"  # the protocol's: Envoy's ORIGINAL_DST cluster reads it
 REQUEST_ID = "x-bouncer-request-id"  # set on the request by the picker: how the watcher's stream finds it
+SUBSET_NAMESPACE, SUBSET_KEY = "envoy.lb.subset_hint", "x-gateway-destination-endpoint-subset"
 PICKED_BY = "x-bouncer-picker"  # the picker that routed it: Envoy sends its watcher stream to that one
 DROPPED_REASON = "x-llm-d-request-dropped-reason"  # llm-d's name for why a request was refused
 GENERATION = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
@@ -174,7 +176,7 @@ class Picker(ext_proc_grpc.ExternalProcessorServicer):
             raw = await _request_body(context)
             if raw is None:
                 return  # Envoy gave up on the request (its client left before the body came)
-            decision = await self._admit(rid, kind, raw, headers, line)
+            decision = await self._admit(rid, kind, raw, headers, line, _subset(first))
             if isinstance(decision, Refusal):
                 line["status"] = decision.status
                 await context.write(_refusal(decision))
@@ -186,8 +188,8 @@ class Picker(ext_proc_grpc.ExternalProcessorServicer):
                 line["duration_s"] = round(self.clock() - t0, 4)
                 logs.access(line)
 
-    async def _admit(self, rid: str, kind: str, raw: bytes, headers: CIMultiDict[str],
-                     line: dict[str, Any]) -> tuple[Parsed, Dispatch] | Refusal:
+    async def _admit(self, rid: str, kind: str, raw: bytes, headers: CIMultiDict[str], line: dict[str, Any],
+                     subset: list[str] | None) -> tuple[Parsed, Dispatch] | Refusal:
         plane = self.plane
         limit = plane.config.limits.max_body_bytes
         if len(raw) > limit:
@@ -196,6 +198,13 @@ class Picker(ext_proc_grpc.ExternalProcessorServicer):
         parsed = plane.parse(rid, kind, raw, headers, line)
         if isinstance(parsed, Refusal):
             return parsed
+        if subset is not None:  # the protocol's subset hint: only these endpoints, else 503
+            names = await self._replicas_at(parsed.head.model, subset)
+            if not names:
+                return plane.refuse_early(rid, Refusal(
+                    Layer.QUEUE, Reason.NO_BACKEND, "no replica of this model is among the endpoints the gateway "
+                                                    "allows for this request", 1.0), line)
+            parsed = dataclasses.replace(parsed, head=dataclasses.replace(parsed.head, replicas=frozenset(names)))
         decision = await plane.admit(parsed, line)  # cancelled here: the client left while held
         return decision if isinstance(decision, Refusal) else (parsed, decision)
 
@@ -350,6 +359,20 @@ class Picker(ext_proc_grpc.ExternalProcessorServicer):
             endpoint = self._endpoints[url] = f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
         return endpoint
 
+    async def _replicas_at(self, model: str, endpoints: list[str]) -> list[str]:
+        """The replicas of `model` at any of `endpoints` (`ip:port`)."""
+        wanted = set(endpoints)
+        names = []
+        for name in self.plane.core.view.replica_names(live_only=True):
+            replica = self.plane.core.view.replica(name)
+            if replica.model == model:
+                try:
+                    if await self._endpoint(replica.url) in wanted:
+                        names.append(name)
+                except OSError:
+                    continue  # a name that does not resolve is at no endpoint
+        return names
+
     def _not_generation(self, headers: CIMultiDict[str], path: str) -> ext_proc.ProcessingResponse:
         """What Bouncer answers itself, as the proxy does."""
         if path == "/v1/models" and headers.get(":method") == "GET":
@@ -377,6 +400,17 @@ class Picker(ext_proc_grpc.ExternalProcessorServicer):
                 self._chunk(served, msg.response_body.body, msg.response_body.end_of_stream)
                 if not served.read_whole or served.read_to_end or served.done:
                     return
+
+
+def _subset(first: ext_proc.ProcessingRequest) -> list[str] | None:
+    """The endpoints the gateway allows for this request (GIE's subset hint, in the
+    `envoy.lb.subset_hint` filter metadata), or None where it sets none."""
+    hint = first.metadata_context.filter_metadata.get(SUBSET_NAMESPACE)
+    if hint is None or SUBSET_KEY not in hint.fields:
+        return None
+    value = hint.fields[SUBSET_KEY]
+    items = value.list_value.values if value.HasField("list_value") else [value]
+    return [e.strip() for v in items for e in v.string_value.split(",") if e.strip()]
 
 
 async def _request_body(context: grpc.aio.ServicerContext) -> bytes | None:
