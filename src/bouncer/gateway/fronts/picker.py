@@ -70,7 +70,7 @@ DROPPED_REASON = "x-llm-d-request-dropped-reason"  # llm-d's name for why a requ
 GENERATION = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
 SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 HEALTH_SERVICES = ("", "liveness", "readiness", SERVICE)
-WHOLE_USAGE_WAIT_S = 0.2  # the watcher's last chunk and the picker's end travel on two streams
+WATCHER_WAIT_S = 0.2  # the watcher's messages and the picker's end travel on two streams
 USAGE_TAIL_BYTES = 8192  # of a stream read whole, kept for its usage event
 READY_EVERY_S = 1.0
 
@@ -218,6 +218,7 @@ class Picker(ext_proc_grpc.ExternalProcessorServicer):
         served = self._served[rid] = _Served(d, streaming, duplex or sampled, sampled, line)
         if sampled:
             self._reading_whole += 1
+        cut = False
         try:
             endpoint = await self._endpoint(self.plane.core.view.replica(d.replica).url)
             for response in self._route(parsed, d, endpoint, served.read_whole, duplex):
@@ -236,25 +237,30 @@ class Picker(ext_proc_grpc.ExternalProcessorServicer):
                 elif which == "request_trailers":
                     await context.write(ext_proc.ProcessingResponse(request_trailers=ext_proc.TrailersResponse()))
         except asyncio.CancelledError:
-            # Envoy ends a stream by half-closing and resetting it at once, so a reset after the
-            # replica answered is the request's end like the half-close; one before is the client
-            # leaving (or Envoy giving up on the replica)
-            if "status" not in line:
-                served.out.terminal, served.out.reason = Terminal.CANCELLED, Reason.CLIENT_DISCONNECTED
+            cut = True
             raise
         except OSError as exc:  # the replica's address would not resolve
             served.out.terminal, served.out.reason = Terminal.FAILED, Reason.UPSTREAM_ERROR
             await context.write(_refusal(Refusal(Layer.UPSTREAM, Reason.UPSTREAM_ERROR,
                                                  f"backend address unknown: {exc}", 1.0)))
         finally:
-            # over: completed, or its client left mid-answer (unless read whole, the picker
-            # cannot tell which)
-            if served.sampled and served.out.terminal is Terminal.COMPLETED and not served.read_to_end:
-                # the watcher's last chunk, on its own stream, may still be on its way
+            # Over: completed, or its client left (unless read whole, the picker cannot tell which
+            # once the replica answered). Envoy ends a stream by half-closing and resetting it at
+            # once, so a reset after the replica answered is the request's end like the
+            # half-close; one before, its client leaving. In the buffered setup the status and the
+            # last chunk come on the watcher's stream, which may still be on its way: wait for them.
+            waits = (cut and not duplex and "status" not in line) or \
+                (served.sampled and served.out.terminal is Terminal.COMPLETED and not served.read_to_end)
+            if waits:
                 line["pending"] = True
-                asyncio.get_running_loop().call_later(WHOLE_USAGE_WAIT_S, self._ended, served)
+                asyncio.get_running_loop().call_later(WATCHER_WAIT_S, self._settle, served, cut)
             else:
-                self._ended(served)
+                self._settle(served, cut)
+
+    def _settle(self, served: _Served, cut: bool) -> None:
+        if cut and "status" not in served.line:  # cut before the replica answered: its client left
+            served.out.terminal, served.out.reason = Terminal.CANCELLED, Reason.CLIENT_DISCONNECTED
+        self._ended(served)
 
     def _chunk(self, served: _Served, body: bytes, end: bool) -> None:
         """A chunk of the answer (the watcher's or, in full duplex, the picker's own)."""
