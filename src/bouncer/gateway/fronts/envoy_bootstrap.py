@@ -32,7 +32,8 @@ from typing import Any
 from yarl import URL
 
 from bouncer.config import BouncerConfig
-from bouncer.gateway.fronts.picker import DESTINATION, PICKED_BY, REQUEST_ID, SUBSET_NAMESPACE
+from bouncer.gateway.fronts.ext_proc_wire import SUBSET_NAMESPACE
+from bouncer.gateway.fronts.picker import DESTINATION, PICKED_BY, REQUEST_ID
 
 HOLD_MARGIN_S = 5.0  # past the longest queue TTL: the core ends a hold before Envoy would
 IDLE_FLOOR_S = 300.0  # never below Envoy's own stream idle default

@@ -33,19 +33,15 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import ipaddress
-import logging
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
-import orjson
-from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
-from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from multidict import CIMultiDict
@@ -54,19 +50,26 @@ from yarl import URL
 from bouncer.core.outcomes import Dispatch, Layer, Reason, Refusal, Terminal
 from bouncer.gateway import logs
 from bouncer.gateway.control_plane import ControlPlane, serve_http
-from bouncer.gateway.errors import refusal_answer
 from bouncer.gateway.exchange import Outcome, Parsed
-from bouncer.gateway.relay import REFUSAL_STATUSES, completion_tokens
+from bouncer.gateway.fronts.ext_proc_wire import (
+    header_of,
+    headers_of,
+    immediate,
+    passed_back,
+    plain_error,
+    refused,
+    request_body,
+    set_header,
+    subset_hint,
+    usage_of,
+)
+from bouncer.gateway.relay import REFUSAL_STATUSES
 from bouncer.gateway.request_parsing import key_digest_from_headers
-from bouncer.openai_wire import ApiError, dumps, models_list
-
-log = logging.getLogger("bouncer.gateway")
+from bouncer.openai_wire import dumps, models_list
 
 DESTINATION = "x-gateway-destination-endpoint"  # the protocol's: Envoy's ORIGINAL_DST cluster reads it
 REQUEST_ID = "x-bouncer-request-id"  # set on the request by the picker: how the watcher's stream finds it
-SUBSET_NAMESPACE, SUBSET_KEY = "envoy.lb.subset_hint", "x-gateway-destination-endpoint-subset"
 PICKED_BY = "x-bouncer-picker"  # the picker that routed it: Envoy sends its watcher stream to that one
-DROPPED_REASON = "x-llm-d-request-dropped-reason"  # llm-d's name for why a request was refused
 GENERATION = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
 SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 HEALTH_SERVICES = ("", "liveness", "readiness", SERVICE)
@@ -88,40 +91,6 @@ class _Served:
     tail: bytearray = field(default_factory=bytearray)  # the answer's last bytes (a whole one's, not streamed)
     read_to_end: bool = False  # the answer was read to its end
     done: bool = False  # its permit went back
-
-
-def _set(key: str, value: str) -> base_pb2.HeaderValueOption:
-    return base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=key, raw_value=value.encode()),
-                                      append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD)
-
-
-def _headers(msg: ext_proc.HttpHeaders) -> CIMultiDict[str]:
-    return CIMultiDict((h.key, h.raw_value.decode("latin-1") if h.raw_value else h.value) for h in msg.headers.headers)
-
-
-def _header(msg: ext_proc.HttpHeaders, name: str) -> str:
-    """One header's value ("" if absent), without building them all."""
-    for h in msg.headers.headers:
-        if h.key == name:
-            return h.raw_value.decode("latin-1") if h.raw_value else h.value
-    return ""
-
-
-def _immediate(status: int, headers: dict[str, str], body: bytes, details: str) -> ext_proc.ProcessingResponse:
-    mutation = ext_proc.HeaderMutation(set_headers=[_set(k, v) for k, v in headers.items()])
-    mutation.set_headers.append(_set("content-type", "application/json"))
-    return ext_proc.ProcessingResponse(immediate_response=ext_proc.ImmediateResponse(
-        status=http_status_pb2.HttpStatus(code=status), headers=mutation, body=body, details=details))
-
-
-def _refusal(refusal: Refusal) -> ext_proc.ProcessingResponse:
-    status, headers, body = refusal_answer(refusal)
-    headers[DROPPED_REASON] = str(refusal.reason)
-    return _immediate(status, headers, body, str(refusal.reason))
-
-
-def _plain(status: int, message: str, error_type: str, code: str) -> ext_proc.ProcessingResponse:
-    return _immediate(status, {}, dumps(ApiError(status, message, error_type, code=code).body()), code)
 
 
 class Picker(ext_proc_grpc.ExternalProcessorServicer):
@@ -154,7 +123,7 @@ class Picker(ext_proc_grpc.ExternalProcessorServicer):
         # through here; `bouncer envoy-config`'s setup buffers the request and leaves the answer
         # to the watcher
         duplex = first.protocol_config.request_body_mode == ProcessingMode.FULL_DUPLEX_STREAMED
-        headers = _headers(first.request_headers)
+        headers = headers_of(first.request_headers)
         path = headers.get(":path", "").partition("?")[0]
         kind = GENERATION.get(path) if headers.get(":method") == "POST" else None
         if kind is None:
@@ -169,17 +138,17 @@ class Picker(ext_proc_grpc.ExternalProcessorServicer):
                 refusal = plane.refuse_early(rid, Refusal(Layer.VALIDATION, Reason.INVALID_REQUEST,
                                                           "a request body is required"), line)
                 line["status"] = refusal.status
-                await context.write(_refusal(refusal))
+                await context.write(refused(refusal))
                 return
             if not duplex:  # buffered: Envoy holds the headers until the body is answered
                 await context.write(ext_proc.ProcessingResponse(request_headers=ext_proc.HeadersResponse()))
-            raw = await _request_body(context)
+            raw = await request_body(context)
             if raw is None:
                 return  # Envoy gave up on the request (its client left before the body came)
-            decision = await self._admit(rid, kind, raw, headers, line, _subset(first))
+            decision = await self._admit(rid, kind, raw, headers, line, subset_hint(first))
             if isinstance(decision, Refusal):
                 line["status"] = decision.status
-                await context.write(_refusal(decision))
+                await context.write(refused(decision))
                 return
             await self._serve(*decision, context, line, duplex)
         finally:
@@ -226,12 +195,12 @@ class Picker(ext_proc_grpc.ExternalProcessorServicer):
             while (msg := await context.read()) is not grpc.aio.EOF:
                 which = msg.WhichOneof("request")
                 if which == "response_headers":
-                    line["status"] = self._answered(served, _headers(msg.response_headers))
+                    line["status"] = self._answered(served, headers_of(msg.response_headers))
                     await context.write(ext_proc.ProcessingResponse(response_headers=ext_proc.HeadersResponse()))
                 elif which == "response_body":  # full duplex: each chunk passes back through here
                     chunk = msg.response_body
                     self._chunk(served, chunk.body, chunk.end_of_stream)
-                    await context.write(_echo(chunk.body, chunk.end_of_stream))
+                    await context.write(passed_back(chunk.body, chunk.end_of_stream))
                 elif which == "response_trailers":
                     await context.write(ext_proc.ProcessingResponse(response_trailers=ext_proc.TrailersResponse()))
                 elif which == "request_trailers":
@@ -241,7 +210,7 @@ class Picker(ext_proc_grpc.ExternalProcessorServicer):
             raise
         except OSError as exc:  # the replica's address would not resolve
             served.out.terminal, served.out.reason = Terminal.FAILED, Reason.UPSTREAM_ERROR
-            await context.write(_refusal(Refusal(Layer.UPSTREAM, Reason.UPSTREAM_ERROR,
+            await context.write(refused(Refusal(Layer.UPSTREAM, Reason.UPSTREAM_ERROR,
                                                  f"backend address unknown: {exc}", 1.0)))
         finally:
             # Over: completed, or its client left (unless read whole, the picker cannot tell which
@@ -278,7 +247,7 @@ class Picker(ext_proc_grpc.ExternalProcessorServicer):
             return
         # a stream is over at its [DONE] event: its client may hang up before the body's end reaches here
         if end or (served.streaming and b"data: [DONE]" in served.tail):
-            served.out.completion_tokens = _usage(served.tail, served.streaming)
+            served.out.completion_tokens = usage_of(served.tail, served.streaming)
             served.read_to_end = True
             if served.line.get("pending"):  # the picker's end came first and waits for this
                 self._ended(served)
@@ -318,8 +287,9 @@ class Picker(ext_proc_grpc.ExternalProcessorServicer):
             changed["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
         new = dumps(changed) if changed != body else None
         where = ext_proc.CommonResponse(clear_route_cache=True)
-        where.header_mutation.set_headers.extend([_set(DESTINATION, endpoint), _set(REQUEST_ID, d.request_id),
-                                                  _set(PICKED_BY, self._advertised)])
+        where.header_mutation.set_headers.extend([set_header(DESTINATION, endpoint),
+                                                  set_header(REQUEST_ID, d.request_id),
+                                                  set_header(PICKED_BY, self._advertised)])
         metadata = struct_pb2.Struct()
         metadata.fields["envoy.lb"].struct_value.fields[DESTINATION].string_value = endpoint
         if duplex:  # the headers wait for this answer; the body goes as one streamed chunk
@@ -332,7 +302,7 @@ class Picker(ext_proc_grpc.ExternalProcessorServicer):
         if new is not None:
             where.body_mutation.body = new
             # buffered with its headers sent: the content length is the processor's to set
-            where.header_mutation.set_headers.append(_set("content-length", str(len(new))))
+            where.header_mutation.set_headers.append(set_header("content-length", str(len(new))))
         return [ext_proc.ProcessingResponse(request_body=ext_proc.BodyResponse(response=where),
                                             dynamic_metadata=metadata)]
 
@@ -387,79 +357,25 @@ class Picker(ext_proc_grpc.ExternalProcessorServicer):
                 digest = key_digest_from_headers(headers)
                 tenant = self.plane.config.tenant_by_key().get(digest) if digest else None
                 if tenant is None:
-                    return _plain(401, "invalid or missing API key", "authentication_error", "unauthenticated")
+                    return plain_error(401, "invalid or missing API key", "authentication_error", "unauthenticated")
                 names = [n for n in names if not tenant.models or n in tenant.models]
-            return _immediate(200, {}, dumps(models_list(names)), "models")
-        return _plain(404, f"{headers.get(':method', '')} {path}: Not Found", "invalid_request_error", "not_found")
+            return immediate(200, {}, dumps(models_list(names)), "models")
+        return plain_error(404, f"{headers.get(':method', '')} {path}: Not Found", "invalid_request_error", "not_found")
 
     # -- the watcher filter ------------------------------------------------------------------------
     async def _watch(self, first: ext_proc.ProcessingRequest, context: grpc.aio.ServicerContext) -> None:
         """The first response chunk is the first token; an answer read whole gives its usage.
         Returning closes the stream: Envoy sends it nothing more."""
-        served = self._served.get(_header(first.request_headers, REQUEST_ID))
+        served = self._served.get(header_of(first.request_headers, REQUEST_ID))
         if served is None:
             return  # not a request the picker routed (Envoy's own reply, or a path Bouncer answered)
         while (msg := await context.read()) is not grpc.aio.EOF:
             if msg.HasField("response_headers"):
-                served.line["status"] = self._answered(served, _headers(msg.response_headers))
+                served.line["status"] = self._answered(served, headers_of(msg.response_headers))
             elif msg.HasField("response_body"):
                 self._chunk(served, msg.response_body.body, msg.response_body.end_of_stream)
                 if not served.read_whole or served.read_to_end or served.done:
                     return
-
-
-def _subset(first: ext_proc.ProcessingRequest) -> list[str] | None:
-    """The endpoints the gateway allows for this request (GIE's subset hint, in the
-    `envoy.lb.subset_hint` filter metadata), or None where it sets none."""
-    hint = first.metadata_context.filter_metadata.get(SUBSET_NAMESPACE)
-    if hint is None or SUBSET_KEY not in hint.fields:
-        return None
-    value = hint.fields[SUBSET_KEY]
-    items = value.list_value.values if value.HasField("list_value") else [value]
-    return [e.strip() for v in items for e in v.string_value.split(",") if e.strip()]
-
-
-async def _request_body(context: grpc.aio.ServicerContext) -> bytes | None:
-    """The whole request body: one message (buffered) or its chunks (full duplex); None when
-    Envoy gave up first."""
-    raw = b""
-    while (msg := await context.read()) is not grpc.aio.EOF:
-        if msg.HasField("request_trailers"):
-            return raw
-        if msg.HasField("request_body"):
-            raw += msg.request_body.body
-            if msg.request_body.end_of_stream:
-                return raw
-    return None
-
-
-def _echo(body: bytes, end: bool) -> ext_proc.ProcessingResponse:
-    """A chunk of the answer passed on unchanged (full duplex)."""
-    common = ext_proc.CommonResponse()
-    common.body_mutation.streamed_response.body = body
-    common.body_mutation.streamed_response.end_of_stream = end
-    return ext_proc.ProcessingResponse(response_body=ext_proc.BodyResponse(response=common))
-
-
-def _usage(body: bytes | bytearray, streaming: bool) -> int | None:
-    """`usage.completion_tokens` of an answer read whole: its JSON, or its stream's usage chunk."""
-    objects: list[Any] = []
-    if streaming:
-        for raw_line in bytes(body).splitlines():
-            if raw_line.startswith(b"data:") and raw_line[5:].strip() != b"[DONE]":
-                try:
-                    objects.append(orjson.loads(raw_line[5:]))
-                except orjson.JSONDecodeError:
-                    continue
-    else:
-        try:
-            objects.append(orjson.loads(bytes(body)))
-        except orjson.JSONDecodeError:
-            return None
-    for obj in reversed(objects):
-        if isinstance(obj, dict) and (n := completion_tokens(obj)) is not None:
-            return n
-    return None
 
 
 async def _keep_ready(plane: ControlPlane, servicer: health.aio.HealthServicer) -> None:
