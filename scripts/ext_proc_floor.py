@@ -1,9 +1,14 @@
-"""Where the floor is under the endpoint picker's cost per request: Envoy with one ext_proc filter
-(request headers and the buffered body, as `bouncer envoy-config` sets the picker up) in front of
-the overhead benchmark's fast upstream, and behind it
+"""Where the floor is under the endpoint picker's cost per request: Envoy with the picker's
+ext_proc filter (request headers and the buffered body, as `bouncer envoy-config` sets it up) in
+front of the overhead benchmark's fast upstream, and behind it
 
 - `trivial`: a grpc.aio servicer that only answers each message and names the upstream as the
   destination (none of Bouncer's work), on uvloop as Bouncer runs;
+- `trivial + watcher`: the same with the watcher filter too (observability mode; the servicer
+  closes its stream at the answer's first chunk), as Bouncer's setup has it;
+- `trivial + first chunk`: no watcher; the picker's own filter gets the answer's body STREAMED
+  and the servicer closes its stream after answering the first chunk (what a picker that took the
+  first token on its own stream, and each request's end from elsewhere, would pay);
 - `bouncer`: Bouncer's picker (`bouncer serve --mode epp`) in the full setup (its watcher too).
 
 Measured alike (`bouncer bench overhead`'s setup: the upstream and wrk on one core, Envoy and the
@@ -45,6 +50,10 @@ DEST = base_pb2.HeaderValueOption(
 class Trivial(pbg.ExternalProcessorServicer):
     async def Process(self, _requests, context):
         while (msg := await context.read()) is not grpc.aio.EOF:
+            if msg.observability_mode:  # the watcher: closed at the first chunk
+                if msg.HasField("response_body"):
+                    return
+                continue
             kind = msg.WhichOneof("request")
             if kind == "request_headers":
                 r = pb.ProcessingResponse(request_headers=pb.HeadersResponse())
@@ -57,6 +66,9 @@ class Trivial(pbg.ExternalProcessorServicer):
                 r.request_body.response.header_mutation.set_headers.append(DEST)
                 r.request_body.response.clear_route_cache = True
                 await context.write(r)
+            elif kind == "response_body":  # the first chunk on the picker's own stream, then done
+                await context.write(pb.ProcessingResponse(response_body=pb.BodyResponse()))
+                return
 
 
 async def main():
@@ -97,26 +109,30 @@ def main() -> None:
                                      str(up_port)])
         try:
             wait_ok(f"http://127.0.0.1:{up_port}/metrics")
-            for name in ("trivial", "bouncer"):
+            for name in ("trivial", "trivial + watcher", "trivial + first chunk", "bouncer"):
                 cfg = json.loads(_gateway_config_for(up_port, str(default_tokenizer_path()), free_port()))
                 cfg["picker"] = {"host": "127.0.0.1", "port": free_port()}
-                (work / f"{name}.json").write_text(json.dumps(cfg))
+                (work / "bouncer.json").write_text(json.dumps(cfg))
                 port = free_port()
                 envoy_cfg = bootstrap(parse_config(cfg), listen_port=port, admin_port=None)
-                if name == "trivial":  # the picker filter alone, as the servicer answers it
+                if name.startswith("trivial"):
                     hcm = envoy_cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0][
                         "typed_config"]
-                    hcm["http_filters"] = [f for f in hcm["http_filters"] if f["name"] != "bouncer.watcher"]
                     assert hcm["http_filters"][1]["typed_config"]["processing_mode"] == BUFFERED
+                    if name != "trivial + watcher":
+                        hcm["http_filters"] = [f for f in hcm["http_filters"] if f["name"] != "bouncer.watcher"]
+                    if name == "trivial + first chunk":
+                        hcm["http_filters"][1]["typed_config"]["processing_mode"] = {
+                            **BUFFERED, "response_body_mode": "STREAMED"}
                     (work / "trivial.py").write_text(TRIVIAL)
                     cmd = [sys.executable, str(work / "trivial.py"), str(cfg["picker"]["port"]),
                            f"127.0.0.1:{up_port}"]
                 else:
                     cmd = [sys.executable, "-m", "bouncer", "serve", "--mode", "epp", "--config",
-                           str(work / f"{name}.json"), "--log-level", "warning"]
-                (work / f"{name}-envoy.yaml").write_text(yaml.safe_dump(envoy_cfg))
+                           str(work / "bouncer.json"), "--log-level", "warning"]
+                (work / "envoy.yaml").write_text(yaml.safe_dump(envoy_cfg))
                 procs = [subprocess.Popen([*pinned(1), *cmd], stdout=subprocess.DEVNULL)]
-                procs.append(subprocess.Popen([*pinned(1), binary, "-c", str(work / f"{name}-envoy.yaml"),
+                procs.append(subprocess.Popen([*pinned(1), binary, "-c", str(work / "envoy.yaml"),
                                                "--concurrency", "1", "--use-dynamic-base-id", "--log-level", "error"],
                                               stdout=subprocess.DEVNULL))
                 try:
