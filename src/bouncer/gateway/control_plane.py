@@ -46,7 +46,7 @@ from bouncer.gateway.exchange import Outcome, Parsed
 from bouncer.gateway.metrics import GatewayMetrics
 from bouncer.gateway.prepared import Prepared, prepare
 from bouncer.gateway.recording import GatewayRecorder
-from bouncer.gateway.request_parsing import request_head, with_prompt
+from bouncer.gateway.request_parsing import key_digest_from_headers, request_head, with_prompt
 from bouncer.gateway.scrapers import PARSERS
 from bouncer.gateway.shared_state import SharedState
 from bouncer.openai_wire import ApiError, dumps, parse_json_object
@@ -257,6 +257,18 @@ class ControlPlane:
         if head.session_id:  # an agent's step: its decisions can be followed session by session
             line.update(session=head.session_id, parent_session=head.parent_session_id)
         return Parsed(kind, body, head, raw, model, tokenizer)
+
+    def visible_models(self, headers) -> list[str] | None:
+        """The models `GET /v1/models` lists for a request with these headers; None: it needs a
+        tenant's key (`access.models_need_key`) and has none."""
+        names = list(self.prepared.models)
+        if not self.config.access.models_need_key:
+            return names
+        digest = key_digest_from_headers(headers)
+        tenant = self.config.tenant_by_key().get(digest) if digest else None
+        if tenant is None:
+            return None
+        return [n for n in names if not tenant.models or n in tenant.models]
 
     def refuse_early(self, rid: str, refusal: Refusal, line: dict[str, Any]) -> Refusal:
         """A refusal made before the core saw the request (body, JSON, parameters)."""

@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import ipaddress
+import logging
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -64,8 +65,9 @@ from bouncer.gateway.fronts.ext_proc_wire import (
     usage_of,
 )
 from bouncer.gateway.relay import REFUSAL_STATUSES
-from bouncer.gateway.request_parsing import key_digest_from_headers
 from bouncer.openai_wire import dumps, models_list
+
+log = logging.getLogger("bouncer.gateway")
 
 DESTINATION = "x-gateway-destination-endpoint"  # the protocol's: Envoy's ORIGINAL_DST cluster reads it
 REQUEST_ID = "x-bouncer-request-id"  # set on the request by the picker: how the watcher's stream finds it
@@ -111,10 +113,17 @@ class Picker(ext_proc_grpc.ExternalProcessorServicer):
         first = await context.read()
         if first is grpc.aio.EOF or not first.HasField("request_headers"):
             return
-        if first.observability_mode:
-            await self._watch(first, context)
-        else:
-            await self._pick(first, context)
+        try:
+            if first.observability_mode:
+                await self._watch(first, context)
+            else:
+                await self._pick(first, context)
+        except (asyncio.CancelledError, grpc.aio.AbortError):
+            raise
+        except Exception:  # a bug: Envoy then fails the request as its failure mode says
+            self.plane.metrics.internal_errors.inc()
+            log.exception("internal error in the picker", extra={"event": "internal_error"})
+            raise
 
     # -- the picker filter -------------------------------------------------------------------------
     async def _pick(self, first: ext_proc.ProcessingRequest, context: grpc.aio.ServicerContext) -> None:
@@ -195,7 +204,7 @@ class Picker(ext_proc_grpc.ExternalProcessorServicer):
             while (msg := await context.read()) is not grpc.aio.EOF:
                 which = msg.WhichOneof("request")
                 if which == "response_headers":
-                    line["status"] = self._answered(served, headers_of(msg.response_headers))
+                    line["status"] = self._answered(served, msg.response_headers)
                     await context.write(ext_proc.ProcessingResponse(response_headers=ext_proc.HeadersResponse()))
                 elif which == "response_body":  # full duplex: each chunk passes back through here
                     chunk = msg.response_body
@@ -306,12 +315,12 @@ class Picker(ext_proc_grpc.ExternalProcessorServicer):
         return [ext_proc.ProcessingResponse(request_body=ext_proc.BodyResponse(response=where),
                                             dynamic_metadata=metadata)]
 
-    def _answered(self, served: _Served, headers: CIMultiDict[str]) -> int | None:
+    def _answered(self, served: _Served, headers: ext_proc.HttpHeaders) -> int | None:
         """The replica's response headers: anything but 200 is its failure, which the client gets
         as the replica sent it (Envoy carries the bytes: unlike the proxy, the picker cannot hold
         a request the replica refused and send it again)."""
         try:
-            status = int(headers.get(":status", "0"))
+            status = int(header_of(headers, ":status") or "0")
         except ValueError:
             status = 0
         if status != 200:
@@ -352,13 +361,9 @@ class Picker(ext_proc_grpc.ExternalProcessorServicer):
     def _not_generation(self, headers: CIMultiDict[str], path: str) -> ext_proc.ProcessingResponse:
         """What Bouncer answers itself, as the proxy does."""
         if path == "/v1/models" and headers.get(":method") == "GET":
-            names = list(self.plane.prepared.models)
-            if self.plane.config.access.models_need_key:
-                digest = key_digest_from_headers(headers)
-                tenant = self.plane.config.tenant_by_key().get(digest) if digest else None
-                if tenant is None:
-                    return plain_error(401, "invalid or missing API key", "authentication_error", "unauthenticated")
-                names = [n for n in names if not tenant.models or n in tenant.models]
+            names = self.plane.visible_models(headers)
+            if names is None:
+                return plain_error(401, "invalid or missing API key", "authentication_error", "unauthenticated")
             return immediate(200, {}, dumps(models_list(names)), "models")
         return plain_error(404, f"{headers.get(':method', '')} {path}: Not Found", "invalid_request_error", "not_found")
 
@@ -371,7 +376,7 @@ class Picker(ext_proc_grpc.ExternalProcessorServicer):
             return  # not a request the picker routed (Envoy's own reply, or a path Bouncer answered)
         while (msg := await context.read()) is not grpc.aio.EOF:
             if msg.HasField("response_headers"):
-                served.line["status"] = self._answered(served, headers_of(msg.response_headers))
+                served.line["status"] = self._answered(served, msg.response_headers)
             elif msg.HasField("response_body"):
                 self._chunk(served, msg.response_body.body, msg.response_body.end_of_stream)
                 if not served.read_whole or served.read_to_end or served.done:

@@ -29,7 +29,6 @@ from bouncer.gateway.disaggregated import kv_transfer_params, prefill_body
 from bouncer.gateway.errors import error_response, plain_error
 from bouncer.gateway.exchange import Outcome
 from bouncer.gateway.relay import Requeue, UpstreamFailure, failure_for_status, relay_json, relay_stream
-from bouncer.gateway.request_parsing import key_digest_from_headers
 from bouncer.gateway.upstream import UpstreamError, UpstreamPool, UpstreamTimeout
 from bouncer.openai_wire import dumps, models_list
 
@@ -187,13 +186,9 @@ class Proxy:
         return url
 
     async def handle_models(self, request: web.Request) -> web.Response:
-        names = list(self.plane.prepared.models)
-        if self.plane.config.access.models_need_key:
-            digest = key_digest_from_headers(request.headers)
-            tenant = self.plane.config.tenant_by_key().get(digest) if digest else None
-            if tenant is None:
-                return plain_error(401, "invalid or missing API key", "authentication_error", "unauthenticated")
-            names = [n for n in names if not tenant.models or n in tenant.models]
+        names = self.plane.visible_models(request.headers)
+        if names is None:
+            return plain_error(401, "invalid or missing API key", "authentication_error", "unauthenticated")
         return web.Response(body=dumps(models_list(names)), content_type="application/json")
 
 
