@@ -89,15 +89,17 @@ def poll_until(predicate: Callable[[], bool], timeout: float = 20, what: str = "
 class EngineProcess:
     """A `bouncer engine` in its own process, which a test can freeze, kill and start again."""
 
-    def __init__(self, *args: str) -> None:
-        self.port = free_port()
+    def __init__(self, *args: str, host: str = "127.0.0.1", port: int | None = None) -> None:
+        self.host = host  # any 127.x.y.z: several engines on one port, as pods behind one Service
+        self.port = port or free_port()
         self.args = args
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"http://{host}:{self.port}"
         self.start()
 
     def start(self) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "bouncer", "engine", "--port", str(self.port),
-                                      *self.args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.proc = subprocess.Popen([sys.executable, "-m", "bouncer", "engine", "--host", self.host,
+                                      "--port", str(self.port), *self.args],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         wait_http_ok(self.url + "/health")
 
     def signal(self, sig: int) -> None:

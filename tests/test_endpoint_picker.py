@@ -405,21 +405,3 @@ def test_the_shipped_envoy_bootstrap_is_what_envoy_config_writes_and_envoy_accep
     checked = subprocess.run([ENVOY, "--mode", "validate", "-c", str(DEPLOY / "envoy.yaml")], capture_output=True,
                              text=True)
     assert checked.returncode == 0, checked.stdout + checked.stderr
-
-
-def test_the_kubernetes_manifests_point_the_pool_at_the_picker_s_ports():
-    config = yaml.safe_load((DEPLOY / "bouncer.yaml").read_text())
-    docs = [d for name in ("picker.yaml", "inferencepool.yaml")
-            for d in yaml.safe_load_all((DEPLOY / name).read_text())]
-    by_kind = {d["kind"]: d for d in docs}
-    assert set(by_kind) == {"Deployment", "Service", "InferencePool", "HTTPRoute"}
-    ports = {p["name"]: p for p in by_kind["Service"]["spec"]["ports"]}
-    container = by_kind["Deployment"]["spec"]["template"]["spec"]["containers"][0]
-    assert container["args"][:4] == ["bouncer", "serve", "--mode", "epp"]
-    assert {p["name"]: p["containerPort"] for p in container["ports"]} == {
-        "grpc": config["picker"]["port"], "http": config["listen"]["port"]}
-    ref = by_kind["InferencePool"]["spec"]["endpointPickerRef"]
-    assert ref["name"] == by_kind["Service"]["metadata"]["name"] and ref["port"]["number"] == ports["grpc"]["port"]
-    assert config["picker"]["advertise"] == f"{ref['name']}:{ports['grpc']['port']}"
-    assert by_kind["HTTPRoute"]["spec"]["rules"][0]["backendRefs"][0]["name"] == by_kind["InferencePool"]["metadata"][
-        "name"]

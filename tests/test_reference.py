@@ -74,7 +74,7 @@ def _scrape(url: str) -> set[str]:
     return {n for n in names if not (n.endswith("_created") and n.removesuffix("_created") in names)}
 
 
-def test_metrics_page_lists_every_metric_the_gateway_and_the_engine_serve(bg_loop):
+def test_metrics_page_lists_every_metric_the_gateway_and_the_engine_serve(bg_loop, tmp_path):
     page = (default_out() / "metrics.md").read_text()
     gateway_part, engine_part = page.split("## The simulated engine", 1)
     documented, documented_engine = _page_metrics(gateway_part), _page_metrics(engine_part)
@@ -82,11 +82,15 @@ def test_metrics_page_lists_every_metric_the_gateway_and_the_engine_serve(bg_loo
     assert only_with_shared_state and only_with_shared_state <= documented
 
     engine, _, stop_engine = start_engine(bg_loop, num_blocks=2048, max_num_seqs=32)
+    found = tmp_path / "found.yaml"
+    found.write_text(f"[{engine}]\n")
     config = {
         "tenants": [{"name": "alice", "api_keys_sha256": [key_digest("alice")], "priority": 1,
                      "slo": {"ttft_s": 5.0, "tpot_s": 1.0}}],
         "models": [{"name": "demo-llm", "tokenizer": str(default_tokenizer_path()),
-                    "backends": [{"url": engine, "name": "e0"}]}],
+                    "backends": [{"url": engine, "name": "e0"}]},
+                   # a model whose replicas are found (a file), so that discovery's families are served
+                   {"name": "found-llm", "discovery": {"file": {"path": str(found)}}}],
         "policy": {"telemetry": {"scrape_interval_s": 0.05, "staleness_s": 1.0}},
         # an outside signal with a value, so that its families are served too (a schedule: no IO)
         "pressure": [{"name": "carbon", "source": {"kind": "schedule", "schedule": [{"at": "00:00", "value": 1}]},

@@ -132,7 +132,7 @@ def cmd_serve(args) -> None:
     if args.engine_ports:
         raise SystemExit("bouncer: --engine-ports is for the embedded demo; a config names its backends")
     from bouncer.config import load_config
-    from bouncer.gateway.control_plane import ControlPlane
+    from bouncer.gateway.control_plane import ControlPlane, until_terminated
 
     config = load_config(args.config)
     logs.configure(args.log_level or config.logging.level, args.log_format or config.logging.format)
@@ -156,7 +156,7 @@ def cmd_serve(args) -> None:
         serving = serve_proxy(plane, host, port, on_listening=lambda: print(
             f"bouncer: gateway on http://{host}:{port} for models {models}", flush=True))
     try:
-        _run(serving)
+        _run(until_terminated(plane, serving))
     except OSError as exc:  # the address is taken, say
         raise SystemExit(f"bouncer: cannot listen: {exc}") from None
 
@@ -175,9 +175,12 @@ def cmd_envoy_config(args) -> None:
         if not host or not port.isdigit():
             raise SystemExit(f"bouncer envoy-config: --listen and --picker take HOST:PORT, not {where!r}")
     host, _, port = args.listen.rpartition(":")
-    doc = bootstrap(config, listen_host=host, listen_port=int(port), pickers=args.picker,
-                    fail_open=args.failure_mode == "open", admin_port=args.admin_port,
-                    duplex=args.body_mode == "duplex")
+    try:
+        doc = bootstrap(config, listen_host=host, listen_port=int(port), pickers=args.picker,
+                        fail_open=args.failure_mode == "open", admin_port=args.admin_port,
+                        duplex=args.body_mode == "duplex")
+    except ValueError as exc:
+        raise SystemExit(f"bouncer envoy-config: {exc}") from None
     made_by = " ".join(shlex.quote(a) for a in ["bouncer", *sys.argv[1:]])
     print(f"# Envoy bootstrap for Bouncer's endpoint picker, written by: {made_by}\n"
           f"# run: envoy -c THIS_FILE, and bouncer serve --mode epp --config {args.config}")
@@ -215,8 +218,10 @@ def cmd_config_check(args) -> None:
 
     config = load_config(args.file)
     prepare(config, args.file)  # what serve and reload check too: tokenizers load
+    found = [m.discovery.source for m in config.models if m.discovery is not None]
     print(f"{args.file}: OK ({len(config.tenants)} tenants, {len(config.models)} models, "
-          f"{sum(len(m.backends) for m in config.models)} backends)")
+          f"{sum(len(m.backends) for m in config.models)} backends listed"
+          + (f", found by {'; '.join(found)}" if found else "") + ")")
 
 
 def cmd_config_hash_key(args) -> None:

@@ -153,6 +153,73 @@ class Backend(_Strict):
         return url.rstrip("/")
 
 
+class DnsDiscovery(_Strict):
+    """Replicas from DNS: a Kubernetes headless Service's A or AAAA records (one per ready pod,
+    at `port`), or its SRV records (each with its own port)."""
+
+    name: str = Field(min_length=1, description="the name to resolve, e.g. vllm.inference.svc.cluster.local "
+                                                "(SRV: _http._tcp.vllm.inference.svc.cluster.local)")
+    record: Literal["A", "AAAA", "SRV"] = Field("A", description="A (IPv4) or AAAA (IPv6) addresses at `port`, or "
+                                                                 "SRV records naming host and port")
+    port: int | None = Field(None, ge=1, le=65535, description="the engines' port (A and AAAA; SRV records carry "
+                                                                "their own)")
+    scheme: Literal["http", "https"] = Field("http", description="the engines' URL scheme")
+    server: str | None = Field(None, description="a resolver as HOST:PORT (or HOST, port 53); default: the "
+                                                 "system's (/etc/resolv.conf, as a pod's is)")
+
+    @model_validator(mode="after")
+    def _port(self) -> DnsDiscovery:
+        if self.record != "SRV" and self.port is None:
+            raise ValueError(f"dns discovery of {self.record} records needs the engines' port")
+        if self.record == "SRV" and self.port is not None:
+            raise ValueError("dns discovery of SRV records takes each replica's port from its record: leave port out")
+        return self
+
+
+class FileDiscovery(_Strict):
+    """Replicas from a watched file (a Kubernetes ConfigMap mounted in the pod), YAML or JSON: a
+    list of URLs, of backend mappings (`url` and any of a backend's fields), or Prometheus
+    file_sd groups (`targets: [host:port, ...]`)."""
+
+    path: str = Field(min_length=1, description="the file, re-read when it changes")
+    scheme: Literal["http", "https"] = Field("http", description="the URL scheme of file_sd targets (host:port)")
+
+
+class Discovery(_Strict):
+    """A model's replicas found while the gateway runs instead of listed: re-read every
+    `interval_s` (and sooner after a failure). A replica that appears is scraped and gets work
+    once its telemetry is fresh; one that disappears finishes what it holds and gets nothing new.
+    An answer that fails or comes back empty keeps the last known set for `keep_last_s`, and says
+    so (log, `bouncer_discovery_stale`, /admin/state)."""
+
+    dns: DnsDiscovery | None = Field(None, description="from DNS records")
+    file: FileDiscovery | None = Field(None, description="from a watched file")
+    interval_s: float = Field(10.0, gt=0, le=3600, description="seconds between lookups")
+    keep_last_s: float = Field(300.0, ge=0, description="seconds a failed or empty lookup keeps the last known "
+                                                        "replicas before the model has none")
+    kv_blocks: int | None = Field(None, ge=1, description="each found replica's KV-cache blocks (unset: scraped "
+                                                          "or from kv_cache_gb)")
+    kv_cache_gb: float | None = Field(None, gt=0, description="each found replica's KV-cache memory, GB")
+    kv_offload_blocks: int = Field(0, ge=0, description="each found replica's host-memory KV blocks")
+    kv_events_port: int | None = Field(None, ge=1, le=65535, description="each found replica's KV-event publisher "
+                                                                          "port (tcp://ITS-HOST:PORT)")
+    kv_events_topic: str = Field("", description="ZMQ topic to subscribe to")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> Discovery:
+        if (self.dns is None) == (self.file is None):
+            raise ValueError("discovery takes one source: dns or file")
+        return self
+
+    @property
+    def source(self) -> str:
+        """The source in words, for logs and /admin/state."""
+        if self.dns is not None:
+            at = f" @{self.dns.server}" if self.dns.server else ""
+            return f"dns {self.dns.record} {self.dns.name}{at}"
+        return f"file {self.file.path}"  # type: ignore[union-attr]
+
+
 StepTimeMode = Literal["learned", "given", "off"]
 
 
@@ -205,8 +272,10 @@ class ModelConfig(_Strict):
     engine: EngineKind = Field("vllm", description="the backends' engine, which says which metrics to scrape for "
                                                    "their load and KV (openai: none, a liveness probe; load from "
                                                    "the gateway's own accounting)")
-    backends: list[Backend] = Field(min_length=1, description="the replicas: all role `both`, or prefill and decode "
-                                                              "workers")
+    backends: list[Backend] = Field(default_factory=list, description="the replicas: all role `both`, or prefill "
+                                                                      "and decode workers (or `discovery`)")
+    discovery: Discovery | None = Field(None, description="find the replicas (role `both`) while running, from DNS or "
+                                                          "a watched file, instead of listing them in `backends`")
     tokenizer: str | None = Field(None, description="the model's tokenizer.json path, so prompt token counts and "
                                                     "prefix blocks match the engine's; unset: an estimate of one "
                                                     "token per 4 UTF-8 bytes")
@@ -228,6 +297,12 @@ class ModelConfig(_Strict):
 
     @model_validator(mode="after")
     def _roles(self) -> ModelConfig:
+        if self.discovery is not None:
+            if self.backends:
+                raise ValueError(f"model {self.name!r}: list its backends or find them by discovery, not both")
+            return self
+        if not self.backends:
+            raise ValueError(f"model {self.name!r}: needs backends (at least one) or discovery")
         roles = {b.role for b in self.backends}
         if roles != {"both"} and roles != {"prefill", "decode"}:
             raise ValueError(f"model {self.name!r}: backends are either all role `both` (colocated) or prefill "
@@ -236,7 +311,11 @@ class ModelConfig(_Strict):
 
     @property
     def disaggregated(self) -> bool:
-        return self.backends[0].role != "both"
+        return bool(self.backends) and self.backends[0].role != "both"
+
+    def with_backends(self, backends: list[Backend]) -> ModelConfig:
+        """This model with the replicas its discovery found (already validated, one by one)."""
+        return self.model_copy(update={"backends": backends})
 
 
 class Queues(_Strict):
@@ -559,6 +638,9 @@ class Listen(_Strict):
                                                           "seconds is closed")
     max_connections: int = Field(4096, ge=1, description="open client connections; one more is answered 503 and "
                                                          "closed")
+    drain_s: float = Field(60.0, ge=0, description="after SIGTERM (a pod stopping): /ready answers 503 while the "
+                                                   "requests queued and in flight finish, for up to this many "
+                                                   "seconds; then the gateway exits")
 
 
 class Objective(_Strict):
@@ -756,6 +838,17 @@ class BouncerConfig(_Strict):
     objectives: list[Objective] = Field(default_factory=list, description="inference objectives clients may name "
                                                                           "(llm-d's vocabulary); one not listed is "
                                                                           "refused (400)")
+    keys_file: str | None = Field(None, description="a YAML file of API-key digests kept apart from the config (a "
+                                                    "mounted Kubernetes Secret): `tenants: {NAME: [sha256, ...]}`, "
+                                                    "`admin`, `metrics` and `viewer` lists; added to those the "
+                                                    "config lists, read at start and on every reload")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _keys_from_file(cls, data: object) -> object:
+        if not isinstance(data, dict) or not data.get("keys_file"):
+            return data
+        return _with_keys(data, str(data["keys_file"]))
 
     @field_validator("admin_keys_sha256")
     @classmethod
@@ -799,9 +892,56 @@ class BouncerConfig(_Strict):
     def tenant_by_key(self) -> dict[str, Tenant]:
         return {k: t for t in self.tenants for k in t.api_keys_sha256}
 
+    def with_model(self, model: ModelConfig) -> BouncerConfig:
+        """This config with `model` in place of the one of its name (a discovery's new replicas)."""
+        return self.model_copy(update={"models": [model if m.name == model.name else m for m in self.models]})
+
 
 class ConfigError(ValueError):
     pass
+
+
+KEYS_FILE_LISTS = {"admin": ("admin_keys_sha256",), "metrics": ("access", "metrics_keys_sha256"),
+                   "viewer": ("access", "viewer_keys_sha256")}
+
+
+def _with_keys(data: dict, path: str) -> dict:
+    """`data` (a config not yet validated) with the digests of `keys_file` added."""
+    try:
+        keys = yaml.safe_load(pathlib.Path(path).read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise ValueError(f"keys_file {path}: {exc}") from None
+    keys = {} if keys is None else keys
+    if not isinstance(keys, dict) or set(keys) - {"tenants", *KEYS_FILE_LISTS}:
+        raise ValueError(f"keys_file {path}: a mapping of tenants (NAME: [digests]), admin, metrics and viewer")
+    data = {**data}
+    for name, where in KEYS_FILE_LISTS.items():
+        digests = keys.get(name) or []
+        if not isinstance(digests, list):
+            raise ValueError(f"keys_file {path}: {name}: a list of digests")
+        if len(where) == 1:
+            data[where[0]] = _union(data.get(where[0], []), digests)
+        else:
+            section = {**data.get(where[0], {})}
+            section[where[1]] = _union(section.get(where[1], []), digests)
+            data[where[0]] = section
+    tenants = keys.get("tenants") or {}
+    if not isinstance(tenants, dict):
+        raise ValueError(f"keys_file {path}: tenants: a mapping of tenant names to lists of digests")
+    listed = {t.get("name") for t in data.get("tenants", []) if isinstance(t, dict)}
+    if unknown := sorted(set(tenants) - listed):
+        raise ValueError(f"keys_file {path}: keys for tenants the config does not list: {', '.join(unknown)}")
+    for name, digests in tenants.items():
+        if not isinstance(digests, list):
+            raise ValueError(f"keys_file {path}: tenants: {name}: a list of digests")
+    data["tenants"] = [{**t, "api_keys_sha256": _union(t.get("api_keys_sha256", []), tenants[t["name"]])}
+                       if isinstance(t, dict) and t.get("name") in tenants else t for t in data.get("tenants", [])]
+    return data
+
+
+def _union(listed: list, added: list) -> list:
+    """`listed`, then those of `added` it lacks (a config dumped and read again is the same config)."""
+    return [*listed, *(k for k in added if k not in listed)]
 
 
 def _format_errors(source: str, exc: ValidationError) -> str:

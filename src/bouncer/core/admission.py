@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from bouncer.config import BouncerConfig, Tenant
+from bouncer.config import BouncerConfig, ModelConfig, Tenant
 from bouncer.core.agents.gate import WindowGate, make_gate
 from bouncer.core.arrivals import Arrivals, Exemption
 from bouncer.core.finaliser import UNKNOWN_TENANT, CoreStats, Finaliser
@@ -107,6 +107,16 @@ class AdmissionCore:
                 ms = self.models[m.name] = ModelState(m, FlowQueues(m.name, fairness, ordering), self.stores.backlog,
                                                       self.shares)
             ms.reconfigure(m, config, fairness, ordering, self.stores.credit, make_gate(p, ms.agents), self.replicas)
+        return self.tick(now)
+
+    def set_backends(self, model: ModelConfig, now: float) -> list[Event]:
+        """A model's replicas as its discovery found them (the shell's finders,
+        `bouncer.gateway.discovery`): new ones entered, gone ones finish their work and get
+        nothing new; nothing else of the config changes."""
+        self.config = self.config.with_model(model)
+        ms = self.models[model.name]
+        ms.cfg = model
+        ms.sync_replicas(self.policy, self.replicas)
         return self.tick(now)
 
     # -- a new request, layer by layer (`bouncer.core.arrivals`) ------------------------------------

@@ -85,9 +85,14 @@ class ModelState:
             if rebuild or r.predictor is None and m.step_time.mode != "off":
                 r.predictor = _predictor(m.step_time, self.learner)
             r.sync_capacity()
-        for name, r in self.replicas.items():
+        for name, r in list(self.replicas.items()):
             if name not in listed:
                 r.removed = True
+                if not r.inflight:
+                    # drained: forgotten, so replicas that come and go (discovery) do not pile
+                    # up; one still finishing work is forgotten at a later sync
+                    del self.replicas[name]
+                    registry.pop(name, None)
 
 
 def _learner(step: StepTimeConfig) -> StepTimeLearner | None:

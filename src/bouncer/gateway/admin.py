@@ -105,6 +105,8 @@ class Admin:
         gw = self.gw
         snap = gw.core.snapshot(gw.clock())
         snap["serving"] = gw.serving
+        for name, (finder, _task) in gw.finders.items():
+            snap["models"][name]["discovery"] = finder.status.as_dict(gw.clock())
         snap["connections"] = {"open": gw.connections.open, "refused": gw.connections.refused,
                                "header_timeouts": gw.connections.header_timeouts}
         return web.Response(body=dumps(snap), content_type="application/json")

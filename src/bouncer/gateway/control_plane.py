@@ -21,14 +21,15 @@ import dataclasses
 import gc
 import itertools
 import logging
+import signal
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
 from aiohttp import web
 
-from bouncer.config import BouncerConfig
+from bouncer.config import Backend, BouncerConfig
 from bouncer.core.admission import AdmissionCore
 from bouncer.core.fleet.replica import Telemetry
 from bouncer.core.intake import checks
@@ -41,6 +42,7 @@ from bouncer.core.stores import Stores
 from bouncer.gateway import kv_events, pressure_feeds
 from bouncer.gateway.admin import Admin
 from bouncer.gateway.connections import GuardedSite, Limits
+from bouncer.gateway.discovery import Finder
 from bouncer.gateway.errors import error_response, plain_error
 from bouncer.gateway.exchange import Outcome, Parsed
 from bouncer.gateway.metrics import GatewayMetrics
@@ -88,15 +90,17 @@ class ControlPlane:
         self._install(prepared)
         self.connections = Limits(config.listen.header_timeout_s, config.listen.max_connections)
         self.metrics = GatewayMetrics(lambda: self.core, clock, lambda: self.kv_event_stats, lambda: self.connections,
-                                      lambda: self.shared)
+                                      lambda: self.shared, lambda: self.finders)
         self.recorder = GatewayRecorder(config.recorder, lambda: self.core.view, clock, self._recorded_gauges)
         self.loop_lag_s = 0.0  # the last probe's (`_probe_loop_lag`)
+        self.stopping = False  # SIGTERM came: not ready, finishing what it holds (`drain_for_exit`)
         self._ids = itertools.count()
         self._waiters: dict[str, asyncio.Future] = {}
         self._live: set[str] = set()  # admitted requests being served: their permits' leases are renewed
         self._tasks: list[asyncio.Task] = []
         self._scrapers: dict[str, asyncio.Task] = {}
         self._pressure_polls: list[asyncio.Task] = []  # one per outside signal (`pressure:`)
+        self.finders: dict[str, tuple[Finder, asyncio.Task | None]] = {}  # model -> its discovery's finder
         # KV-event subscriptions: replica -> ((endpoint, topic), task), and their counters
         self._kv_subs: dict[str, tuple[tuple[str, str], asyncio.Task]] = {}
         self.kv_event_stats: dict[str, kv_events.SubscriberStats] = {}
@@ -158,6 +162,9 @@ class ControlPlane:
         self._tasks.append(loop.create_task(self._renew_leases()))
         self._tasks.append(loop.create_task(self.recorder.run()))
         self._tasks.append(loop.create_task(self._probe_loop_lag()))
+        # each finder's first lookup before the gateway serves, so that it starts with its replicas
+        finders = self._sync_finders()
+        self._run_finders(finders, list(await asyncio.gather(*(f.once() for f in finders))))
         self._sync_scrapers()
         self._sync_pressure()
         if self.shared is not None:
@@ -165,11 +172,10 @@ class ControlPlane:
 
     async def _stop(self, _app: web.Application) -> None:
         subs = [task for _, task in self._kv_subs.values()]
-        for task in [*self._tasks, *self._scrapers.values(), *subs]:
+        finders = [task for _, task in self.finders.values() if task is not None]
+        for task in [*self._tasks, *self._scrapers.values(), *subs, *self._pressure_polls, *finders]:
             task.cancel()
-        for task in self._pressure_polls:
-            task.cancel()
-        await asyncio.gather(*self._tasks, *self._scrapers.values(), *subs, *self._pressure_polls,
+        await asyncio.gather(*self._tasks, *self._scrapers.values(), *subs, *self._pressure_polls, *finders,
                              return_exceptions=True)
         if self._zmq is not None:
             self._zmq.destroy(linger=0)  # closes any subscriber socket left, then terminates
@@ -185,6 +191,51 @@ class ControlPlane:
         loop = asyncio.get_running_loop()
         self._pressure_polls = [loop.create_task(pressure_feeds.poll(cfg, self.session, self.core.observe_pressure,
                                                                      self.clock)) for cfg in self.config.pressure]
+
+    def _sync_finders(self) -> list[Finder]:
+        """One finder per model with `discovery:` (replaced when its settings change, the new one
+        keeping the set the old one found until it finds one). Returns the new ones, for
+        `_run_finders`."""
+        wanted = {m.name: m for m in self.config.models if m.discovery is not None}
+        for name, (finder, task) in list(self.finders.items()):
+            if name not in wanted or wanted[name].discovery != finder.discovery:
+                if task is not None:
+                    task.cancel()
+                del self.finders[name]
+        new = []
+        for name, m in wanted.items():
+            if name not in self.finders:
+                finder = Finder(m, lambda found, name=name: self._found(name, found), self.clock,
+                                list(m.backends) if m.backends else None)
+                self.finders[name] = (finder, None)
+                new.append(finder)
+        return new
+
+    def _run_finders(self, new: list[Finder], firsts: list[bool] | None = None) -> None:
+        """Start the finders' loops; `firsts`: what the lookups they already made gave."""
+        loop = asyncio.get_running_loop()
+        for i, finder in enumerate(new):
+            task = loop.create_task(finder.run(None if firsts is None else firsts[i]))
+            self.finders[finder.model] = (finder, task)
+
+    def _found(self, model: str, backends: list[Backend]) -> None:
+        """A finder's new set of replicas: in the config in force and in the core, then scraped."""
+        m = self.prepared.models[model].with_backends(backends)
+        config = self.config.with_model(m)
+        self._install(dataclasses.replace(self.prepared, config=config, models={**self.prepared.models, model: m}))
+        self.apply(self.core.set_backends(m, self.clock()))
+        self._sync_scrapers()
+
+    def _with_found(self, prepared: Prepared) -> Prepared:
+        """A reloaded config with the replicas its models' finders hold (the file lists none)."""
+        config = prepared.config
+        for m in config.models:
+            finder = self.finders.get(m.name, (None, None))[0]
+            if m.discovery is not None and finder is not None and finder.current is not None:
+                config = config.with_model(m.with_backends(finder.current))
+        if config is prepared.config:
+            return prepared
+        return dataclasses.replace(prepared, config=config, models={m.name: m for m in config.models})
 
     def _sync_scrapers(self) -> None:
         loop = asyncio.get_running_loop()
@@ -205,6 +256,8 @@ class ControlPlane:
             if name not in live or wanted.get(name) != where:
                 task.cancel()
                 del self._kv_subs[name]
+        for name in [n for n in self.kv_event_stats if n not in wanted]:
+            del self.kv_event_stats[name]  # a replica gone for good (discovery): its counters go too
         for name, where in wanted.items():
             if name in live and name not in self._kv_subs:
                 if self._zmq is None:
@@ -449,15 +502,29 @@ class ControlPlane:
         return web.json_response({"status": "ok"})
 
     def readiness(self) -> dict[str, bool]:
-        """Each model: whether a replica of it answers (ready when all do)."""
+        """Each model: whether a replica of it answers (ready when all do); none while stopping."""
         snap = self.core.snapshot(self.clock())
-        return {name: any(r["answering"] and not r["removed"] for r in m["replicas"].values())
+        return {name: not self.stopping and any(r["answering"] and not r["removed"] for r in m["replicas"].values())
                 for name, m in snap["models"].items()}
 
     async def handle_ready(self, _request: web.Request) -> web.Response:
         ready = self.readiness()
         status = 200 if all(ready.values()) else 503
-        return web.json_response({"ready": status == 200, "models": ready}, status=status)
+        return web.json_response({"ready": status == 200, "stopping": self.stopping, "models": ready},
+                                 status=status)
+
+    async def drain_for_exit(self, grace_s: float) -> None:
+        """SIGTERM: readiness goes to 503 (Kubernetes takes the pod out of its Service) while
+        requests still arriving are served as usual and those queued and in flight finish, for
+        up to `grace_s`; what is left then is cut when the front stops."""
+        self.stopping = True
+        deadline = self.clock() + grace_s
+        log.info("stopping: finishing the requests held", extra={
+            "event": "stopping", "serving": self.serving, "queued": self.core.view.queued, "drain_s": grace_s})
+        while (self.serving or self.core.view.queued) and self.clock() < deadline:
+            await asyncio.sleep(0.1)
+        log.info("stopped" if not (self.serving or self.core.view.queued) else "stopped: drain_s ran out", extra={
+            "event": "stopped", "serving": self.serving, "queued": self.core.view.queued})
 
     def _recorded_gauges(self) -> dict:
         """What only the shell knows, for the flight recorder's samples."""
@@ -473,6 +540,7 @@ class ControlPlane:
         """Swap in a new config, validated and prepared (`admin.py`'s reload): the core's
         policies and tenants, scrapers for its replicas, its outside signals."""
         old = self.config
+        prepared = self._with_found(prepared)
         config = prepared.config
         self.apply(self.core.reload(config, self.clock()))
         self._install(prepared)
@@ -480,6 +548,28 @@ class ControlPlane:
         self._sync_scrapers()
         if config.pressure != old.pressure:
             self._sync_pressure()
+        self._run_finders(self._sync_finders())
+
+
+async def until_terminated(plane: ControlPlane, serving: Awaitable[None]) -> None:
+    """Run a front (`serving`) until SIGTERM or SIGINT, then drain (`ControlPlane.drain_for_exit`,
+    `listen.drain_s`) and stop it."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    front = loop.create_task(serving)
+    stopped = loop.create_task(stop.wait())
+    try:
+        await asyncio.wait({front, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        if front.done():
+            front.result()  # an error starting it (the address taken) is raised here
+            return
+        await plane.drain_for_exit(plane.config.listen.drain_s)
+    finally:
+        for task in (front, stopped):
+            task.cancel()
+        await asyncio.gather(front, stopped, return_exceptions=True)
 
 
 async def serve_http(plane: ControlPlane, app: web.Application, host: str, port: int,

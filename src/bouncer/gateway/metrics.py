@@ -233,16 +233,46 @@ class _SharedStateCollector:
         yield claims
 
 
+class _DiscoveryCollector:
+    """Each discovered model's finder (`bouncer.gateway.discovery`)."""
+
+    def __init__(self, finders: Callable[[], dict]) -> None:
+        self.finders = finders
+
+    def collect(self):
+        finders = self.finders()
+        if not finders:
+            return
+        replicas = GaugeMetricFamily("bouncer_discovery_replicas", "Replicas the model's discovery holds in force.",
+                                     labels=["model"])
+        stale = GaugeMetricFamily("bouncer_discovery_stale", "1 while the model's lookups fail or find nothing and "
+                                  "the last known replicas are kept (for discovery.keep_last_s).", labels=["model"])
+        lookups = CounterMetricFamily("bouncer_discovery_lookups", "DNS or file lookups made.", labels=["model"])
+        failures = CounterMetricFamily("bouncer_discovery_failures", "Lookups that failed or found no replicas.",
+                                       labels=["model"])
+        changes = CounterMetricFamily("bouncer_discovery_changes", "Times the model's set of replicas changed.",
+                                      labels=["model"])
+        for model, (finder, _task) in sorted(finders.items()):
+            s = finder.status
+            replicas.add_metric([model], s.replicas)
+            stale.add_metric([model], int(s.stale_since is not None))
+            lookups.add_metric([model], s.lookups)
+            failures.add_metric([model], s.failures)
+            changes.add_metric([model], s.changes)
+        yield from (replicas, stale, lookups, failures, changes)
+
+
 class GatewayMetrics:
     """Observed by the gateway as requests move. Latency histograms and internal errors, in the
     registry /metrics serves, with the collectors above."""
 
     def __init__(self, core_ref: Callable[[], AdmissionCore], clock: Callable[[], float],
                  kv_event_stats: Callable[[], dict] = dict, connections: Callable[[], object | None] = lambda: None,
-                 shared: Callable[[], object | None] = lambda: None) -> None:
+                 shared: Callable[[], object | None] = lambda: None, finders: Callable[[], dict] = dict) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(_CoreCollector(core_ref, clock, kv_event_stats, connections))
         self.registry.register(_SharedStateCollector(shared))
+        self.registry.register(_DiscoveryCollector(finders))
         self.internal_errors = Counter("bouncer_internal_errors", "Requests answered 500: a bug in the gateway.",
                                        registry=self.registry)
         self.queue_wait = Histogram("bouncer_queue_wait_seconds", "Time from arrival to dispatch.",

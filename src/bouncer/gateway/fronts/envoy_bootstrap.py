@@ -97,6 +97,13 @@ def bootstrap(config: BouncerConfig, *, listen_host: str = "127.0.0.1", listen_p
         for b in m.backends:
             u = URL(b.url)
             backends.append((u.host or "127.0.0.1", u.port or 80))
+        d = m.discovery
+        if d is not None and fail_open:
+            if d.dns is None or d.dns.record == "SRV":
+                raise ValueError(f"model {m.name!r}: failing open sends to the backends without the picker, and "
+                                 f"Envoy can find them only by the A/AAAA name of a dns discovery (not "
+                                 f"{d.source}); fail closed, or list them")
+            backends.append((d.dns.name, d.dns.port))  # STRICT_DNS: every address the name has
     picked = {"cluster": "bouncer-picked", "timeout": "0s", "idle_timeout": _seconds(idle)}
     has_destination = {"name": DESTINATION, "present_match": True}
     routes: list[dict[str, Any]] = []
