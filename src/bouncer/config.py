@@ -785,6 +785,26 @@ class Pressure(_Strict):
         return self
 
 
+class Tracing(_Strict):
+    """OpenTelemetry traces, sent over OTLP/gRPC: a span per request (the proxy front) with its
+    admission, its upstream call and its first token, continuing the client's W3C `traceparent`
+    and handing the upstream call's to the engine."""
+
+    endpoint: str = Field(description="the collector's OTLP/gRPC endpoint, http://HOST:4317 (https:// for TLS)")
+    service_name: str = Field("bouncer", min_length=1, description="service.name of the spans")
+    sample_ratio: float = Field(1.0, ge=0, le=1, description="share of traces kept where the client's traceparent "
+                                                             "does not decide (it does when it says sampled or not)")
+    headers: dict[str, str] = Field(default_factory=dict, description="headers sent with each export (a "
+                                                                      "collector's auth)")
+
+    @field_validator("endpoint")
+    @classmethod
+    def _url(cls, endpoint: str) -> str:
+        if not endpoint.startswith(("http://", "https://")):
+            raise ValueError("an http:// or https:// URL, e.g. http://otel-collector:4317")
+        return endpoint
+
+
 class SharedState(_Strict):
     """State several gateways share, in Redis: with it set, N gateways behind one load balancer
     enforce each tenant's rate limits once for all of them, not once each, count each other's
@@ -838,6 +858,7 @@ class BouncerConfig(_Strict):
     objectives: list[Objective] = Field(default_factory=list, description="inference objectives clients may name "
                                                                           "(llm-d's vocabulary); one not listed is "
                                                                           "refused (400)")
+    tracing: Tracing | None = Field(None, description="OpenTelemetry traces of requests; unset: none")
     keys_file: str | None = Field(None, description="a YAML file of API-key digests kept apart from the config (a "
                                                     "mounted Kubernetes Secret): `tenants: {NAME: [sha256, ...]}`, "
                                                     "`admin`, `metrics` and `viewer` lists; added to those the "
@@ -1006,6 +1027,14 @@ recorder: {enabled: true, step_s: 0.25, horizon_s: 900}
 # shared_state: {url: "redis://127.0.0.1:6379/0", key_prefix: "bouncer:", lease_s: 10,
 #                timeout_ms: 50, sync_ms: 20, on_unavailable: fail-open}
 
+# OpenTelemetry traces of requests over OTLP/gRPC (admission, the upstream call, the first token),
+# continuing the client's traceparent and handing it to the engine. Tracing every request costs
+# CPU (docs/operations/tracing.md): sample_ratio keeps a share of the traces clients do not decide.
+# tracing: {endpoint: "http://otel-collector:4317", service_name: bouncer, sample_ratio: 1.0}
+
+# API-key digests kept apart from this file (a mounted Kubernetes Secret), added to those above:
+# keys_file: /etc/bouncer/keys/keys.yaml   # {tenants: {NAME: [sha256, ...]}, admin: [...]}
+
 # Pressure from outside the cluster: while a polled value is above shed_above, the listed bands
 # and tenants are refused (503 outside_pressure), until it falls below resume_below. Sources:
 # file (a number, or JSON with field), http (the same, by GET), schedule (values by UTC time).
@@ -1064,6 +1093,13 @@ models:
       # prefill and decode workers, at least one of each, engines started with a KV connector:
       # - {url: http://10.0.0.21:8000, role: prefill}
       # - {url: http://10.0.0.31:8000, role: decode}
+    # Or, instead of backends, find the replicas while running (no reload when pods come and go):
+    # a Kubernetes headless Service's A records (or SRV, or a watched file of URLs); a failed or
+    # empty lookup keeps the last known replicas for keep_last_s.
+    # discovery:
+    #   dns: {name: vllm-llama-3-1-8b.inference.svc.cluster.local, port: 8000}
+    #   interval_s: 10
+    #   keep_last_s: 300
 
 policy:
   kv_reservation: overcommit   # overcommit: reserve the learned expected output; reserve: max_tokens

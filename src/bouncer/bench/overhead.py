@@ -86,8 +86,14 @@ def _wrk(url: str, stream: bool, concurrency: int, seconds: int,
     return rps, _latency_ms(out, "50"), _latency_ms(out, "99"), errors, total
 
 
-def _gateway_config(upstream: str, port: int, recorder: bool = True) -> str:
-    return json.dumps({
+TRACED_SHARE = 0.1  # the sampled gateway's tracing.sample_ratio
+
+
+def _gateway_config(upstream: str, port: int, recorder: bool = True, tracing_to: int | None = None,
+                    sample_ratio: float = 1.0) -> str:
+    tracing = {"tracing": {"endpoint": f"http://127.0.0.1:{tracing_to}", "sample_ratio": sample_ratio}} \
+        if tracing_to else {}
+    return json.dumps({**tracing,
         "listen": {"host": "127.0.0.1", "port": port},
         "admin_keys_sha256": [key_digest(BENCH_ADMIN_KEY)],
         "recorder": {"enabled": recorder},
@@ -153,12 +159,16 @@ def run_overhead(seconds: int = 5, concurrencies: tuple[int, ...] = (1, 16, 64),
     median), the upstream alone and each peer once."""
     if not shutil.which("wrk"):
         raise SystemExit("bouncer bench overhead needs wrk (Debian/Ubuntu: apt-get install wrk)")
-    up_port, gw_port, off_port = free_port(), free_port(), free_port()
+    up_port, gw_port, off_port, traced_port, sampled_port, sink_port = (free_port() for _ in range(6))
     procs = []
+    sink: subprocess.Popen | None = None
     with tempfile.TemporaryDirectory() as tmp:
         work = pathlib.Path(tmp)
-        for name, port, recorder in (("gateway", gw_port, True), ("gateway-off", off_port, False)):
-            cfg = json.loads(_gateway_config(f"http://127.0.0.1:{up_port}", port, recorder))
+        for name, port, recorder, sink, ratio in (
+                ("gateway", gw_port, True, None, 1.0), ("gateway-off", off_port, False, None, 1.0),
+                ("gateway-traced", traced_port, True, sink_port, 1.0),
+                ("gateway-sampled", sampled_port, True, sink_port, TRACED_SHARE)):
+            cfg = json.loads(_gateway_config(f"http://127.0.0.1:{up_port}", port, recorder, sink, ratio))
             if tokenizer:
                 cfg["models"][0]["tokenizer"] = tokenizer
             (work / f"{name}.yaml").write_text(json.dumps(cfg))
@@ -166,24 +176,31 @@ def run_overhead(seconds: int = 5, concurrencies: tuple[int, ...] = (1, 16, 64),
             # taskset execs the server, so these pids are the servers' own (CPU time is read from them)
             procs.append(subprocess.Popen([*pinned(0), sys.executable, "-m", "bouncer.bench.fast_upstream",
                                            "--port", str(up_port)]))
-            for name in ("gateway", "gateway-off"):
+            for name in ("gateway", "gateway-off", "gateway-traced", "gateway-sampled"):
                 procs.append(subprocess.Popen([*pinned(1), sys.executable, "-m", "bouncer", "serve", "--config",
                                                str(work / f"{name}.yaml"), "--log-level", "warning"],
                                               stdout=subprocess.DEVNULL))
+            # the traced gateways' collector, beside the upstream (its CPU is not the gateways'),
+            # stopped after them (they send what they still hold as they stop)
+            sink = subprocess.Popen([*pinned(0), sys.executable, "-m", "bouncer.bench.otlp_sink", "--port",
+                                     str(sink_port)], stdout=subprocess.DEVNULL)
             wait_ok(f"http://127.0.0.1:{up_port}/metrics")
-            wait_ok(f"http://127.0.0.1:{gw_port}/ready")
-            wait_ok(f"http://127.0.0.1:{off_port}/ready")
+            for port in (gw_port, off_port, traced_port, sampled_port):
+                wait_ok(f"http://127.0.0.1:{port}/ready")
             peers, missing = start_peers(up_port, work, _gateway_config_for(up_port, tokenizer))
             procs += [p for peer in peers for p in peer.procs]
             runs = []
             once = [("direct", (f"http://127.0.0.1:{up_port}/v1/chat/completions", [procs[0].pid]))] + [
                 (peer.name, (peer.url + "/v1/chat/completions", peer.pids)) for peer in peers]
             gateways = {"bouncer": (f"http://127.0.0.1:{gw_port}/v1/chat/completions", [procs[1].pid]),
-                        "bouncer-recorder-off": (f"http://127.0.0.1:{off_port}/v1/chat/completions", [procs[2].pid])}
+                        "bouncer-recorder-off": (f"http://127.0.0.1:{off_port}/v1/chat/completions", [procs[2].pid]),
+                        "bouncer-tracing": (f"http://127.0.0.1:{traced_port}/v1/chat/completions", [procs[3].pid]),
+                        "bouncer-tracing-sampled": (f"http://127.0.0.1:{sampled_port}/v1/chat/completions",
+                                                    [procs[4].pid])}
             for stream in (False, True):
                 for c in concurrencies:
-                    # on, off / off, on / ...: neither gateway always runs first (which was worth
-                    # up to 18% here when both ran with the recorder off)
+                    # on, off, traced / traced, off, on / ...: no gateway always runs first (which
+                    # was worth up to 18% here when two ran with the recorder off)
                     pairs = list(gateways.items())
                     order = once + [pair for i in range(rounds) for pair in pairs[::1 - 2 * (i % 2)]]
                     for target, (url, pids) in order:
@@ -195,6 +212,8 @@ def run_overhead(seconds: int = 5, concurrencies: tuple[int, ...] = (1, 16, 64),
             return runs, _recorder_stats(gw_port), missing
         finally:
             stop(procs)
+            if sink is not None:
+                stop([sink])
 
 
 def _recorder_stats(port: int) -> dict:
@@ -246,13 +265,28 @@ def report(runs: list[Run], recorder: dict | None = None) -> str:
         lines += ["", f"One sample cost the recording gateway {per_sample:.0f} us of CPU on average "
                   f"({recorder['samples_taken']} samples, one every {recorder['step_s']} s; the ring held "
                   f"{recorder['samples_held']} samples in {recorder['bytes_held'] / 1024:.0f} KiB)."]
+    lines += ["", f"Tracing on against off, both with the recorder on: every request traced (four spans, exported "
+              f"over OTLP/gRPC to a collector on the upstream's core), and {TRACED_SHARE:.0%} of them "
+              f"(sample_ratio {TRACED_SHARE}):", "",
+              "| mode | conc. | CPU us/req off | all traced | added | sampled | added | req/s off / all / sampled | "
+              "errors |", "|---|---|---|---|---|---|---|---|---|"]
+    for (target, stream, c), off in by.items():
+        on, sampled = by.get(("bouncer-tracing", stream, c)), by.get(("bouncer-tracing-sampled", stream, c))
+        if target != "bouncer" or on is None or sampled is None:
+            continue
+        base = off.server_cpu_us_per_request
+        lines.append(f"| {'stream' if stream else 'plain'} | {c} | {base:.0f} | "
+                     f"{on.server_cpu_us_per_request:.0f} | {on.server_cpu_us_per_request / base - 1:+.0%} | "
+                     f"{sampled.server_cpu_us_per_request:.0f} | {sampled.server_cpu_us_per_request / base - 1:+.0%} | "
+                     f"{off.rps:,.0f} / {on.rps:,.0f} / {sampled.rps:,.0f} | "
+                     f"{on.errors + off.errors + sampled.errors} |")
     return "\n".join(lines)
 
 
 def peers_report(runs: list[Run], missing: dict[str, str]) -> str:
     """Bouncer beside each peer that ran: req/s, latency added over going direct, CPU per
     request, and Bouncer's CPU per request over the peer's."""
-    by = {(r.target, r.stream, r.concurrency): r for r in runs if r.target not in ("bouncer", "bouncer-recorder-off")}
+    by = {(r.target, r.stream, r.concurrency): r for r in runs if not r.target.startswith("bouncer")}
     bouncer = {}
     for r in runs:
         if r.target == "bouncer":
@@ -276,7 +310,7 @@ def peers_report(runs: list[Run], missing: dict[str, str]) -> str:
 
 
 def main(seconds: int, out: str | None, tokenizer: str | None, paced_seconds: float = 8.0,
-         paced_only: bool = False) -> None:
+         paced_only: bool = False, paced: bool = True) -> None:
     runs: list[Run] = []
     recorder: dict = {}
     missing: dict[str, str] = {}
@@ -286,11 +320,12 @@ def main(seconds: int, out: str | None, tokenizer: str | None, paced_seconds: fl
         print()
         print(peers_report(runs, missing))
         print()
-    paced, paced_missing = run_paced(paced_seconds, tokenizer=tokenizer)
-    print(f"Paced streams ({PACED_TOKENS} tokens each, one write every {PACE_MS:g} ms):")
-    print(paced_report(paced))
+    paced_runs, paced_missing = run_paced(paced_seconds, tokenizer=tokenizer) if paced else ([], {})
+    if paced:
+        print(f"Paced streams ({PACED_TOKENS} tokens each, one write every {PACE_MS:g} ms):")
+        print(paced_report(paced_runs))
     if out:
         pathlib.Path(out).write_text(json.dumps({"runs": [asdict(r) for r in runs], "recorder": recorder,
                                                  "missing_peers": {**missing, **paced_missing},
-                                                 "paced": [asdict(r) for r in paced]}, indent=2))
+                                                 "paced": [asdict(r) for r in paced_runs]}, indent=2))
         print(f"saved {out}")

@@ -105,7 +105,7 @@ class Admin:
         gw = self.gw
         snap = gw.core.snapshot(gw.clock())
         snap["serving"] = gw.serving
-        for name, (finder, _task) in gw.finders.items():
+        for name, (finder, _task) in gw.finders.by_model.items():
             snap["models"][name]["discovery"] = finder.status.as_dict(gw.clock())
         snap["connections"] = {"open": gw.connections.open, "refused": gw.connections.refused,
                                "header_timeouts": gw.connections.header_timeouts}
@@ -165,6 +165,8 @@ class Admin:
             prepared = prepare(config, "reload")
             if config.shared_state != gw.config.shared_state:
                 raise ConfigError("shared_state changed: that takes a restart (the gateway's state moves)")
+            if config.tracing != gw.config.tracing:
+                raise ConfigError("tracing changed: that takes a restart")
         except (ConfigError, ValueError, yaml.YAMLError, OSError) as exc:
             log.warning("reload refused", extra={"event": "reload", "ok": False, "error": str(exc)})
             return plain_error(400, str(exc), "invalid_request_error", "invalid_config")

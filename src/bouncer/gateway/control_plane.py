@@ -42,7 +42,7 @@ from bouncer.core.stores import Stores
 from bouncer.gateway import kv_events, pressure_feeds
 from bouncer.gateway.admin import Admin
 from bouncer.gateway.connections import GuardedSite, Limits
-from bouncer.gateway.discovery import Finder
+from bouncer.gateway.discovery import Finders
 from bouncer.gateway.errors import error_response, plain_error
 from bouncer.gateway.exchange import Outcome, Parsed
 from bouncer.gateway.metrics import GatewayMetrics
@@ -90,7 +90,12 @@ class ControlPlane:
         self._install(prepared)
         self.connections = Limits(config.listen.header_timeout_s, config.listen.max_connections)
         self.metrics = GatewayMetrics(lambda: self.core, clock, lambda: self.kv_event_stats, lambda: self.connections,
-                                      lambda: self.shared, lambda: self.finders)
+                                      lambda: self.shared, lambda: self.finders.by_model)
+        self.tracer = None  # OpenTelemetry (`tracing:`): its SDK is imported only where it is configured
+        if config.tracing is not None:
+            from bouncer.gateway.tracing import Tracer
+
+            self.tracer = Tracer(config.tracing, clock)
         self.recorder = GatewayRecorder(config.recorder, lambda: self.core.view, clock, self._recorded_gauges)
         self.loop_lag_s = 0.0  # the last probe's (`_probe_loop_lag`)
         self.stopping = False  # SIGTERM came: not ready, finishing what it holds (`drain_for_exit`)
@@ -100,7 +105,7 @@ class ControlPlane:
         self._tasks: list[asyncio.Task] = []
         self._scrapers: dict[str, asyncio.Task] = {}
         self._pressure_polls: list[asyncio.Task] = []  # one per outside signal (`pressure:`)
-        self.finders: dict[str, tuple[Finder, asyncio.Task | None]] = {}  # model -> its discovery's finder
+        self.finders = Finders(self._found, clock)  # the replicas of models with `discovery:`
         # KV-event subscriptions: replica -> ((endpoint, topic), task), and their counters
         self._kv_subs: dict[str, tuple[tuple[str, str], asyncio.Task]] = {}
         self.kv_event_stats: dict[str, kv_events.SubscriberStats] = {}
@@ -162,9 +167,7 @@ class ControlPlane:
         self._tasks.append(loop.create_task(self._renew_leases()))
         self._tasks.append(loop.create_task(self.recorder.run()))
         self._tasks.append(loop.create_task(self._probe_loop_lag()))
-        # each finder's first lookup before the gateway serves, so that it starts with its replicas
-        finders = self._sync_finders()
-        self._run_finders(finders, list(await asyncio.gather(*(f.once() for f in finders))))
+        await self.finders.start(self.config)
         self._sync_scrapers()
         self._sync_pressure()
         if self.shared is not None:
@@ -172,17 +175,18 @@ class ControlPlane:
 
     async def _stop(self, _app: web.Application) -> None:
         subs = [task for _, task in self._kv_subs.values()]
-        finders = [task for _, task in self.finders.values() if task is not None]
-        for task in [*self._tasks, *self._scrapers.values(), *subs, *self._pressure_polls, *finders]:
+        for task in [*self._tasks, *self._scrapers.values(), *subs, *self._pressure_polls]:
             task.cancel()
-        await asyncio.gather(*self._tasks, *self._scrapers.values(), *subs, *self._pressure_polls, *finders,
-                             return_exceptions=True)
+        await asyncio.gather(*self._tasks, *self._scrapers.values(), *subs, *self._pressure_polls,
+                             self.finders.stop(), return_exceptions=True)
         if self._zmq is not None:
             self._zmq.destroy(linger=0)  # closes any subscriber socket left, then terminates
         if self.session is not None:
             await self.session.close()
         if self.shared is not None:
             await self.shared.close()
+        if self.tracer is not None:
+            await asyncio.to_thread(self.tracer.close)  # what is still batched goes out first
 
     def _sync_pressure(self) -> None:
         """One poll per outside signal of the config in force (all restarted on a reload)."""
@@ -192,32 +196,6 @@ class ControlPlane:
         self._pressure_polls = [loop.create_task(pressure_feeds.poll(cfg, self.session, self.core.observe_pressure,
                                                                      self.clock)) for cfg in self.config.pressure]
 
-    def _sync_finders(self) -> list[Finder]:
-        """One finder per model with `discovery:` (replaced when its settings change, the new one
-        keeping the set the old one found until it finds one). Returns the new ones, for
-        `_run_finders`."""
-        wanted = {m.name: m for m in self.config.models if m.discovery is not None}
-        for name, (finder, task) in list(self.finders.items()):
-            if name not in wanted or wanted[name].discovery != finder.discovery:
-                if task is not None:
-                    task.cancel()
-                del self.finders[name]
-        new = []
-        for name, m in wanted.items():
-            if name not in self.finders:
-                finder = Finder(m, lambda found, name=name: self._found(name, found), self.clock,
-                                list(m.backends) if m.backends else None)
-                self.finders[name] = (finder, None)
-                new.append(finder)
-        return new
-
-    def _run_finders(self, new: list[Finder], firsts: list[bool] | None = None) -> None:
-        """Start the finders' loops; `firsts`: what the lookups they already made gave."""
-        loop = asyncio.get_running_loop()
-        for i, finder in enumerate(new):
-            task = loop.create_task(finder.run(None if firsts is None else firsts[i]))
-            self.finders[finder.model] = (finder, task)
-
     def _found(self, model: str, backends: list[Backend]) -> None:
         """A finder's new set of replicas: in the config in force and in the core, then scraped."""
         m = self.prepared.models[model].with_backends(backends)
@@ -225,17 +203,6 @@ class ControlPlane:
         self._install(dataclasses.replace(self.prepared, config=config, models={**self.prepared.models, model: m}))
         self.apply(self.core.set_backends(m, self.clock()))
         self._sync_scrapers()
-
-    def _with_found(self, prepared: Prepared) -> Prepared:
-        """A reloaded config with the replicas its models' finders hold (the file lists none)."""
-        config = prepared.config
-        for m in config.models:
-            finder = self.finders.get(m.name, (None, None))[0]
-            if m.discovery is not None and finder is not None and finder.current is not None:
-                config = config.with_model(m.with_backends(finder.current))
-        if config is prepared.config:
-            return prepared
-        return dataclasses.replace(prepared, config=config, models={m.name: m for m in config.models})
 
     def _sync_scrapers(self) -> None:
         loop = asyncio.get_running_loop()
@@ -540,15 +507,15 @@ class ControlPlane:
         """Swap in a new config, validated and prepared (`admin.py`'s reload): the core's
         policies and tenants, scrapers for its replicas, its outside signals."""
         old = self.config
-        prepared = self._with_found(prepared)
-        config = prepared.config
+        config = self.finders.held(prepared.config)  # the replicas found so far, kept
+        prepared = dataclasses.replace(prepared, config=config, models={m.name: m for m in config.models})
         self.apply(self.core.reload(config, self.clock()))
         self._install(prepared)
         self.recorder.reconfigure(config.recorder)
         self._sync_scrapers()
         if config.pressure != old.pressure:
             self._sync_pressure()
-        self._run_finders(self._sync_finders())
+        self.finders.follow(config)
 
 
 async def until_terminated(plane: ControlPlane, serving: Awaitable[None]) -> None:

@@ -30,7 +30,7 @@ import yaml
 from pydantic import ValidationError
 from yarl import URL
 
-from bouncer.config import Backend, Discovery, ModelConfig
+from bouncer.config import Backend, BouncerConfig, Discovery, ModelConfig
 
 log = logging.getLogger("bouncer.gateway")
 
@@ -252,3 +252,59 @@ class Finder:
                 retry *= 2
             await asyncio.sleep(wait)
             ok = await self.once()
+
+
+class Finders:
+    """Every discovered model's finder, kept as the config in force says: one per model with
+    `discovery:`, replaced when its settings change (the new one keeping the set the old one
+    found until it finds one). `on_found(model, backends)` gets each new set."""
+
+    def __init__(self, on_found: Callable[[str, list[Backend]], None], clock: Callable[[], float]) -> None:
+        self.on_found = on_found
+        self.clock = clock
+        self.by_model: dict[str, tuple[Finder, asyncio.Task | None]] = {}
+
+    async def start(self, config: BouncerConfig) -> None:
+        """At start: each finder's first lookup before the gateway serves, so that it starts
+        with its replicas; then their loops."""
+        new = self._sync(config)
+        self._run(new, list(await asyncio.gather(*(f.once() for f in new))))
+
+    def follow(self, config: BouncerConfig) -> None:
+        """A reloaded config (already `held`): finders started, replaced or stopped to match."""
+        self._run(self._sync(config))
+
+    def held(self, config: BouncerConfig) -> BouncerConfig:
+        """`config` with the replicas its discovered models' finders hold (a file lists none)."""
+        for m in config.models:
+            finder = self.by_model.get(m.name, (None, None))[0]
+            if m.discovery is not None and finder is not None and finder.current is not None:
+                config = config.with_model(m.with_backends(finder.current))
+        return config
+
+    async def stop(self) -> None:
+        tasks = [task for _, task in self.by_model.values() if task is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _sync(self, config: BouncerConfig) -> list[Finder]:
+        wanted = {m.name: m for m in config.models if m.discovery is not None}
+        for name, (finder, task) in list(self.by_model.items()):
+            if name not in wanted or wanted[name].discovery != finder.discovery:
+                if task is not None:
+                    task.cancel()
+                del self.by_model[name]
+        new = []
+        for name, m in wanted.items():
+            if name not in self.by_model:
+                finder = Finder(m, lambda found, name=name: self.on_found(name, found), self.clock,
+                                list(m.backends) if m.backends else None)
+                self.by_model[name] = (finder, None)
+                new.append(finder)
+        return new
+
+    def _run(self, new: list[Finder], firsts: list[bool] | None = None) -> None:
+        loop = asyncio.get_running_loop()
+        for i, finder in enumerate(new):
+            self.by_model[finder.model] = (finder, loop.create_task(finder.run(None if firsts is None else firsts[i])))

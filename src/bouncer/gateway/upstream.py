@@ -220,11 +220,12 @@ class UpstreamPool:
             raise UpstreamError(f"could not connect to {url.host}:{url.port}: {exc}") from None
         return conn, False
 
-    async def post_json(self, url: yarl.URL, body: bytes) -> UpstreamResponse:
-        """Send the request and wait for the status line and headers."""
+    async def post_json(self, url: yarl.URL, body: bytes, extra_head: str = "") -> UpstreamResponse:
+        """Send the request and wait for the status line and headers. `extra_head`: more header
+        lines, each ending in CRLF (a trace's `traceparent`)."""
         key = (url.scheme, url.host, url.port)
         head = (f"POST {url.raw_path_qs} HTTP/1.1\r\nHost: {url.raw_authority}\r\n"
-                f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode("latin-1")
+                f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n{extra_head}\r\n").encode("latin-1")
         conn, reused = await self._connect(url, key)
         while True:
             resp = conn.send(head, body)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yarl
 from aiohttp import web
@@ -31,6 +31,9 @@ from bouncer.gateway.exchange import Outcome
 from bouncer.gateway.relay import Requeue, UpstreamFailure, failure_for_status, relay_json, relay_stream
 from bouncer.gateway.upstream import UpstreamError, UpstreamPool, UpstreamTimeout
 from bouncer.openai_wire import dumps, models_list
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import Span  # only where tracing is configured (gateway/tracing.py)
 
 UPSTREAM_CONNECT_TIMEOUT_S = 5.0
 UPSTREAM_READ_TIMEOUT_S = 300.0  # silence on an upstream stream this long is a timeout
@@ -65,18 +68,22 @@ class Proxy:
         rid = self.plane.request_id()
         line: dict[str, Any] = {"rid": rid, "path": path, "tenant": "-", "outcome": Terminal.CANCELLED.value}
         t0 = self.clock()
+        tracer = self.plane.tracer
+        root = tracer.begin(request.headers, kind, path, t0) if tracer is not None else None
         resp: web.StreamResponse | None = None
         try:
-            resp = await self._generate_for(request, kind, path, rid, line)
+            resp = await self._generate_for(request, kind, path, rid, line, root)
             return resp
         finally:
+            line["status"] = resp.status if resp is not None else None
             if self.plane.config.logging.access_log:
-                line["status"] = resp.status if resp is not None else None
                 line["duration_s"] = round(self.clock() - t0, 4)
                 logs.access(line)
+            if root is not None:
+                tracer.end(root, line, t0, self.clock())  # type: ignore[union-attr]
 
     async def _generate_for(self, request: web.Request, kind: str, path: str, rid: str,
-                            line: dict[str, Any]) -> web.StreamResponse:
+                            line: dict[str, Any], root: Span | None) -> web.StreamResponse:
         plane = self.plane
         limits = plane.config.limits
         too_large = Refusal(Layer.VALIDATION, Reason.BODY_TOO_LARGE,
@@ -104,21 +111,25 @@ class Proxy:
         while True:
             if isinstance(decision, Refusal):
                 return error_response(decision)
-            result = await self._serve_admitted(request, path, parsed.body, decision, line)
+            result = await self._serve_admitted(request, kind, path, parsed.body, decision, line, root)
             if not isinstance(result, Requeue):
                 return result
             decision = await plane.requeue(rid, result.retry_after, line)
 
-    async def _serve_admitted(self, request: web.Request, path: str, body: dict[str, Any], d: Dispatch,
-                              line: dict[str, Any]) -> web.StreamResponse | Requeue:
+    async def _serve_admitted(self, request: web.Request, kind: str, path: str, body: dict[str, Any], d: Dispatch,
+                              line: dict[str, Any], root: Span | None) -> web.StreamResponse | Requeue:
         """Send an admitted request upstream and relay the answer. Owns its permit: whatever
         happens here, the control plane hears how it ended (or gets it back to hold again, on
-        `Requeue`)."""
+        `Requeue`). `root`: the request's span, where tracing is on."""
         plane = self.plane
         rid = d.request_id
         out = Outcome()
         requeued = False
         streaming = bool(body.get("stream"))
+        span: Span | None = None
+        up_status: int | None = None
+        first_at: list[float] = []  # when the first token came (a traced request's first-token span)
+        dispatched = self.clock()
         try:
             model = plane.prepared.models[d.model]
             url = plane.core.view.replica(d.replica).url
@@ -132,11 +143,18 @@ class Proxy:
             def first_token(at: float) -> None:
                 # a stream's first token is measured; a whole answer only says its prefill is over
                 plane.core.started(rid, at, measured=streaming)
+                if root is not None:
+                    first_at.append(at)
 
             read_timeout = self.upstream.read_timeout
             if d.decode_replica is not None:  # disaggregated: the prompt first, on the prefill worker
                 url = await self._prefill(rid, url, path, upstream_body, d.decode_replica)
-            up = await self.upstream.post_json(self._upstream_url(url, path), dumps(upstream_body))
+            trace_head = ""
+            if root is not None:
+                span, trace_head = plane.tracer.upstream(  # type: ignore[union-attr]
+                    root, kind, upstream_body["model"], url, d.replica, dispatched)
+            up = await self.upstream.post_json(self._upstream_url(url, path), dumps(upstream_body), trace_head)
+            up_status = up.status
             try:
                 if up.status != 200:
                     raise failure_for_status(up.status, up.headers, await up.read(read_timeout))
@@ -164,6 +182,9 @@ class Proxy:
         finally:
             if not requeued:
                 plane.finish(d, out, streaming, line)
+            if span is not None:
+                plane.tracer.end_upstream(  # type: ignore[union-attr]
+                    span, dispatched, first_at[0] if first_at else None, up_status, self.clock())
 
     async def _prefill(self, rid: str, url: str, path: str, upstream_body: dict[str, Any], decode: str) -> str:
         """The P/D hop (`bouncer.gateway.disaggregated`): the prompt on the prefill worker at
