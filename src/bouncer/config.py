@@ -289,6 +289,11 @@ class ModelConfig(_Strict):
                                       description="latency prediction (SLO feasibility, the TPOT hold): the engine's "
                                                   "step time, learned by default")
     upstream_model: str | None = Field(None, description="name the backends serve it under; default: name")
+    hold_without_replicas_s: float = Field(0.0, ge=0, le=3600, description="seconds a request waits for a "
+                                           "replica while the model has none that answers (scaled to zero, or "
+                                           "every one starting), instead of 503 no_backend at once; past it, 503 "
+                                           "no_backend. A client's shorter TTL still holds; its TTFT SLO is not "
+                                           "planned on")
 
     @field_validator("step_time", mode="before")
     @classmethod

@@ -309,9 +309,14 @@ class AdmissionCore:
     def tick(self, now: float) -> list[Event]:
         events: list[Event] = self._reclaim(now) if now >= self._next_lease_check else []
         for ms in self.models.values():
-            for adm in ms.flow.expired(now):
+            expired = ms.flow.expired(now)
+            empty = bool(expired) and ms.cfg.hold_without_replicas_s and not PoolView(ms.replicas, self.policy,
+                                                                                       now).any_usable()
+            for adm in expired:
                 if ms.draining:  # held for a model swap that outlasted its TTL
                     reason, message = Reason.DRAINING, f"model `{adm.info.model}` is draining for a swap"
+                elif empty:  # held for a replica that did not come up in time
+                    reason, message = Reason.NO_BACKEND, f"no replica of model `{adm.info.model}` came up in time"
                 else:
                     reason, message = Reason.TTL_EXPIRED, "queued longer than its TTL"
                 events.append(leave(self.finaliser, ms, adm, Terminal.EXPIRED, reason, message, now))

@@ -135,6 +135,9 @@ class Arrivals:
             ttft_left = None
         if view is None or view.replicas is not ms.replicas:
             view = PoolView(ms.replicas, c.policy, now)
+        if not view.any_usable() and ms.cfg.hold_without_replicas_s and not ms.draining:
+            deadlines.hold_for_a_replica(adm, ms.cfg.hold_without_replicas_s, now)
+            ttft_left = None
         best_ttft = c.placement.best_ttft(ms.replicas, adm, view) if ttft_left else None
         if ttft_left and not self.exempt(adm, keeping_queued=True):
             deadlines.queue_budget(adm, ttft_left, best_ttft, ms, c.policy, now)

@@ -51,6 +51,16 @@ def new_admission(info: RequestInfo, tenant: Tenant, policy: Policy, max_tokens:
     return adm, ttft_left
 
 
+def hold_for_a_replica(adm: Admission, hold_s: float, now: float) -> None:
+    """The model has no replica that answers (scaled to zero, or every one starting) and holds
+    requests for one to come up (`hold_without_replicas_s`): `adm` waits up to that, or its
+    client's shorter TTL. Its TTFT SLO is not planned on (no replica can start it in time, and
+    refusing it as infeasible would only send it back to wait again); it stays its band's."""
+    hold = hold_s if adm.info.ttl_s is None else min(hold_s, adm.info.ttl_s)
+    adm.deadline = now + hold
+    adm.ttft_deadline = None
+
+
 def planned_left(ms: ModelState, priority: int, tenant: str, ttft_left: float, policy: Policy, now: float) -> float:
     """What a queued request of `tenant` in band `priority` is planned on of the `ttft_left` its
     SLO leaves: all of it, or `standing_queue_share` of it while that tenant's queue stands."""

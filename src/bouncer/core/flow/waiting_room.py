@@ -1,7 +1,8 @@
 """The waiting room's doors, at arrival: whether a request may join the queue at all.
 
 Layers 4 and 5 as a request arrives, in order: a model being drained holds only so many; with no
-usable backend nothing is queued; sheddable traffic is refused while the pool is saturated past
+usable backend nothing is queued (unless the model holds requests for a replica to come up,
+`hold_without_replicas_s`); sheddable traffic is refused while the pool is saturated past
 its band's ceiling; a tenant's own queue is bounded (429: its fault), and so is the whole room,
 per band and in total (529: the fleet's), where a newcomer that outranks the lowest queued
 sheddable request evicts it instead of being refused.
@@ -34,7 +35,7 @@ def door_shut(ms: ModelState, tenant: str, band: int, view: PoolView, saturation
             return _refused(ms, band, tenant, now, Layer.FLOW, Reason.DRAINING,
                             f"model `{ms.cfg.name}` is draining for a swap")
     else:
-        if not view.any_usable():
+        if not view.any_usable() and not ms.cfg.hold_without_replicas_s:
             return _refused(ms, band, tenant, now, Layer.QUEUE, Reason.NO_BACKEND,
                             f"no usable backend for model `{ms.cfg.name}`")
         if band < 0 and saturation.saturation(view) >= ceiling(policy, band):
