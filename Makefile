@@ -41,6 +41,9 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test]'
+	# xds-protos ships its own, older copy of opentelemetry-proto's modules, and whichever of the
+	# two pip unpacks last wins: opentelemetry-proto's again (tracing's exporter needs them)
+	$(PY) -m pip install -q --force-reinstall --no-deps "opentelemetry-proto==$$($(PY) -c 'from importlib.metadata import version; print(version("opentelemetry-proto"))')"
 	touch $(STAMP)
 
 $(VLLM_STAMP):

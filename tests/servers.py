@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import pathlib
 import signal
 import socket
 import subprocess
@@ -73,6 +74,19 @@ def wait_answering(probe: Callable[[], bool], timeout: float, what: str) -> None
 
 def wait_http_ok(url: str, timeout: float = 20) -> None:
     def answers() -> bool:
+        with urllib.request.urlopen(url, timeout=2) as resp:
+            return resp.status == 200
+    wait_answering(answers, timeout, f"{url} did not answer 200")
+
+
+def wait_started(proc: subprocess.Popen, url: str, log: pathlib.Path | None = None, timeout: float = 40) -> None:
+    """Until the server `proc` started answers `url` with 200; if it exits first, fail at once
+    with its exit code and the end of its log (a port taken, a config it refused)."""
+    def answers() -> bool:
+        if proc.poll() is not None:
+            tail = log.read_text(errors="replace")[-3000:] if log is not None and log.exists() else ""
+            raise AssertionError(f"{' '.join(map(str, proc.args))} exited ({proc.returncode}) before "
+                                 f"answering:\n{tail}")
         with urllib.request.urlopen(url, timeout=2) as resp:
             return resp.status == 200
     wait_answering(answers, timeout, f"{url} did not answer 200")

@@ -24,7 +24,7 @@ import yaml
 
 from bouncer.bench.loopback import RedisServer
 from bouncer.config import key_digest
-from servers import EngineProcess, free_port, poll_until, wait_http_ok
+from servers import EngineProcess, free_port, poll_until, wait_http_ok, wait_started
 
 pytestmark = pytest.mark.slow
 
@@ -98,7 +98,7 @@ class Picked:
                                           str(self.tmp / f"bouncer-{i}.yaml"), "--log-level",
                                           os.environ.get("PICKER_LOG", "warning")],
                                          stdout=open(self.tmp / f"picker-{i}.log", "ab"), stderr=subprocess.STDOUT)
-        wait_http_ok(f"http://127.0.0.1:{self.ports[i][0]}/health")
+        wait_started(self.procs[i], f"http://127.0.0.1:{self.ports[i][0]}/health", self.tmp / f"picker-{i}.log")
 
     def admin(self, path: str, method: str = "GET", body: bytes | None = None, i: int = 0) -> dict:
         req = urllib.request.Request(f"http://127.0.0.1:{self.ports[i][0]}{path}", data=body, method=method,

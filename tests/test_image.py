@@ -77,6 +77,10 @@ def test_the_image_builds_runs_as_non_root_serves_and_drains(tmp_path):
     assert {"bouncer", "aiohttp", "dnspython", "grpcio"} <= names
     assert not names & {"pytest", "hypothesis", "ruff", "mkdocs", "matplotlib", "openai", "schemathesis"}
     assert podman("image", "inspect", "--format", "{{.Config.User}}", IMAGE).stdout.strip() == "10001:10001"
+    # tracing's exporter loads (opentelemetry-proto's modules, not xds-protos' older copy)
+    podman("run", "--rm", "--entrypoint", "/opt/bouncer/bin/python", IMAGE, "-c",
+           "from bouncer.gateway.tracing import protos_overwritten; assert protos_overwritten() is None; "
+           "from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter")
 
     engine = EngineProcess()
     port = free_port()

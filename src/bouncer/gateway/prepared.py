@@ -1,7 +1,8 @@
 """What a validated config still needs before the gateway can run it: files loaded, keys indexed.
 
 The config's schema (`bouncer.config`) checks shapes and values; this checks what only the
-machine can tell, chiefly that every tokenizer file exists and loads. `bouncer config check`,
+machine can tell, chiefly that every tokenizer file exists and loads (and, with tracing on, that
+its exporter's modules are whole). `bouncer config check`,
 `bouncer serve` and `/admin/reload` all go through `prepare`, so a file that passes the check
 also starts and reloads; a reload builds all of this before it swaps anything.
 """
@@ -36,6 +37,11 @@ def prepare(config: BouncerConfig, source: str = "config") -> Prepared:
                                                  segment_cache_tokens=m.tokenizer_cache_tokens)
         except ValueError as exc:
             errors.append(f"  models.{i}.tokenizer: {exc}")
+    if config.tracing is not None:
+        from bouncer.gateway.tracing import protos_overwritten  # the SDK only where tracing is on
+
+        if (why := protos_overwritten()) is not None:
+            errors.append(f"  {why}")
     if errors:
         raise ConfigError("\n".join([f"{source}: invalid configuration", *errors]))
     admin = frozenset(config.admin_keys_sha256)

@@ -23,7 +23,6 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from opentelemetry import trace
-from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
@@ -42,10 +41,25 @@ EXPORT_TIMEOUT_S = 3.0
 _PROPAGATOR = TraceContextTextMapPropagator()
 
 
+def protos_overwritten() -> str | None:
+    """Why the OTLP exporter cannot load, where that is the known clash: xds-protos (the picker's
+    Envoy protos) ships its own, older copy of opentelemetry-proto's modules, and whichever
+    package pip unpacked last wins (`make` and the Containerfile reinstall opentelemetry-proto)."""
+    from opentelemetry.proto.common.v1 import common_pb2
+
+    if hasattr(common_pb2, "InstrumentationScope"):
+        return None
+    return ("tracing: opentelemetry-proto's modules were overwritten by xds-protos' older copy (both packages "
+            "ship opentelemetry/proto); reinstall it: pip install --force-reinstall --no-deps opentelemetry-proto")
+
+
 class Tracer:
     """Spans of requests, exported over OTLP/gRPC to `cfg.endpoint`."""
 
     def __init__(self, cfg: Tracing, clock: Callable[[], float]) -> None:
+        # imported here, after `prepare` has checked that its modules are whole (`protos_overwritten`)
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
         self.cfg = cfg
         self.clock = clock
         self.provider = TracerProvider(resource=Resource.create({"service.name": cfg.service_name}),
