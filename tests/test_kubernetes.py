@@ -1,13 +1,16 @@
-"""deploy/kubernetes/: the base and the endpoint-picker overlay, rendered by kustomize (`kubectl
-kustomize`, as `kubectl apply -k` renders them), every object of a built-in kind validated against
-the Kubernetes API's schemas by kubernetes-validate (strict: an unknown field fails), the config
-and keys they carry checked by `bouncer config check`, and the custom resources (ServiceMonitor,
-PrometheusRule, InferencePool, HTTPRoute) checked against what they point at."""
+"""deploy/kubernetes/: the base and its overlays (endpoint picker, autoscaling with KEDA or an
+HPA), rendered by kustomize (`kubectl kustomize`, as `kubectl apply -k` renders them), every
+object of a built-in kind (the HPA among them) validated against the Kubernetes API's schemas by
+kubernetes-validate (strict: an unknown field fails), the config and keys they carry checked by
+`bouncer config check`, the custom resources (ServiceMonitor, PrometheusRule, InferencePool,
+HTTPRoute, ScaledObject) checked against what they point at, and the autoscalers' queries checked
+by promtool against the metric the gateway exports."""
 
 from __future__ import annotations
 
 import base64
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -21,7 +24,8 @@ from bouncer.cli import build_parser
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 KUBE = ROOT / "deploy" / "kubernetes"
 KUBERNETES_VERSION = "1.33"  # gRPC probes (1.27) and preStop sleep (1.30) are GA here
-CUSTOM_KINDS = {"ServiceMonitor", "PrometheusRule", "InferencePool", "HTTPRoute"}
+CUSTOM_KINDS = {"ServiceMonitor", "PrometheusRule", "InferencePool", "HTTPRoute", "ScaledObject"}
+OVERLAYS = ["base", "overlays/endpoint-picker", "overlays/autoscaling-keda", "overlays/autoscaling-hpa"]
 
 
 def render(where: str) -> list[dict]:
@@ -45,7 +49,7 @@ def one(docs: list[dict], kind: str, name: str) -> dict:
     return found[0]
 
 
-@pytest.fixture(scope="module", params=["base", "overlays/endpoint-picker"])
+@pytest.fixture(scope="module", params=OVERLAYS)
 def rendered(request) -> tuple[str, list[dict]]:
     return request.param, render(request.param)
 
@@ -97,7 +101,7 @@ def test_the_config_and_keys_pass_bouncer_config_check(rendered, tmp_path):
     # the drain fits the pod's grace period, the probes are the gateway's
     assert config["listen"]["drain_s"] < pod["terminationGracePeriodSeconds"]
     container = pod["containers"][0]
-    if where == "base":
+    if where != "overlays/endpoint-picker":
         assert args.mode == "proxy"
         assert container["readinessProbe"]["httpGet"]["path"] == "/ready"
         assert container["livenessProbe"]["httpGet"]["path"] == "/health"
@@ -131,7 +135,7 @@ def test_the_custom_resources_point_at_what_runs(rendered):
     assert budget["spec"]["selector"]["matchLabels"].items() <= \
         deployment["spec"]["template"]["metadata"]["labels"].items()
     assert deployment["spec"]["replicas"] >= 2 > budget["spec"]["maxUnavailable"]
-    if where == "base":
+    if where != "overlays/endpoint-picker":
         assert "InferencePool" not in kinds
         return
     pool = one(docs, "InferencePool", "llama-3-1-8b")
@@ -148,3 +152,64 @@ def test_the_prometheus_rule_is_the_shipped_rules():
     out = subprocess.run([sys.executable, str(ROOT / "scripts/prometheus_rule.py"), "--check"], capture_output=True,
                          text=True)
     assert out.returncode == 0, out.stderr
+
+
+def _config(docs: list[dict]) -> dict:
+    (cm,) = [d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"].startswith("bouncer-config")]
+    return yaml.safe_load(cm["data"]["bouncer.yaml"])
+
+
+def _promql_is_valid(expr: str, tmp_path) -> None:
+    """promtool parses it (as a recording rule's expression: promtool has no query linter)."""
+    promtool = shutil.which("promtool")
+    assert promtool, "promtool missing: `make system-tools` installs Debian's prometheus"
+    rules = tmp_path / "rules.yaml"
+    rules.write_text(yaml.safe_dump({"groups": [{"name": "check", "rules": [{"record": "check:x", "expr": expr}]}]}))
+    out = subprocess.run([promtool, "check", "rules", str(rules)], capture_output=True, text=True)
+    assert out.returncode == 0, f"{expr}: {out.stdout}{out.stderr}"
+
+
+def _exported_metrics() -> set[str]:
+    text = (ROOT / "docs/reference/metrics.md").read_text()  # written from the collectors (test_reference)
+    return set(re.findall(r"`(bouncer_[a-z_]+)`", text))
+
+
+def test_keda_scales_the_engines_from_zero_on_the_demand_gauge(tmp_path):
+    docs = render("overlays/autoscaling-keda")
+    config = _config(docs)
+    model = config["models"][0]
+    scaled = one(docs, "ScaledObject", "vllm-llama-3-1-8b")["spec"]
+    # it scales the engines the discovery finds: the Deployment behind the headless Service, by name
+    assert scaled["scaleTargetRef"]["name"] == model["discovery"]["dns"]["name"]
+    # from zero: the gateway holds a request while the first replica starts, longer than a start
+    assert scaled["minReplicaCount"] == 0 and model["hold_without_replicas_s"] >= 180
+    (trigger,) = scaled["triggers"]
+    assert trigger["type"] == "prometheus" and trigger["metricType"] == "AverageValue"
+    query = trigger["metadata"]["query"]
+    assert query == f'sum(bouncer_demand_replicas{{model="{model["name"]}",scope="all"}})'
+    assert "bouncer_demand_replicas" in _exported_metrics()
+    _promql_is_valid(query, tmp_path)
+    # one request's demand wakes it; a replica is planned below its full batch
+    assert 0 < float(trigger["metadata"]["activationThreshold"]) < 0.03
+    assert 0.5 <= float(trigger["metadata"]["threshold"]) <= 1
+
+
+def test_the_hpa_scales_the_engines_on_the_demand_gauge_through_the_adapter(tmp_path):
+    docs = render("overlays/autoscaling-hpa")
+    model = _config(docs)["models"][0]
+    hpa = one(docs, "HorizontalPodAutoscaler", "vllm-llama-3-1-8b")["spec"]
+    assert hpa["scaleTargetRef"]["name"] == model["discovery"]["dns"]["name"] and hpa["minReplicas"] >= 1
+    (metric,) = hpa["metrics"]
+    external = metric["external"]
+    assert metric["type"] == "External" and external["metric"]["name"] == "bouncer_demand_replicas"
+    assert external["metric"]["selector"]["matchLabels"] == {"model": model["name"], "scope": "all"}
+    # AverageValue: replicas = ceil(metric / target), the demand read as replicas
+    assert external["target"]["type"] == "AverageValue"
+    # prometheus-adapter's rule serves that name, summed over the gateways; its query once
+    # templated (as the adapter fills it in) is valid PromQL
+    adapter = yaml.safe_load((KUBE / "overlays/autoscaling-hpa/adapter-rules.yaml").read_text())
+    (rule,) = adapter["externalRules"]
+    assert rule["seriesQuery"].startswith("bouncer_demand_replicas{")
+    query = rule["metricsQuery"].replace("<<.Series>>", "bouncer_demand_replicas").replace(
+        "<<.LabelMatchers>>", f'model="{model["name"]}",scope="all"')
+    _promql_is_valid(query, tmp_path)

@@ -26,10 +26,18 @@ def _config(found: str, hold_s: float) -> dict:
             "policy": {"telemetry": {"scrape_interval_s": 0.05, "staleness_s": 1.0}}}
 
 
-def _queued(base: str) -> float:
+def _metric(base: str, prefix: str) -> float:
     with urllib.request.urlopen(base + "/metrics", timeout=5) as resp:
         text = resp.read().decode()
-    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("bouncer_queue_depth{"))
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(prefix))
+
+
+def _queued(base: str) -> float:
+    return _metric(base, "bouncer_queue_depth{")
+
+
+def _demand(base: str) -> float:
+    return _metric(base, 'bouncer_demand_replicas{model="demo-llm",scope="all"}')
 
 
 @pytest.mark.slow
@@ -53,6 +61,7 @@ def test_the_first_request_waits_for_a_replica_to_start_and_is_served(tmp_path, 
         poll_until(lambda: _queued(base) == 1, timeout=10, what="the request held")
         time.sleep(3)  # longer than the tenant's TTL: held all the same
         assert first.is_alive() and not answers
+        assert _demand(base) == 1  # the demand signal asks for a replica while it waits
         engine = EngineProcess()  # the replica the autoscaler started
         found.write_text(f"['{engine.url}']\n")
         first.join(60)

@@ -364,6 +364,18 @@ def cmd_bench_feasibility(args) -> None:
                 args.out)
 
 
+def cmd_bench_demand(args) -> None:
+    from bouncer.bench.demand import main as demand
+
+    demand(args.scenario, args.load, args.arrivals, args.duration, args.seed, args.trace, args.out)
+
+
+def cmd_bench_autoscaling(args) -> None:
+    from bouncer.bench.autoscaling import main as autoscaling
+
+    autoscaling(args.scenario, args.admission, args.signal, args.startup, args.seed, args.out)
+
+
 def cmd_bench_live(args) -> None:
     try:
         import openai  # noqa: F401 (the clients it drives the gateway with)
@@ -561,6 +573,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--samples", type=int, default=30, help="refused requests let through, one paired run each")
     p.add_argument("--out", help="write the result JSON")
     p.set_defaults(func=cmd_bench_feasibility)
+
+    p = bench.add_parser("demand", help="the demand signal for autoscalers: one replica offered N x its capacity, "
+                                        "does bouncer_demand_replicas read N?")
+    p.add_argument("--scenario", nargs="+", default=["surge"], choices=[s for s in SCENARIOS if s != "agents"])
+    p.add_argument("--load", type=float, nargs="+", default=[1.0, 2.0, 3.0], help="offered load(s), multiples of "
+                   "one replica's capacity")
+    p.add_argument("--arrivals", nargs="+", choices=("steady", "trace"), default=["steady", "trace"],
+                   help="steady: Poisson arrivals of the traces' requests; trace: each trace's own arrival pattern")
+    p.add_argument("--trace", help="replace the scenario's main trace (a ServeGen folder: its clients as tenants)")
+    p.add_argument("--duration", type=float, default=600.0, help="simulated seconds of arrivals")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", help="write the result JSON")
+    p.set_defaults(func=cmd_bench_demand)
+
+    from bouncer.bench.autoscaling import ADMISSIONS, SIGNALS
+    from bouncer.bench.autoscaling import SCENARIOS as AUTOSCALING
+    p = bench.add_parser("autoscaling", help="an HPA-like autoscaler with a start-up delay on three signals, with "
+                                             "and without admission: goodput, the protected band, replica-minutes")
+    p.add_argument("--scenario", nargs="+", choices=AUTOSCALING, default=list(AUTOSCALING))
+    p.add_argument("--admission", nargs="+", choices=ADMISSIONS, default=list(ADMISSIONS))
+    p.add_argument("--signal", nargs="+", choices=SIGNALS, default=list(SIGNALS))
+    p.add_argument("--startup", type=float, default=300.0, help="seconds from asking for a replica to its serving")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", help="write the result JSON (with each run's autoscaler history)")
+    p.set_defaults(func=cmd_bench_autoscaling)
 
     p = bench.add_parser("live", help="Bouncer in real time in front of `bouncer engine` processes, beside the same "
                                       "traffic straight to the engines and the simulator's prediction of both")

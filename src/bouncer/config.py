@@ -265,6 +265,16 @@ class StepTimeConfig(_Strict):
         return tuple(v if v is not None else dv for v, dv in zip(stated, default, strict=True))  # type: ignore[return-value]
 
 
+class DemandConfig(_Strict):
+    """The demand signal an autoscaler reads (`bouncer_demand_replicas`): the replicas the offered
+    traffic needs, refused requests included (bouncer/core/fleet/demand.py has the formula)."""
+
+    window_s: float = Field(30.0, gt=0, le=3600, description="seconds over which arrivals and their mix are "
+                                                             "averaged (exponentially): longer is steadier, slower")
+    max_num_seqs: int = Field(256, ge=1, description="the engines' --max-num-seqs: the largest batch a replica runs "
+                                                     "(a full KV cache or the TPOT SLO may cap it lower)")
+
+
 class ModelConfig(_Strict):
     """A model the gateway serves, and the replicas that serve it."""
 
@@ -294,6 +304,8 @@ class ModelConfig(_Strict):
                                            "every one starting), instead of 503 no_backend at once; past it, 503 "
                                            "no_backend. A client's shorter TTL still holds; its TTFT SLO is not "
                                            "planned on")
+    demand: DemandConfig = Field(default_factory=DemandConfig, description="the demand signal for autoscalers: "
+                                 "the replicas what arrives needs, from the step time")
 
     @field_validator("step_time", mode="before")
     @classmethod

@@ -117,7 +117,8 @@ def make_policy(name: str, scenario: Scenario, cfg: FleetConfig, routing: str | 
         if cfg.decode_replicas and name != "bouncer":
             raise ValueError(f"{name} is not modelled on a disaggregated fleet; known there: {', '.join(PD_POLICIES)}")
         return CorePolicy(name, core_config(tenant_configs(scenario), cfg.roles(), blocks, cfg.profile.block_size,
-                                           cfg.profile.max_model_len, policy, offload, step),
+                                           cfg.profile.max_model_len, policy, offload, step,
+                                           cfg.max_num_seqs or cfg.profile.max_num_seqs),
                           advises_clients=name == "bouncer", stores=stores)
     raise ValueError(f"unknown policy {name!r}; known: {', '.join(POLICIES)}")
 

@@ -191,6 +191,7 @@ class AdmissionCore:
         self.stores.backlog.note_completion(adm.info.model, now)
         if completion_tokens is None:  # unseen: its length and timing teach nothing
             return
+        ms.demand.completed(adm.tenant, adm.priority >= 0, completion_tokens, now)
         if adm.tenant in self.tenants.by_name:  # (not a tenant a reload removed)
             lengths = self.tenants.output_models[adm.tenant]
             feedback.learn_output(lengths, self.policy, adm.info.model, completion_tokens)

@@ -77,6 +77,8 @@ class Arrivals:
             c.pressures, t, now)
         if refusal is not None:
             return self._refuse_new(info, t.name, t.priority, refusal), None
+        if not info.retry_count:  # demand, whatever the layers below decide (a retry is the same again)
+            ms.demand.arrived_first(t.name, t.priority >= 0, now)  # type: ignore[union-attr]
         view = PoolView(ms.replicas, c.policy, now)  # type: ignore[union-attr]
         refusal = cheap_refusal(ms, t, info, c.gate, c.tenants.breakers[t.name], c.saturation, c.policy,
                                 self._acts_on_late(info.request_id), view,
@@ -125,6 +127,8 @@ class Arrivals:
             ms.cfg.max_model_len
         if ms.cfg.disaggregated:
             adm.mean_output = feedback.mean_output(lengths, c.policy, info.model, max_tokens)
+        if not info.retry_count:
+            ms.demand.sized(t.name, t.priority >= 0, info.prompt_tokens, now)
         ms.band_slos.note(adm, now)
         if ttft_left is not None and ttft_left <= 0:  # a retry past its first attempt's deadline
             refusal = deadlines.past_first_deadline(adm, t, c.policy, self.acts_on_late(adm),

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from bouncer.config import BouncerConfig, ModelConfig, Policy, StepTimeConfig
 from bouncer.core.agents.gate import AgentGate, NoAgents
 from bouncer.core.fleet.decode_room import DecodeLedger
+from bouncer.core.fleet.demand import Demand, DemandEstimate
 from bouncer.core.fleet.replica import ReplicaState
 from bouncer.core.flow.backlog import Backlog, BacklogStore
 from bouncer.core.flow.band_slos import BandSLOs
@@ -21,7 +24,7 @@ from bouncer.core.sharing.peers import FleetShares
 
 class ModelState:
     __slots__ = ("cfg", "flow", "draining", "looped_at", "replicas", "agents", "tpot_target", "band_slos",
-                 "backlog", "step_time", "learner", "ttft_margins", "standing")
+                 "backlog", "step_time", "learner", "ttft_margins", "standing", "demand")
 
     def __init__(self, cfg: ModelConfig, flow: FlowQueues, backlog: BacklogStore,
                  shares: FleetShares | None = None) -> None:
@@ -38,6 +41,7 @@ class ModelState:
         self.learner: StepTimeLearner | None = None  # the step-time fit its replicas share, when learned
         self.ttft_margins = TtftMargins()  # how far its TTFT predictions are off, per band
         self.standing = StandingQueues()  # which of its tenants' queues stand (sustained overload)
+        self.demand = Demand(cfg.demand.window_s)  # what arrives, for autoscalers
 
     def reconfigure(self, m: ModelConfig, config: BouncerConfig, fairness: FairnessPolicy, ordering: OrderingPolicy,
                     credit: CreditStore, agents: AgentGate, registry: dict[str, ReplicaState]) -> None:
@@ -54,6 +58,8 @@ class ModelState:
         if self.flow.ordering.name != ordering.name:
             self.flow.reorder(ordering)
         self.agents = agents
+        if m.demand.window_s != self.demand.window_s:
+            self.demand = Demand(m.demand.window_s)
         slos = [t.slo.tpot_s for t in config.tenants if t.slo.tpot_s and (not t.models or m.name in t.models)]
         self.tpot_target = min(slos) * p.tpot_guard_margin if slos else None
         self.sync_replicas(p, registry)
@@ -93,6 +99,29 @@ class ModelState:
                     # up; one still finishing work is forgotten at a later sync
                     del self.replicas[name]
                     registry.pop(name, None)
+
+    def demand_estimate(self, now: float, default_output: int, protected: bool = False,
+                        without_replicas: bool = False) -> DemandEstimate:
+        """The replicas its offered traffic needs (`bouncer.core.fleet.demand`), priced by its step
+        time: learned once warm, else the prior it learns from (a model scaled to zero has
+        served nothing yet, and its demand must still read above zero). `without_replicas`: it
+        has no replica that answers; then anything waiting needs one, however little it is (one
+        request held while the pool is at zero reads at least 1, for as long as it waits)."""
+        step = self.learner.model if self.learner is not None else None
+        if step is None:
+            given = self.cfg.step_time.mode == "given"
+            coefficients = self.cfg.step_time.coefficients((0.0,) * 5 if given else GENERIC_PRIOR)
+            step = StepTimeModel(*coefficients[:3], self.cfg.step_time.max_batched_tokens, *coefficients[3:])
+        sizes = [r.capacity_blocks * r.block_size for r in self.replicas.values()
+                 if r.capacity_blocks and not r.removed and r.role != "prefill"]
+        kv_tokens = sum(sizes) / len(sizes) if sizes else None
+        est = self.demand.estimate(now, step, self.cfg.demand.max_num_seqs, kv_tokens, self.tpot_target,
+                                   default_output, protected)
+        if without_replicas and est.replicas < 1:
+            waiting = sum(b.count for b in self.flow.bands_desc() if b.priority >= 0 or not protected)
+            if waiting:
+                return dataclasses.replace(est, replicas=1.0)
+        return est
 
 
 def _learner(step: StepTimeConfig) -> StepTimeLearner | None:

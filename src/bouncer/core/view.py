@@ -99,6 +99,10 @@ class CoreView:
                                        "tenants": {q.tenant: q.count for q in b.queues.values() if q.count}}
                           for b in ms.flow.bands_desc()},
                 "step_time": _step_time_snapshot(ms),
+                # the replicas its offered traffic needs, and the protected bands' alone (autoscaling)
+                "demand": {scope: ms.demand_estimate(now, core.policy.expected_output_default, scope == "protected",
+                                                     not view.any_usable()).as_dict()
+                           for scope in ("all", "protected")},
                 "ttft_margins": ms.ttft_margins.snapshot(),  # per band: observed/predicted TTFT, QUANTILE
                 "standing_queues": ms.standing.snapshot(now),  # (band, tenant) planned on standing_queue_share
                 "replicas": {r.name: _replica_snapshot(r, view, now) for r in ms.replicas.values()},

@@ -93,7 +93,32 @@ class _CoreCollector:
                                              "holding their slot only at other gateways.", labels=["model"])
         active_subagents = GaugeMetricFamily("bouncer_active_subagents", "Subagents (x-parent-session-id) active now, "
                                              "in their parents' slots.", labels=["model"])
+        demand = GaugeMetricFamily("bouncer_demand_replicas", "Replicas the model's offered traffic needs "
+                                   "(refused requests included, each counted once), from the step time: what an "
+                                   "autoscaler should provide; scope protected: the bands >= 0 alone. Sum over "
+                                   "gateways.", labels=["model", "scope"])
+        offered = GaugeMetricFamily("bouncer_demand_offered_rps", "First attempts per second reaching the model, "
+                                    "averaged over demand.window_s (the demand signal's rate).",
+                                    labels=["model", "scope"])
+        cost = GaugeMetricFamily("bouncer_demand_cost_seconds", "Engine-seconds one replica spends per request of "
+                                 "the offered mix, at full batch (the demand signal's price).",
+                                 labels=["model", "scope"])
+        batch = GaugeMetricFamily("bouncer_demand_batch", "The batch a replica runs at full load on the offered mix "
+                                  "(max_num_seqs, or what its KV cache or the TPOT SLO allows).",
+                                  labels=["model", "scope"])
+        mix = GaugeMetricFamily("bouncer_demand_tokens", "The offered mix's mean prompt and output tokens.",
+                                labels=["model", "scope", "kind"])
+        hits = GaugeMetricFamily("bouncer_demand_prefix_hit_rate", "Share of dispatched prompt tokens found in the "
+                                 "prefix cache (their prefill costs nothing).", labels=["model"])
         for name, ms in snap["models"].items():
+            for scope, est in ms["demand"].items():
+                demand.add_metric([name, scope], est["replicas"])
+                offered.add_metric([name, scope], est["offered_rps"])
+                cost.add_metric([name, scope], est["cost_s"])
+                batch.add_metric([name, scope], est["batch"])
+                mix.add_metric([name, scope, "prompt"], est["prompt_tokens"])
+                mix.add_metric([name, scope, "output"], est["output_tokens"])
+            hits.add_metric([name], ms["demand"]["all"]["prefix_hit_rate"])
             for band, b in ms["bands"].items():
                 depth.add_metric([name, str(band)], b["queued"])
                 queued_tokens.add_metric([name, str(band)], b["tokens"])
@@ -105,6 +130,7 @@ class _CoreCollector:
                 active_agents.add_metric([name], ms["agents"]["active"])
                 agents_elsewhere.add_metric([name], ms["agents"]["active_elsewhere"])
                 active_subagents.add_metric([name], ms["agents"]["subagents"])
+        yield from (demand, offered, cost, batch, mix, hits)
         yield depth
         yield queued_tokens
         yield sat

@@ -110,6 +110,7 @@ class GatewayPolicy(Protocol):
     def observe(self, replica: str, telemetry: Telemetry, now: float) -> list[PolicyEvent]: ...
     def kv_events(self, replica: str, stored: list[tuple[str, int]], removed: list[tuple[str, int]],
                   now: float) -> None: ...
+    def set_replicas(self, names: list[str], now: float) -> list[PolicyEvent]: ...  # replicas come and go
 
 
 @dataclass
@@ -185,14 +186,10 @@ class FleetSim:
         self.rng = random.Random(cfg.seed)
         # prefix-cache changes of the step in progress, per engine: (stored, removed) (medium, digest)
         self._kv_pending: dict[str, tuple[list, list]] = {name: ([], []) for name in replica_names}
-        offload = cfg.profile.offload_blocks(cfg.cpu_offload_gib) if cfg.cpu_offload_gib else 0
-        self.engines: dict[str, EngineModel] = {
-            name: EngineModel(cfg.profile, num_blocks=cfg.kv_blocks, max_num_seqs=cfg.max_num_seqs,
-                              policy=cfg.scheduling_policy, max_num_queued_reqs=cfg.max_num_queued_reqs,
-                              max_num_queued_tokens=cfg.max_num_queued_tokens,
-                              kv_event_sink=self._kv_sink(name) if cfg.kv_events else None,
-                              cpu_offload_blocks=offload)
-            for name in replica_names}
+        self.engines: dict[str, EngineModel] = {name: self._new_engine(name) for name in replica_names}
+        # engines taken out of the fleet (`retire`): finishing what they hold, then gone
+        self.retiring: set[str] = set()
+        self.retired: dict[str, EngineModel] = {}
         self._busy_until: dict[str, float | None] = dict.fromkeys(replica_names)
         self._heap: list[tuple] = []
         self._seq = itertools.count()
@@ -210,6 +207,44 @@ class FleetSim:
         self._sample_every = 1.0
         self._on_record = None  # the flight recorder's hook (`record`)
         self._record_every = 0.0
+
+    def _new_engine(self, name: str) -> EngineModel:
+        cfg = self.cfg
+        offload = cfg.profile.offload_blocks(cfg.cpu_offload_gib) if cfg.cpu_offload_gib else 0
+        return EngineModel(cfg.profile, num_blocks=cfg.kv_blocks, max_num_seqs=cfg.max_num_seqs,
+                           policy=cfg.scheduling_policy, max_num_queued_reqs=cfg.max_num_queued_reqs,
+                           max_num_queued_tokens=cfg.max_num_queued_tokens,
+                           kv_event_sink=self._kv_sink(name) if cfg.kv_events else None, cpu_offload_blocks=offload)
+
+    # -- engines that come and go (`bouncer.sim.provisioner`) -----------------------------------
+    def add_engine(self, name: str, now: float) -> None:
+        """A new replica (colocated) is ready: scraped from now on, and the gateway told."""
+        if name in self.engines or name in self.retired:
+            raise ValueError(f"engine {name} exists already")
+        self.roles[name] = "both"
+        self._kv_pending[name] = ([], [])
+        self.engines[name] = self._new_engine(name)
+        self._busy_until[name] = None
+        self._apply(self.policy.set_replicas(self.serving(), now), now)
+        self._scrape(name, now)
+
+    def retire(self, name: str, now: float) -> None:
+        """Take a replica out: the gateway sends it nothing new; it finishes what it holds (a
+        pod's graceful stop) and is gone once empty."""
+        self.retiring.add(name)
+        self._apply(self.policy.set_replicas(self.serving(), now), now)
+        self._maybe_gone(name)
+
+    def serving(self) -> list[str]:
+        """The replicas the gateway may send to."""
+        return [n for n in self.engines if n not in self.retiring]
+
+    def _maybe_gone(self, name: str) -> None:
+        e = self.engines.get(name)
+        if name in self.retiring and e is not None and not e.num_running and not e.num_waiting \
+                and self._busy_until[name] is None:
+            self.retired[name] = self.engines.pop(name)
+            self.retiring.discard(name)
 
     def record(self, every_s: float, on_record) -> None:
         """Call `on_record(now)` every `every_s` of simulated time from the start until the last
@@ -242,9 +277,10 @@ class FleetSim:
         self._sample_every = sample_every_s
         self._push(0.0, _SAMPLE, None)
         now = self._loop(math.inf)
-        counters = [e.counters for e in self.engines.values()]
+        engines = {**self.retired, **self.engines}
+        counters = [e.counters for e in engines.values()]
         # prefix caching is the prompt computers' (a decode worker receives whole prompts)
-        prefilling = [e.counters for name, e in self.engines.items() if self.roles[name] != "decode"]
+        prefilling = [e.counters for name, e in engines.items() if self.roles[name] != "decode"]
         return FleetResult(requests, now, time.perf_counter() - wall0, self.refused_by_reason, self.attempts,
                            sum(c.num_preemptions for c in counters), sum(c.prefix_cache_queries for c in prefilling),
                            sum(c.prefix_cache_hits + c.external_prefix_cache_hits for c in prefilling),
@@ -319,7 +355,8 @@ class FleetSim:
                 self._step_end(data, now)
             elif kind == _TELEMETRY:
                 name, sample = data
-                self._apply(self.policy.observe(name, sample, now), now)
+                if name in self.engines:
+                    self._apply(self.policy.observe(name, sample, now), now)
             elif kind == _SCRAPE:
                 self._scrape(data, now)
             elif kind == _TICK:
@@ -510,11 +547,14 @@ class FleetSim:
                 self._on_done(req, now)
         self._busy_until[name] = None
         stored, removed = self._kv_pending[name]
+        if self.retiring:
+            self._maybe_gone(name)
         if stored or removed:  # published after the step, as vLLM does
             self._push(now + self.cfg.kv_events_delay_s, _KV, (name, stored[:], removed[:]))
             stored.clear()
             removed.clear()
-        self._start_step(name, now)
+        if name in self.engines:
+            self._start_step(name, now)
         self._apply(events, now)
 
     def _telemetry(self, name: str, now: float) -> Telemetry:
@@ -525,11 +565,13 @@ class FleetSim:
                          preemptions=e.counters.num_preemptions)
 
     def _scrape(self, name: str, now: float) -> None:
+        if name not in self.engines:
+            return  # retired
         self._push(now + self.cfg.telemetry_delay_s, _TELEMETRY, (name, self._telemetry(name, now)))
         self._push(now + self.cfg.scrape_interval_s, _SCRAPE, name)
 
     def _sample(self, now: float) -> None:
-        usage = [e.kv_usage for e in self.engines.values()]
+        usage = [e.kv_usage for e in self.engines.values()] or [0.0]
         mean = sum(usage) / len(usage)
         if self.cfg.decode_replicas:
             sample = {}

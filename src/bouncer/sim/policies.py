@@ -56,6 +56,8 @@ class CorePolicy:
         # several gateways sharing state (`sim.gateways`): a dispatch's claim, checked there
         # (None: it holds; else the blocks the others hold on its replica)
         self.claimer: Callable[[str, Claim], int | None] | None = None
+        # what a replica found later looks like (`set_replicas`): the config's first backend
+        self._template = config.models[0].backends[0]
 
     @property
     def replica_names(self) -> list[str]:
@@ -127,6 +129,13 @@ class CorePolicy:
     def kv_events(self, replica: str, stored: list[tuple[str, int]], removed: list[tuple[str, int]],
                   now: float) -> None:
         self.core.kv_digests(replica, stored, removed, now)
+
+    def set_replicas(self, names: list[str], now: float) -> list[PolicyEvent]:
+        """The replicas there are now (a provisioner's), found as discovery finds them: like the
+        ones the config listed, under these names."""
+        model = self.core.config.models[0]
+        backends = [self._template.model_copy(update={"name": n, "url": f"http://sim-{n}"}) for n in names]
+        return self._convert(self.core.set_backends(model.with_backends(backends), now), now)
 
     def peers(self, others: list[GatewayShare], now: float) -> list[PolicyEvent]:
         """Several gateways (`bouncer.sim.gateways`): the others' parts of the shared state."""
@@ -201,8 +210,11 @@ class NoAdmission(_Passthrough):
         adm = Admission(RequestInfo(req.attempt_id, None, SIM_MODEL, req.prompt_len, req.max_tokens,
                                     block_digests=req.block_digests),
                         req.tenant, req.priority, req.max_tokens, req.output_len, now, math.inf, None)
-        cached = {name: cached_tokens(r, adm, now) for name, r in self.fleet.items()}
-        r = self.router.choose(adm, list(self.fleet.values()), PoolView(self.fleet, None, now), self.PREFILL_SCALE,
+        serving = {name: r for name, r in self.fleet.items() if not r.removed}
+        if not serving:  # scaled to zero: no engine to queue at
+            return [Refused(req.attempt_id, 503, "gateway/no_backend", None)]
+        cached = {name: cached_tokens(r, adm, now) for name, r in serving.items()}
+        r = self.router.choose(adm, list(serving.values()), PoolView(serving, None, now), self.PREFILL_SCALE,
                                [], cached)
         blocks_and_prefill(adm, r, cached)
         r.prefix.record(req.block_digests, now)
@@ -228,6 +240,21 @@ class NoAdmission(_Passthrough):
 
     def kv_events(self, replica, stored, removed, now):
         self.fleet[replica].prefix.apply_digests(stored, removed, now)
+
+    def set_replicas(self, names: list[str], now: float) -> list[PolicyEvent]:
+        """New replicas get work from now on; a replica gone gets nothing new (what it holds
+        finishes there, its accounting kept until then)."""
+        template = next(iter(self.fleet.values()), None)
+        for name in names:
+            if name not in self.fleet:
+                r = self.fleet[name] = ReplicaState(name, SIM_MODEL, None, template.configured_blocks if template
+                                                    else None, template.block_size if template else 16)
+                r.offload_blocks = template.offload_blocks if template else 0
+                r.sync_capacity()
+        for name, r in self.fleet.items():
+            r.removed = name not in names
+        self.replica_names = list(names)
+        return []
 
 
 class VllmQueueCap(NoAdmission):
@@ -338,17 +365,19 @@ def tenant_config(name: str, priority: int, weight: float = 1.0, **kw) -> dict:
 
 
 def core_config(tenants: list[dict], replicas: int | dict[str, str], kv_blocks: int, block_size: int,
-                max_model_len: int, policy: dict, offload_blocks: int = 0, step_time: dict | None = None
-                ) -> BouncerConfig:
+                max_model_len: int, policy: dict, offload_blocks: int = 0, step_time: dict | None = None,
+                max_num_seqs: int | None = None) -> BouncerConfig:
     """`replicas`: how many (colocated, named r0...), or each one's name and role
     (`FleetConfig.roles`); `step_time`: the models' step_time config (a profile's
     `step_time_config` states it as given; without it, latency prediction is off: the baselines
-    that use the core predict none)."""
+    that use the core predict none); `max_num_seqs`: the engines', as an operator states it for the
+    demand signal."""
     roles = replicas if isinstance(replicas, dict) else {f"r{i}": "both" for i in range(replicas)}
     return parse_config({
         "tenants": tenants,
         "models": [{"name": SIM_MODEL, "max_model_len": max_model_len, "block_size": block_size,
                     "step_time": step_time or {"mode": "off"},
+                    **({"demand": {"max_num_seqs": max_num_seqs}} if max_num_seqs else {}),
                     "backends": [{"url": f"http://sim-{name}", "name": name, "kv_blocks": kv_blocks,
                                   "kv_offload_blocks": offload_blocks, "role": role}
                                  for name, role in roles.items()]}],

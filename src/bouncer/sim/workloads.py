@@ -10,9 +10,10 @@ further time-shifted copies of the same trace for their window.
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from bouncer.sim.fleet import FleetConfig, FleetSim, SimRequest
@@ -86,16 +87,43 @@ def make_requests(tenants: list[TenantSpec], traces: dict[str, Sequence[TraceReq
                 arrivals += _scaled_arrivals(trace, rate * (extra - copies), b.start_s, min(b.end_s, duration_s),
                                              rng.randrange(len(trace)))
         for t, tr in arrivals:
-            prompt = max(tr.prompt_len, spec.min_prompt or 0)
-            out.append(SimRequest(
-                rid=f"{spec.name}-{len(out)}", tenant=spec.name, priority=spec.priority, arrival=t,
-                prompt_len=prompt, output_len=max(1, min(tr.output_len, spec.max_tokens)),
-                max_tokens=spec.max_tokens,
-                block_digests=tr.block_digests if prompt == tr.prompt_len else [],
-                ttft_slo=spec.ttft_slo, tpot_slo=spec.tpot_slo, timeout_s=spec.timeout_s,
-                max_retries=spec.max_retries))
+            out.append(_request(spec, tr, f"{spec.name}-{len(out)}", t))
     out.sort(key=lambda r: r.arrival)
     return out
+
+
+def steady_requests(tenants: list[TenantSpec], traces: dict[str, Sequence[TraceRequest]], total_rate: float,
+                    duration_s: float, seed: int, shape: Callable[[float], float] | None = None,
+                    peak: float = 1.0) -> list[SimRequest]:
+    """A steady load: Poisson arrivals at `total_rate`, each request drawn at random from its
+    tenant's trace (tenants by share; bursts left out), where `make_requests` keeps each trace's
+    own arrival pattern. `shape(t)`: a rate that changes, `total_rate x shape(t)`, at most
+    `peak` x it (drawn at the peak rate, each kept with probability shape(t) / peak)."""
+    rng = random.Random(seed)
+    cum = list(itertools.accumulate(t.share for t in tenants))
+    out: list[SimRequest] = []
+    top = total_rate * (peak if shape else 1.0)
+    t = rng.expovariate(top) if top > 0 else duration_s
+    while t < duration_s:
+        keep = shape is None or rng.random() * peak < shape(t)
+        spec = tenants[min(bisect.bisect(cum, rng.random() * cum[-1]), len(tenants) - 1)]
+        trace = traces[spec.trace]
+        request = trace[rng.randrange(len(trace))]
+        if keep:
+            out.append(_request(spec, request, f"{spec.name}-{len(out)}", t))
+        t += rng.expovariate(top)
+    return out
+
+
+def _request(spec: TenantSpec, tr: TraceRequest, rid: str, arrival: float) -> SimRequest:
+    prompt = max(tr.prompt_len, spec.min_prompt or 0)
+    return SimRequest(
+        rid=rid, tenant=spec.name, priority=spec.priority, arrival=arrival,
+        prompt_len=prompt, output_len=max(1, min(tr.output_len, spec.max_tokens)),
+        max_tokens=spec.max_tokens,
+        block_digests=tr.block_digests if prompt == tr.prompt_len else [],
+        ttft_slo=spec.ttft_slo, tpot_slo=spec.tpot_slo, timeout_s=spec.timeout_s,
+        max_retries=spec.max_retries)
 
 
 def measure_capacity(cfg: FleetConfig, policy_factory, tenants: list[TenantSpec],

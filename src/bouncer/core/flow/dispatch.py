@@ -173,6 +173,7 @@ def grant(adm: Admission, replica: ReplicaState, cached: dict[str, int], ms: Mod
     this gateway logs the blocks it is first to send there, while it shares state."""
     finaliser.dispatched(adm, ms.flow, now)
     blocks_and_prefill(adm, replica, cached)
+    ms.demand.dispatched(adm.info.prompt_tokens, adm.prefill_tokens, now)
     feedback.at_dispatch(adm, replica, now)
     digests = adm.info.block_digests
     held = adm.first_new_block = replica.prefix.record(digests, now)
