@@ -12,6 +12,7 @@ import pytest
 from bouncer.bench.demand import WITHIN, measure
 from bouncer.core.fleet.demand import Demand
 from bouncer.core.learning.step_time import StepTimeModel
+from bouncer.core.model_state import WAITING_FLOOR
 from core_helpers import info, make_core, rejected, tenant
 
 STEP = StepTimeModel(a=0.01, b=3e-5, c=5e-8, max_batched_tokens=8192, d=1e-9)
@@ -98,9 +99,10 @@ def test_before_any_answer_the_default_output_prices_it_and_a_single_arrival_rea
     assert est.output_tokens == 512 and est.replicas > 0 and math.isfinite(est.replicas)
 
 
-def test_a_request_held_while_the_pool_is_at_zero_reads_one_replica_for_as_long_as_it_waits():
-    """Scaled to zero: one request held for a replica asks for one, not for the sliver of a
-    replica its arrival rate is worth (an autoscaler polling every 15 s must not miss it)."""
+def test_a_request_held_while_the_pool_is_at_zero_asks_for_a_replica_for_as_long_as_it_waits():
+    """Scaled to zero: one request held for a replica asks for one (0.5: one at a target of 0.5
+    to 1 per replica), not for the sliver of a replica its arrival rate is worth (an autoscaler
+    polling every 15 s must not miss it)."""
     core = make_core(replicas=1, model={"hold_without_replicas_s": 120}, tenants=[tenant("a"), tenant("low", -1)])
     core.set_backends(core.config.models[0].with_backends([]), 0.0)
     assert core.snapshot(0.0)["models"]["m"]["demand"]["all"]["replicas"] == 0
@@ -110,7 +112,7 @@ def test_a_request_held_while_the_pool_is_at_zero_reads_one_replica_for_as_long_
     assert not core.offer(info("a", prompt=100), now=1.0)  # held
     for t in (2.0, 60.0, 120.0):
         demand = core.snapshot(t)["models"]["m"]["demand"]
-        assert demand["all"]["replicas"] == demand["protected"]["replicas"] == 1
+        assert demand["all"]["replicas"] == demand["protected"]["replicas"] == WAITING_FLOOR
     assert rejected(core.tick(122.0))  # past its hold: refused, and nothing waits
     assert core.snapshot(122.0)["models"]["m"]["demand"]["all"]["replicas"] < 0.1
 

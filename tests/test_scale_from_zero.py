@@ -61,7 +61,7 @@ def test_the_first_request_waits_for_a_replica_to_start_and_is_served(tmp_path, 
         poll_until(lambda: _queued(base) == 1, timeout=10, what="the request held")
         time.sleep(3)  # longer than the tenant's TTL: held all the same
         assert first.is_alive() and not answers
-        assert _demand(base) == 1  # the demand signal asks for a replica while it waits
+        assert _demand(base) == 0.5  # the demand signal asks for a replica while it waits
         engine = EngineProcess()  # the replica the autoscaler started
         found.write_text(f"['{engine.url}']\n")
         first.join(60)

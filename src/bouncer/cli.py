@@ -376,6 +376,14 @@ def cmd_bench_autoscaling(args) -> None:
     autoscaling(args.scenario, args.admission, args.signal, args.startup, args.seed, args.out)
 
 
+def cmd_bench_provisioner(args) -> None:
+    from bouncer.bench.live_provisioner import run
+
+    engine_args = args.engine_args[1:] if args.engine_args[:1] == ["--"] else args.engine_args
+    run(args.metrics, args.model, args.file, engine_args, args.scope, args.target, args.min, args.max, args.startup,
+        args.interval, args.window, args.scale_down_window, args.drain, args.duration)
+
+
 def cmd_bench_live(args) -> None:
     try:
         import openai  # noqa: F401 (the clients it drives the gateway with)
@@ -598,6 +606,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="write the result JSON (with each run's autoscaler history)")
     p.set_defaults(func=cmd_bench_autoscaling)
+
+    p = bench.add_parser("provisioner", help="a stand-in for KEDA: starts and stops `bouncer engine` replicas on "
+                                             "the gateways' demand gauge, listing them in a discovery file")
+    p.add_argument("--metrics", nargs="+", required=True, metavar="URL", help="each gateway's /metrics URL")
+    p.add_argument("--model", required=True)
+    p.add_argument("--file", required=True, help="the discovery file the gateways watch (models[].discovery.file)")
+    p.add_argument("--scope", choices=("all", "protected"), default="all")
+    p.add_argument("--target", type=float, default=0.8, help="demand per replica (KEDA's threshold)")
+    p.add_argument("--min", type=int, default=0, help="fewest replicas (0: scale to zero)")
+    p.add_argument("--max", type=int, default=4)
+    p.add_argument("--startup", type=float, default=10.0, help="seconds from asking for a replica to starting it")
+    p.add_argument("--interval", type=float, default=2.0, help="seconds between decisions")
+    p.add_argument("--window", type=float, default=10.0, help="seconds the gauge is averaged over")
+    p.add_argument("--scale-down-window", type=float, default=30.0, help="the HPA's scale-down stabilisation")
+    p.add_argument("--drain", type=float, default=30.0, help="longest a replica taken out finishes its requests")
+    p.add_argument("--duration", type=float, default=300.0, help="seconds before it stops (and its engines)")
+    p.add_argument("engine_args", nargs=argparse.REMAINDER, help="-- then the `bouncer engine` arguments")
+    p.set_defaults(func=cmd_bench_provisioner)
 
     p = bench.add_parser("live", help="Bouncer in real time in front of `bouncer engine` processes, beside the same "
                                       "traffic straight to the engines and the simulator's prediction of both")

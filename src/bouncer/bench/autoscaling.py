@@ -36,7 +36,6 @@ import dataclasses
 import json
 import statistics
 import time
-from collections import deque
 from collections.abc import Callable
 
 from bouncer.bench.goodput import fleet_capacity, fleet_config, make_policy, within_slo
@@ -44,7 +43,7 @@ from bouncer.core.fleet.demand import Demand
 from bouncer.core.learning.step_time import StepTimeModel
 from bouncer.sim.fleet import FleetSim, SimRequest
 from bouncer.sim.profiles import DEFAULT_PROFILE
-from bouncer.sim.provisioner import Provisioner, Signal
+from bouncer.sim.provisioner import Averaged, Provisioner, Signal
 from bouncer.sim.scenarios import AZURE_CONV, get_scenario
 from bouncer.sim.traces import load_trace
 from bouncer.sim.workloads import TenantSpec, steady_requests
@@ -115,20 +114,6 @@ class _Observed:
 _BANDS = {t.name: t.priority for t in [*TENANTS, HOG]}
 
 
-class _Averaged:
-    """A gauge as `avg_over_time(...[window])` reads it: the mean of its samples in the window."""
-
-    def __init__(self, window_s: float, read: Callable[[float], float]) -> None:
-        self.window_s, self.read = window_s, read
-        self.samples: deque = deque()
-
-    def __call__(self, fleet: FleetSim, now: float) -> float:
-        self.samples.append((now, self.read(now)))
-        while self.samples[0][0] < now - self.window_s:
-            self.samples.popleft()
-        return statistics.fmean(v for _, v in self.samples)
-
-
 def _signal(kind: str, policy, profile, startup_s: float) -> Signal:
     if kind == "waiting":
         return Signal(kind, lambda fleet, now: float(sum(fleet.engines[n].num_waiting for n in fleet.serving())),
@@ -152,7 +137,7 @@ def _signal(kind: str, policy, profile, startup_s: float) -> Signal:
         def read(now: float) -> float:
             without = not any(not r.removed and r.healthy for r in ms.replicas.values())
             return ms.demand_estimate(now, default_output, protected, without).replicas
-    return Signal(kind, _Averaged(startup_s, read), DEMAND_TARGET)
+    return Signal(kind, Averaged(startup_s, read), DEMAND_TARGET)
 
 
 def run(scenario: str | Workload, admission: str, signal: str, startup_s: float = 300.0, seed: int = 0) -> dict:

@@ -21,6 +21,11 @@ from bouncer.core.learning.step_time_learner import GENERIC_PRIOR, StepTimeLearn
 from bouncer.core.learning.ttft_margin import TtftMargins
 from bouncer.core.sharing.peers import FleetShares
 
+# What a model with no replica reads while requests wait for one: enough for an autoscaler's
+# target of 0.5-1 demand per replica to ask for one (ceil(0.5 / target) = 1), not two (a held
+# request read as 1.0 asked a 0.8 target for 2)
+WAITING_FLOOR = 0.5
+
 
 class ModelState:
     __slots__ = ("cfg", "flow", "draining", "looped_at", "replicas", "agents", "tpot_target", "band_slos",
@@ -105,8 +110,8 @@ class ModelState:
         """The replicas its offered traffic needs (`bouncer.core.fleet.demand`), priced by its step
         time: learned once warm, else the prior it learns from (a model scaled to zero has
         served nothing yet, and its demand must still read above zero). `without_replicas`: it
-        has no replica that answers; then anything waiting needs one, however little it is (one
-        request held while the pool is at zero reads at least 1, for as long as it waits)."""
+        has no replica that answers; then anything waiting needs one, however little it is: it
+        reads at least `WAITING_FLOOR` for as long as anything waits."""
         step = self.learner.model if self.learner is not None else None
         if step is None:
             given = self.cfg.step_time.mode == "given"
@@ -117,10 +122,10 @@ class ModelState:
         kv_tokens = sum(sizes) / len(sizes) if sizes else None
         est = self.demand.estimate(now, step, self.cfg.demand.max_num_seqs, kv_tokens, self.tpot_target,
                                    default_output, protected)
-        if without_replicas and est.replicas < 1:
+        if without_replicas and est.replicas < WAITING_FLOOR:
             waiting = sum(b.count for b in self.flow.bands_desc() if b.priority >= 0 or not protected)
             if waiting:
-                return dataclasses.replace(est, replicas=1.0)
+                return dataclasses.replace(est, replicas=WAITING_FLOOR)
         return est
 
 

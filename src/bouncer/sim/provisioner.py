@@ -1,4 +1,4 @@
-"""An autoscaler in virtual time: replicas asked for on a signal, ready minutes later.
+"""An autoscaler: replicas asked for on a signal, ready minutes later.
 
 What a Kubernetes HorizontalPodAutoscaler (or KEDA, which drives one) does with a metric, as
 `autoscaling/v2` computes it every `interval_s` (15 s):
@@ -14,6 +14,9 @@ What a Kubernetes HorizontalPodAutoscaler (or KEDA, which drives one) does with 
 A replica asked for is paid from that moment and serves `startup_s` later (driver, weights,
 health checks: 5 minutes by default); one taken away finishes what it holds (`FleetSim.retire`)
 and is paid until it is empty. `replica_seconds` is the bill.
+
+It drives any `Fleet`: the simulator's (`FleetSim`, in virtual time) or real `bouncer engine`
+processes (`bouncer.bench.live_provisioner`, in real time).
 """
 
 from __future__ import annotations
@@ -22,11 +25,33 @@ import math
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-
-from bouncer.sim.fleet import FleetSim
+from typing import Protocol
 
 TOLERANCE = 0.1  # the HPA's: a ratio within 10% of 1 changes nothing
 SCALE_UP_PODS = 4  # the HPA's default scale-up policy: max(100%, 4 pods) per period
+
+
+class Fleet(Protocol):
+    engines: dict  # every replica still running: serving, or finishing after being taken out
+
+    def serving(self) -> list[str]: ...
+    def add_engine(self, name: str, now: float) -> None: ...
+    def retire(self, name: str, now: float) -> None: ...
+
+
+class Averaged:
+    """A gauge as Prometheus' `avg_over_time(...[window])` reads it: the mean of its samples in
+    the window, each taken when the autoscaler asks."""
+
+    def __init__(self, window_s: float, read: Callable[[float], float]) -> None:
+        self.window_s, self.read = window_s, read
+        self.samples: deque = deque()
+
+    def __call__(self, fleet: Fleet, now: float) -> float:
+        self.samples.append((now, self.read(now)))
+        while self.samples[0][0] < now - self.window_s:
+            self.samples.popleft()
+        return sum(v for _, v in self.samples) / len(self.samples)
 
 
 @dataclass(frozen=True)
@@ -36,7 +61,7 @@ class Signal:
     ceil(ready x mean / target))."""
 
     name: str
-    read: Callable[[FleetSim, float], float]
+    read: Callable[[Fleet, float], float]
     target: float
     kind: str = "total"
 
@@ -58,7 +83,7 @@ class Provisioner:
     _last: float | None = None
     _due: float = 0.0
 
-    def step(self, fleet: FleetSim, now: float) -> None:
+    def step(self, fleet: Fleet, now: float) -> None:
         """Called often (every few simulated seconds): replicas whose start-up is over join the
         fleet, the bill runs, and every `interval_s` the autoscaler decides."""
         if self._last is not None:
@@ -104,7 +129,7 @@ class Provisioner:
             return base
         return math.ceil(max(ready, 1) * ratio - 1e-9)
 
-    def _take_one(self, fleet: FleetSim, now: float) -> None:
+    def _take_one(self, fleet: Fleet, now: float) -> None:
         """A replica still starting goes first (the newest); else the newest serving one."""
         if self._starting:
             self._starting.pop()
@@ -113,6 +138,6 @@ class Provisioner:
         if serving:
             fleet.retire(serving[-1], now)
 
-    def paid(self, fleet: FleetSim) -> int:
+    def paid(self, fleet: Fleet) -> int:
         """Replicas paid for now: serving, finishing after being taken out, and starting."""
         return len(fleet.engines) + len(self._starting)
