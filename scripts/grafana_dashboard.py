@@ -59,6 +59,14 @@ ROWS = [
         ("Agent window", "short",
          [(f"bouncer_agent_window{{{M}}}", "window"), (f"bouncer_active_agents{{{M}}}", "active agents"),
           (f"bouncer_active_subagents{{{M}}}", "active subagents")], ""),
+        ("Demand: the replicas the traffic needs", "short",
+         [(f"sum by (model, scope) (bouncer_demand_replicas{{{M}}})", "{{model}} {{scope}}")],
+         "What an autoscaler should provide (refused requests included), summed over the gateways; "
+         "scope protected: the bands >= 0 alone (docs/operations/autoscaling.md)."),
+        ("Demand's inputs: offered rate and cost per request", "short",
+         [(f'sum by (model) (bouncer_demand_offered_rps{{{M},scope="all"}})', "{{model}} first attempts/s"),
+          (f'max by (model) (bouncer_demand_cost_seconds{{{M},scope="all"}})', "{{model}} engine-s per request")],
+         ""),
     ]),
     ("Engines", [
         ("KV usage per replica", "percentunit",

@@ -21,7 +21,9 @@ Scenarios (requests of the Azure conversation trace, Poisson arrivals; a replica
   protected band steady); 40 minutes;
 - `growth`: from 0.8 replicas' worth, growing 5% a day for 30 days compressed into an hour;
 - `hog`: 1.2 replicas' worth, and from 10 to 30 minutes a sheddable tenant sending 3 replicas'
-  worth more; 40 minutes.
+  worth more; 40 minutes;
+- `swap`: 1.2 replicas' worth on 2, and at 15 minutes a new model version rolled out one replica
+  at a time (each drained, reloaded for the start-up time, back: `RollingSwap`); 50 minutes.
 
 Tenants: `interactive` (band 10, TTFT 1 s, TPOT 0.1 s: the protected band), `standard` (band 0,
 TTFT 5 s) and `batch` (band -1, TTFT 30 s, sheddable). Reported: goodput (completed within SLO,
@@ -48,7 +50,7 @@ from bouncer.sim.scenarios import AZURE_CONV, get_scenario
 from bouncer.sim.traces import load_trace
 from bouncer.sim.workloads import TenantSpec, steady_requests
 
-SCENARIOS = ("burst", "growth", "hog")
+SCENARIOS = ("burst", "growth", "hog", "swap")
 SIGNALS = ("waiting", "kv", "demand", "demand-protected")
 ADMISSIONS = ("none", "bouncer")
 STEP_S = 5.0  # how often the provisioner looks (it decides every interval_s)
@@ -75,6 +77,7 @@ class Workload:
     peak: float
     hog: tuple[float, float, float] | None = None  # (from, to, replicas' worth)
     burst: tuple[float, float] | None = None  # (from, to): the protected band stays steady through it
+    swap_at: float | None = None  # a new model version rolled out from then (`RollingSwap`)
 
 
 def workload(name: str) -> Workload:
@@ -85,7 +88,49 @@ def workload(name: str) -> Workload:
         return Workload(name, duration, 1, 0.8, lambda t: 1.05 ** (days * t / duration), 1.05 ** days)
     if name == "hog":
         return Workload(name, 2400.0, 2, 1.2, lambda t: 1.0, 1.0, hog=(600.0, 1800.0, 3.0))
+    if name == "swap":
+        return Workload(name, 3000.0, 2, 1.2, lambda t: 1.0, 1.0, swap_at=900.0)
     raise ValueError(f"unknown autoscaling scenario {name!r}; known: {', '.join(SCENARIOS)}")
+
+
+class RollingSwap:
+    """A new model version rolled out as a GPU-bound Deployment does it (maxSurge 0,
+    maxUnavailable 1: no spare GPU to start the new one beside the old): from `at`, one replica
+    at a time is taken out (it finishes what it holds, gets nothing new: drained), reloads for
+    `startup_s`, and comes back as a new replica; then the next. Replicas the autoscaler adds
+    meanwhile start with the new version. Its reloading replica is paid (`replica_seconds`)."""
+
+    def __init__(self, at: float, startup_s: float) -> None:
+        self.at, self.startup_s = at, startup_s
+        self.old: list[str] | None = None  # what is left to replace
+        self.current: str | None = None  # being drained, then reloaded
+        self.ready_at: float | None = None
+        self.done_at: float | None = None
+        self.replica_seconds = 0.0
+        self._last: float | None = None
+        self._n = 0
+
+    def step(self, fleet: FleetSim, now: float) -> None:
+        if self._last is not None and self.ready_at is not None:
+            self.replica_seconds += now - self._last  # reloading: its GPU held, serving nothing
+        self._last = now
+        if now < self.at or self.done_at is not None:
+            return
+        if self.old is None:
+            self.old = list(fleet.serving())
+        if self.current is None:
+            self.old = [n for n in self.old if n in fleet.serving()]  # (the autoscaler may have taken some)
+            if not self.old:
+                self.done_at = now
+                return
+            self.current = self.old.pop(0)
+            fleet.retire(self.current, now)
+        if self.ready_at is None and self.current not in fleet.engines:  # drained
+            self.ready_at = now + self.startup_s
+        if self.ready_at is not None and now >= self.ready_at:
+            fleet.add_engine(f"v2-{self._n}", now)
+            self._n += 1
+            self.current = self.ready_at = None
 
 
 class _Observed:
@@ -168,11 +213,22 @@ def run(scenario: str | Workload, admission: str, signal: str, startup_s: float 
     fleet = FleetSim(cfg, policy, policy.replica_names)
     provisioner = Provisioner(_signal(signal, policy, cfg.profile, startup_s), min_replicas=1, max_replicas=16,
                               startup_s=startup_s)
-    fleet.record(STEP_S, lambda now: provisioner.step(fleet, now))
+    swap = RollingSwap(w.swap_at, startup_s) if w.swap_at is not None else None
+
+    def step(now: float) -> None:
+        provisioner.step(fleet, now)
+        if swap is not None:
+            swap.step(fleet, now)
+    fleet.record(STEP_S, step)
     started = time.perf_counter()
     result = fleet.run(requests)
-    return summarize(w, admission, signal, startup_s, capacity, requests, provisioner,
-                     time.perf_counter() - started, result.lost)
+    out = summarize(w, admission, signal, startup_s, capacity, requests, provisioner,
+                    time.perf_counter() - started, result.lost)
+    if swap is not None:
+        out["replica_minutes"] = round(out["replica_minutes"] + swap.replica_seconds / 60, 1)
+        done = None if swap.done_at is None else round(swap.done_at - w.swap_at)
+        out["swap"] = {"from": w.swap_at, "done_after_s": done}
+    return out
 
 
 def summarize(w: Workload, admission: str, signal: str, startup_s: float, capacity: float,
