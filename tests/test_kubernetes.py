@@ -186,11 +186,12 @@ def test_keda_scales_the_engines_from_zero_on_the_demand_gauge(tmp_path):
     (trigger,) = scaled["triggers"]
     assert trigger["type"] == "prometheus" and trigger["metricType"] == "AverageValue"
     query = trigger["metadata"]["query"]
-    assert query == f'sum(bouncer_demand_replicas{{model="{model["name"]}",scope="all"}})'
+    assert query == f'sum(avg_over_time(bouncer_demand_replicas{{model="{model["name"]}",scope="all"}}[5m]))'
     assert "bouncer_demand_replicas" in _exported_metrics()
     _promql_is_valid(query, tmp_path)
-    # one request's demand wakes it; a replica is planned below its full batch
-    assert 0 < float(trigger["metadata"]["activationThreshold"]) < 0.03
+    # a request held at zero (the gauge at 0.5) wakes it at the first scrape that sees it, averaged
+    # with 5 minutes of zeros scraped every 15 s; a replica is planned below its full batch
+    assert 0 < float(trigger["metadata"]["activationThreshold"]) < 0.5 / (300 / 15)
     assert 0.5 <= float(trigger["metadata"]["threshold"]) <= 1
 
 
