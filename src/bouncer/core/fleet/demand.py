@@ -24,8 +24,10 @@ The mix is kept per tenant (and band: protected or not), since what is refused i
 sample of what arrives (a flooding tenant is turned away at the door before its prompts are
 counted): each tenant's arrivals are priced at its own prompts (those tokenized) and its own
 answers' lengths (o, o^2 of its completed requests; a tenant with none yet is priced at the
-model's), and E[(p + o/2) o] is taken as E[p] E[o] + E[o^2] / 2. Every sum is exponentially
-weighted over `window_s`, which is what keeps the signal from flapping. `protected` prices the
+model's), and E[(p + o/2) o] is taken as E[p] E[o] + E[o^2] / 2. Arrivals are exponentially
+weighted over `window_s`, which is what keeps the signal from flapping; a tenant's prompts and
+answers over its last requests (weights halving every `HALF_LIFE`), so what it looks like stays
+known while it is refused. `protected` prices the
 bands >= 0 alone (what the non-sheddable traffic needs, refusals of sheddable bands aside).
 Each gateway counts its own arrivals: with several, the fleet's demand is the sum of theirs.
 
