@@ -13,7 +13,7 @@ from bouncer.bench.demand import WITHIN, measure
 from bouncer.core.fleet.demand import Demand
 from bouncer.core.learning.step_time import StepTimeModel
 from bouncer.core.model_state import WAITING_FLOOR
-from core_helpers import info, make_core, rejected, tenant
+from core_helpers import dispatched, info, make_core, observe_idle, rejected, tenant
 
 STEP = StepTimeModel(a=0.01, b=3e-5, c=5e-8, max_batched_tokens=8192, d=1e-9)
 
@@ -106,15 +106,27 @@ def test_a_request_held_while_the_pool_is_at_zero_asks_for_a_replica_for_as_long
     core = make_core(replicas=1, model={"hold_without_replicas_s": 120}, tenants=[tenant("a"), tenant("low", -1)])
     core.set_backends(core.config.models[0].with_backends([]), 0.0)
     assert core.snapshot(0.0)["models"]["m"]["demand"]["all"]["replicas"] == 0
-    assert rejected(core.offer(info("low", prompt=100), now=0.0))  # a sheddable band is refused at zero
+    assert not core.offer(info("low", prompt=100), now=0.0)  # held, a sheddable band too
     demand = core.snapshot(1.0)["models"]["m"]["demand"]
-    assert 0 < demand["all"]["replicas"] < 0.1 and demand["protected"]["replicas"] == 0  # demand all the same
+    assert demand["all"]["replicas"] == WAITING_FLOOR and demand["protected"]["replicas"] == 0
     assert not core.offer(info("a", prompt=100), now=1.0)  # held
     for t in (2.0, 60.0, 120.0):
         demand = core.snapshot(t)["models"]["m"]["demand"]
         assert demand["all"]["replicas"] == demand["protected"]["replicas"] == WAITING_FLOOR
-    assert rejected(core.tick(122.0))  # past its hold: refused, and nothing waits
+    assert len(rejected(core.tick(122.0))) == 2  # past their holds: refused, and nothing waits
     assert core.snapshot(122.0)["models"]["m"]["demand"]["all"]["replicas"] < 0.1
+
+
+def test_a_sheddable_request_held_at_zero_goes_when_a_replica_answers():
+    """A batch job sent to a pool scaled to zero is held like the rest (not refused as
+    saturated: no replica, no saturation to judge), and sent once a replica answers."""
+    core = make_core(replicas=1, model={"hold_without_replicas_s": 120}, tenants=[tenant("a"), tenant("low", -1)])
+    model = core.config.models[0]
+    core.set_backends(model.with_backends([]), 0.0)
+    assert not core.offer(info("low", prompt=100), now=0.0)
+    core.set_backends(model, 30.0)  # a replica came up
+    sent = dispatched(observe_idle(core, 30.0) + core.tick(30.0))
+    assert [d.tenant for d in sent] == ["low"]
 
 
 def test_the_signal_decays_when_traffic_stops_and_forgets_quiet_tenants():

@@ -35,10 +35,13 @@ def door_shut(ms: ModelState, tenant: str, band: int, view: PoolView, saturation
             return _refused(ms, band, tenant, now, Layer.FLOW, Reason.DRAINING,
                             f"model `{ms.cfg.name}` is draining for a swap")
     else:
-        if not view.any_usable() and not ms.cfg.hold_without_replicas_s:
+        usable = view.any_usable()
+        if not usable and not ms.cfg.hold_without_replicas_s:
             return _refused(ms, band, tenant, now, Layer.QUEUE, Reason.NO_BACKEND,
                             f"no usable backend for model `{ms.cfg.name}`")
-        if band < 0 and saturation.saturation(view) >= ceiling(policy, band):
+        # with none usable and a hold, every band waits for a replica (a batch job sent to a pool
+        # scaled to zero is held too); once one answers, its ceiling applies at dispatch
+        if band < 0 and usable and saturation.saturation(view) >= ceiling(policy, band):
             return _refused(ms, band, tenant, now, Layer.FLOW, Reason.SATURATED,
                             "the fleet is saturated; sheddable traffic is refused")
     q = flow.queue_of(tenant, band)
