@@ -41,16 +41,22 @@ from dataclasses import dataclass
 
 from bouncer.core.learning.step_time import StepTimeModel
 
+# Sums are decayed in steps of this much time at least, not at every addition: one exp per step
+# rather than per arrival (the offer path's cost), at most exp(0.5 / 30) - 1 = 1.7% of weight too
+# much for what came within the last step
+DECAY_STEP_S = 0.5
+
 
 class _Decayed:
-    """Sums that forget with time constant `tau`: each value's weight is exp(-age / tau)."""
+    """Sums that forget with time constant `tau`: each value's weight is exp(-age / tau), its age
+    counted in steps of `DECAY_STEP_S`."""
 
     __slots__ = ("tau", "sums", "at")
 
     def __init__(self, tau: float, size: int) -> None:
         self.tau = tau
         self.sums = [0.0] * size
-        self.at: float | None = None  # when `sums` were last brought up to date
+        self.at: float | None = None  # when `sums` were last decayed
 
     def add(self, values: tuple[float, ...], now: float) -> None:
         s = self.read(now)
@@ -59,30 +65,33 @@ class _Decayed:
 
     def read(self, now: float) -> list[float]:
         at = self.at
-        if at is None or now > at:
-            if at is not None:
-                f = math.exp((at - now) / self.tau)
-                s = self.sums
-                for i in range(len(s)):
-                    s[i] *= f
+        if at is None:
+            self.at = now
+        elif now - at >= DECAY_STEP_S:
+            f = math.exp((at - now) / self.tau)
+            s = self.sums
+            for i in range(len(s)):
+                s[i] *= f
             self.at = now
         return self.sums
 
 
 class _Recent:
-    """Sums over the last requests rather than the last seconds: each value's weight halves
-    every `HALF_LIFE` values. What a tenant's requests look like stays known while it is
-    refused (its flood turned away at the door leaves no answers behind)."""
+    """A count, a sum of x and a sum of a second quantity over the last requests rather than the
+    last seconds: each request's weight halves every `HALF_LIFE` requests. What a tenant's
+    requests look like stays known while it is refused (its flood turned away at the door leaves
+    no answers behind)."""
 
     __slots__ = ("sums",)
 
-    def __init__(self, size: int) -> None:
-        self.sums = [0.0] * size
+    def __init__(self) -> None:
+        self.sums = [0.0, 0.0, 0.0]
 
-    def add(self, values: tuple[float, ...]) -> None:
+    def add(self, x: float, second: float) -> None:
         s = self.sums
-        for i, v in enumerate(values):
-            s[i] = s[i] * _KEEP + v
+        s[0] = s[0] * _KEEP + 1.0
+        s[1] = s[1] * _KEEP + x
+        s[2] = s[2] * _KEEP + second
 
 
 HALF_LIFE = 100  # requests
@@ -98,8 +107,8 @@ class _Flow:
 
     def __init__(self, tau: float) -> None:
         self.arrived = _Decayed(tau, 1)
-        self.prompts = _Recent(3)
-        self.answers = _Recent(3)
+        self.prompts = _Recent()
+        self.answers = _Recent()
 
 
 # a tenant's answers are its own once this many have completed; before, the model's
@@ -145,16 +154,16 @@ class Demand:
         """A first attempt reached the model (before any layer that may refuse it)."""
         if self.since is None:
             self.since = now
-        self._flow(tenant, protected).arrived.add((1.0,), now)
+        self._flow(tenant, protected).arrived.read(now)[0] += 1.0
 
     def sized(self, tenant: str, protected: bool, prompt_tokens: int, now: float) -> None:
         """A first attempt's prompt, once tokenized."""
         p = float(prompt_tokens)
-        self._flow(tenant, protected).prompts.add((1.0, p, p * p / 2))
+        self._flow(tenant, protected).prompts.add(p, p * p / 2)
 
     def completed(self, tenant: str, protected: bool, output_tokens: int, now: float) -> None:
         o = float(output_tokens)
-        self._flow(tenant, protected).answers.add((1.0, o, o * o))
+        self._flow(tenant, protected).answers.add(o, o * o)
 
     def dispatched(self, prompt_tokens: int, prefill_tokens: int, now: float) -> None:
         """A request went to a replica, which holds all but `prefill_tokens` of its prompt."""
