@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import statistics
 import time
 from collections.abc import Callable
@@ -55,6 +56,7 @@ SIGNALS = ("waiting", "kv", "demand", "demand-protected")
 ADMISSIONS = ("none", "bouncer")
 STEP_S = 5.0  # how often the provisioner looks (it decides every interval_s)
 WORST_WINDOW_S = 300.0
+HISTORY = ("t", "signal", "desired", "ready", "paid")
 WAITING_PER_REPLICA = 5.0
 KV_TARGET = 0.8
 DEMAND_TARGET = 0.8
@@ -261,7 +263,8 @@ def summarize(w: Workload, admission: str, signal: str, startup_s: float, capaci
         # never grew; None: not by the end of the run)
         out["burst"] = {"size_before": size, "grew_to": grew_to,
                         "right_sized_after_s": 0 if grew_to <= size else (None if back is None else round(back - end))}
-    out["history"] = provisioner.history
+    # the autoscaler's every decision, as rows (a column each, to keep the saved runs small)
+    out["history"] = {"columns": HISTORY, "rows": [[h[k] for k in HISTORY] for h in provisioner.history]}
     return out
 
 
@@ -285,6 +288,11 @@ def main(scenarios: list[str], admissions: list[str], signals: list[str], startu
                       flush=True)
     if out:
         with open(out, "w") as f:
-            json.dump({"startup_s": startup_s, "seed": seed, "rows": rows}, f, indent=1)
-            f.write("\n")
+            f.write(dumps({"startup_s": startup_s, "seed": seed, "rows": rows}) + "\n")
     return rows
+
+
+def dumps(result: dict) -> str:
+    """Indented JSON with each history row on one line."""
+    text = json.dumps(result, indent=1)
+    return re.sub(r"\[\s+([^\[\]{}]*?)\s+\]", lambda m: "[" + " ".join(m.group(1).split()) + "]", text)
