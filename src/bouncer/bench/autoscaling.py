@@ -45,6 +45,7 @@ from bouncer.bench.goodput import fleet_capacity, fleet_config, make_policy, wit
 from bouncer.core.fleet.demand import Demand
 from bouncer.core.learning.step_time import StepTimeModel
 from bouncer.sim.fleet import FleetSim, SimRequest
+from bouncer.sim.policies import SIM_MODEL
 from bouncer.sim.profiles import DEFAULT_PROFILE
 from bouncer.sim.provisioner import Averaged, Provisioner, Signal
 from bouncer.sim.scenarios import AZURE_CONV, get_scenario
@@ -178,12 +179,11 @@ def _signal(kind: str, policy, profile, startup_s: float) -> Signal:
         def read(now: float) -> float:
             return policy.demand.estimate(now, step, profile.max_num_seqs, kv_tokens, None, 256, protected).replicas
     else:
-        (ms,) = policy.core.models.values()
-        default_output = policy.core.policy.expected_output_default
+        view = policy.core.view
+        scope = "protected" if protected else "all"
 
         def read(now: float) -> float:
-            without = not any(not r.removed and r.healthy for r in ms.replicas.values())
-            return ms.demand_estimate(now, default_output, protected, without).replicas
+            return view.demand(SIM_MODEL, now)[scope].replicas
     return Signal(kind, Averaged(startup_s, read), DEMAND_TARGET)
 
 

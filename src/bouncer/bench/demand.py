@@ -3,9 +3,9 @@
 One replica in the simulator, Bouncer in front as shipped (step time learned), offered `load` x
 that replica's capacity (its completions per second under a saturating closed loop of the same
 mix, `measure_capacity`: load 1 is exactly what one replica serves). Past load 1 most of it is
-refused or times out, which is the point: refused requests are demand too. The core's
-`demand_estimate` is read every `SAMPLE_S` simulated seconds after `WARM_S`; the truth is the
-first attempts offered per second over the capacity.
+refused or times out, which is the point: refused requests are demand too. The core's demand
+gauge (`CoreView.demand`, what `/metrics` exports) is read every `SAMPLE_S` simulated seconds
+after `WARM_S`; the truth is the first attempts offered per second over the capacity.
 
 Two arrival patterns: `steady` (Poisson arrivals, requests drawn from the scenario's traces) and
 `trace` (each trace's own arrival pattern, time-scaled, whose rate itself swings: the reading
@@ -21,6 +21,7 @@ import time
 
 from bouncer.bench.goodput import fleet_capacity, fleet_config, make_policy
 from bouncer.sim.fleet import FleetSim
+from bouncer.sim.policies import SIM_MODEL
 from bouncer.sim.profiles import DEFAULT_PROFILE
 from bouncer.sim.scenarios import get_scenario
 from bouncer.sim.workloads import make_requests, steady_requests
@@ -40,15 +41,12 @@ def measure(scenario_name: str, load: float, arrivals: str = "steady", duration_
     requests = make(tenants, traces, load * capacity, duration_s, seed)
     cfg = fleet_config("bouncer", 1, DEFAULT_PROFILE, seed, scenario)
     gw = make_policy("bouncer", scenario, cfg, step_time=step_time)
-    (ms,) = gw.core.models.values()
-    default_output = gw.core.policy.expected_output_default
     samples: list[tuple[float, float, dict]] = []
 
     def sample(now: float) -> None:
         if WARM_S <= now <= duration_s:
-            est = ms.demand_estimate(now, default_output)
-            samples.append((est.replicas, ms.demand_estimate(now, default_output, protected=True).replicas,
-                            est.as_dict()))
+            demand = gw.core.view.demand(SIM_MODEL, now)  # the gauge as /metrics exports it
+            samples.append((demand["all"].replicas, demand["protected"].replicas, demand["all"].as_dict()))
 
     fleet = FleetSim(cfg, gw, gw.replica_names)
     fleet.record(SAMPLE_S, sample)

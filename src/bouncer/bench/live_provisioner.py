@@ -86,12 +86,12 @@ class Engines:
                 raise RuntimeError(f"engine {name} did not start (exit code {proc.poll()})")
             time.sleep(0.1)
         self.engines[name], self.urls[name] = proc, url
-        self._write()
+        self.publish()
         _say(event="started", replica=name, url=url, t=round(now, 2))
 
     def retire(self, name: str, now: float) -> None:
         self.retiring[name] = now
-        self._write()
+        self.publish()
         _say(event="retiring", replica=name, t=round(now, 2))
 
     def reap(self, now: float) -> None:
@@ -104,7 +104,7 @@ class Engines:
     def stop_all(self) -> None:
         for name in list(self.engines):
             self._stop(name)
-        self._write()
+        self.publish()
 
     def _stop(self, name: str) -> None:
         proc = self.engines.pop(name)
@@ -116,7 +116,7 @@ class Engines:
             proc.kill()
             proc.wait(10)
 
-    def _write(self) -> None:
+    def publish(self) -> None:
         """The serving replicas' URLs, swapped in whole (a reader never sees half a file)."""
         text = json.dumps([self.urls[n] for n in self.serving()])
         fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(self.file)), suffix=".tmp")
@@ -148,7 +148,7 @@ def run(metrics_urls: list[str], model: str, file: str, engine_args: list[str], 
         interval_s: float = 2.0, window_s: float = 10.0, scale_down_window_s: float = 30.0, drain_s: float = 30.0,
         duration_s: float = 300.0) -> None:
     fleet = Engines(file, engine_args, drain_s)
-    fleet._write()  # start from the replicas it runs: none
+    fleet.publish()  # start from the replicas it runs: none
     t0 = time.monotonic()
     signal_ = Signal("demand", Averaged(window_s, lambda now: read_demand(metrics_urls, model, scope)), target)
     provisioner = Provisioner(signal_, min_replicas=min_replicas, max_replicas=max_replicas, startup_s=startup_s,

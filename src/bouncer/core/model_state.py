@@ -114,9 +114,8 @@ class ModelState:
         reads at least `WAITING_FLOOR` for as long as anything waits."""
         step = self.learner.model if self.learner is not None else None
         if step is None:
-            given = self.cfg.step_time.mode == "given"
-            coefficients = self.cfg.step_time.coefficients((0.0,) * 5 if given else GENERIC_PRIOR)
-            step = StepTimeModel(*coefficients[:3], self.cfg.step_time.max_batched_tokens, *coefficients[3:])
+            config = self.cfg.step_time
+            step = _stated(config, (0.0,) * 5 if config.mode == "given" else GENERIC_PRIOR)
         sizes = [r.capacity_blocks * r.block_size for r in self.replicas.values()
                  if r.capacity_blocks and not r.removed and r.role != "prefill"]
         kv_tokens = sum(sizes) / len(sizes) if sizes else None
@@ -140,8 +139,13 @@ def _predictor(step: StepTimeConfig, learner: StepTimeLearner | None) -> Latency
         return None
     if learner is not None:
         return LatencyPredictor(learner=learner)
-    a, b, c, d, e = step.coefficients((0.0,) * 5)
-    return LatencyPredictor(StepTimeModel(a, b, c, step.max_batched_tokens, d, e))
+    return LatencyPredictor(_stated(step, (0.0,) * 5))
+
+
+def _stated(step: StepTimeConfig, default: tuple[float, ...]) -> StepTimeModel:
+    """The step time the config states, `default` for the coefficients it leaves out."""
+    a, b, c, d, e = step.coefficients(default)
+    return StepTimeModel(a, b, c, step.max_batched_tokens, d, e)
 
 
 def next_wakeup(models: dict[str, ModelState], replicas: dict[str, ReplicaState]) -> float | None:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from bouncer.core.agents.gate import WindowGate
 from bouncer.core.finaliser import CoreStats
+from bouncer.core.fleet.demand import DemandEstimate
 from bouncer.core.fleet.pool import PoolView
 from bouncer.core.fleet.replica import ReplicaState
 from bouncer.core.flow.saturation import ceiling
@@ -100,14 +101,22 @@ class CoreView:
                           for b in ms.flow.bands_desc()},
                 "step_time": _step_time_snapshot(ms),
                 # the replicas its offered traffic needs, and the protected bands' alone (autoscaling)
-                "demand": {scope: ms.demand_estimate(now, core.policy.expected_output_default, scope == "protected",
-                                                     not view.any_usable()).as_dict()
-                           for scope in ("all", "protected")},
+                "demand": {scope: est.as_dict() for scope, est in self.demand(name, now, view).items()},
                 "ttft_margins": ms.ttft_margins.snapshot(),  # per band: observed/predicted TTFT, QUANTILE
                 "standing_queues": ms.standing.snapshot(now),  # (band, tenant) planned on standing_queue_share
                 "replicas": {r.name: _replica_snapshot(r, view, now) for r in ms.replicas.values()},
             }
         return out
+
+    def demand(self, model: str, now: float, view: PoolView | None = None) -> dict[str, DemandEstimate]:
+        """The model's demand signal as `/metrics` exports it, for scopes `all` and `protected`
+        (`bouncer.core.fleet.demand`); `view`: its pool at `now`, where the caller has it."""
+        core = self._core
+        ms = core.models[model]
+        usable = (view or PoolView(ms.replicas, core.policy, now)).any_usable()
+        default = core.policy.expected_output_default
+        return {scope: ms.demand_estimate(now, default, scope == "protected", not usable)
+                for scope in ("all", "protected")}
 
     def queue_ages(self, now: float) -> dict[str, dict[int, dict[str, float]]]:
         """How long the oldest queued request of each tenant in each band has waited, per model
