@@ -139,6 +139,9 @@ def cmd_serve(args) -> None:
     if args.mode == "epp" and any(b.role != "both" for m in config.models for b in m.backends):
         raise SystemExit("bouncer: --mode epp cannot serve a disaggregated model (Envoy sends a request to one "
                          "replica; the prefill hop needs the proxy)")
+    if args.mode == "epp" and any(m.overflow for m in config.models):
+        raise SystemExit("bouncer: --mode epp cannot divert to overflow targets (Envoy sends the request's body "
+                         "unchanged to the endpoint picked; the model name and key an overflow needs take the proxy)")
     plane = ControlPlane(config, config_path=args.config)  # loads tokenizers: a bad file stops here
     host = args.host or config.listen.host
     port = args.port or config.listen.port
@@ -222,6 +225,54 @@ def cmd_config_check(args) -> None:
     print(f"{args.file}: OK ({len(config.tenants)} tenants, {len(config.models)} models, "
           f"{sum(len(m.backends) for m in config.models)} backends listed"
           + (f", found by {'; '.join(found)}" if found else "") + ")")
+
+
+def cmd_quota(args) -> None:
+    """`bouncer quota show|reset`: a tenant's spend and what is left, read from (or reset in)
+    the quota store the config names."""
+    import datetime as dt
+
+    from bouncer.config import load_config
+    from bouncer.gateway.quota_keeper import QuotaKeeper
+
+    config = load_config(args.config)
+    if config.quotas is None:
+        raise SystemExit(f"bouncer quota: {args.config} has no `quotas` section")
+    if args.tenant not in {t.name for t in config.tenants}:
+        raise SystemExit(f"bouncer quota: no tenant {args.tenant!r} in {args.config}")
+
+    async def run() -> list[dict]:
+        keeper = QuotaKeeper(config)
+        try:
+            if args.quota_cmd == "reset":
+                lines = [c for c in keeper.current(args.tenant)
+                         if (c.line.owner == (args.group or args.tenant))
+                         and (args.group is not None or c.line.scope == "tenant")
+                         and (args.window is None or c.line.limit.window == args.window)]
+                if not lines:
+                    raise SystemExit(f"bouncer quota: no such limit on {args.group or args.tenant!r}")
+                await keeper.reset(lines)
+            await keeper.refresh()
+            return keeper.report(args.tenant)
+        finally:
+            await keeper.close()
+
+    from redis.exceptions import RedisError
+
+    try:
+        rows = asyncio.run(run())
+    except (OSError, RedisError) as exc:
+        raise SystemExit(f"bouncer quota: the quota store is unreachable: {exc}") from None
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return
+    if not rows:
+        print(f"{args.tenant}: no quota applies")
+    for r in rows:
+        resets = dt.datetime.fromtimestamp(r["resets_at"], dt.UTC).isoformat(timespec="seconds")
+        print(f"{r['scope']} {r['owner']}: {r['unit']} per {r['window']} ({r['period']}, {r['time_zone']}): "
+              f"spent {r['spent']:g}, reserved {r['reserved']:g}, remaining {r['remaining']:g} of {r['limit']:g}; "
+              f"resets {resets}")
 
 
 def cmd_config_hash_key(args) -> None:
@@ -501,6 +552,21 @@ def build_parser() -> argparse.ArgumentParser:
     p = config.add_parser("hash-key", help="SHA-256 digest of an API key, for api_keys_sha256")
     p.add_argument("key")
     p.set_defaults(func=cmd_config_hash_key)
+
+    quota = sub.add_parser("quota", help="tenants' spend over hours, days, weeks and months, in the quota store"
+                           ).add_subparsers(dest="quota_cmd", required=True)
+    p = quota.add_parser("show", help="a tenant's spend and what is left, on each limit that applies to it")
+    p.add_argument("tenant")
+    p.add_argument("--config", required=True, help="the gateway's config (it names the store)")
+    p.add_argument("--json", action="store_true", help="print JSON rows")
+    p.set_defaults(func=cmd_quota)
+    p = quota.add_parser("reset", help="forget a tenant's (or its group's) spend in the current window (admin)")
+    p.add_argument("tenant")
+    p.add_argument("--config", required=True, help="the gateway's config (it names the store)")
+    p.add_argument("--group", metavar="NAME", help="reset this group of the tenant instead of the tenant's own")
+    p.add_argument("--window", choices=["hour", "day", "week", "month"], help="only this window's limit")
+    p.add_argument("--json", action="store_true", help="print JSON rows")
+    p.set_defaults(func=cmd_quota)
 
     p = sub.add_parser("reference", help="write the reference pages generated from the code (docs/reference: "
                        "configuration, metrics, CLI, HTTP API)")

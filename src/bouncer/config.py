@@ -13,6 +13,8 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from bouncer.quotas.settings import OverflowTarget, Price, Quotas, TenantQuota
+
 EngineKind = Literal["vllm", "sglang", "tgi", "llamacpp", "openai"]
 # The policies a config may name. `bouncer.core.registry` maps each name to its implementation and
 # checks, when imported, that it implements exactly these: a new policy is a name here and a line there.
@@ -90,6 +92,12 @@ class Tenant(_Strict):
                                                                       "name this tenant for a request whose API key "
                                                                       "names no tenant (a gateway in front that "
                                                                       "authenticates, as llm-d's clients send it)")
+    quota: TenantQuota | None = Field(None, description="what it may spend per hour, day, week or month, and what "
+                                                        "happens past it (`quotas` says where spend is kept); "
+                                                        "unset: its groups' limits only, refused past them")
+    overflow: bool = Field(False, description="its requests a model would refuse for load (saturated, queue full, "
+                                              "TTL expired, deadline infeasible, no replica) go to the model's "
+                                              "overflow targets instead")
 
     @field_validator("api_keys_sha256")
     @classmethod
@@ -306,6 +314,10 @@ class ModelConfig(_Strict):
                                            "planned on")
     demand: DemandConfig = Field(default_factory=DemandConfig, description="the demand signal for autoscalers: "
                                  "the replicas what arrives needs, from the step time")
+    price: Price | None = Field(None, description="what its tokens cost, for quotas in usd")
+    overflow: list[OverflowTarget] = Field(default_factory=list, description="where requests it would refuse go "
+                                           "instead, in order (tenants with `overflow: true`, and those diverted "
+                                           "for quota)")
 
     @field_validator("step_time", mode="before")
     @classmethod
@@ -876,6 +888,8 @@ class BouncerConfig(_Strict):
                                                                           "(llm-d's vocabulary); one not listed is "
                                                                           "refused (400)")
     tracing: Tracing | None = Field(None, description="OpenTelemetry traces of requests; unset: none")
+    quotas: Quotas | None = Field(None, description="where tenants' spend over hours, days, weeks and months is "
+                                                    "kept, and groups' limits; needed by any tenant `quota`")
     keys_file: str | None = Field(None, description="a YAML file of API-key digests kept apart from the config (a "
                                                     "mounted Kubernetes Secret): `tenants: {NAME: [sha256, ...]}`, "
                                                     "`admin`, `metrics` and `viewer` lists; added to those the "
@@ -925,7 +939,39 @@ class BouncerConfig(_Strict):
             for t in p.tenants:
                 if t not in names:
                     raise ValueError(f"pressure {p.name!r} sheds unknown tenant {t!r}")
+        self._check_quotas(set(names), models)
         return self
+
+    def _check_quotas(self, tenants: set[str], models: set[str]) -> None:
+        q = self.quotas
+        groups = q.groups if q is not None else []
+        limits = [lim for t in self.tenants if t.quota for lim in t.quota.limits] + \
+            [lim for g in groups for lim in g.limits]
+        stored = q is not None and (q.url is not None or self.shared_state is not None)
+        if (limits or any(t.quota for t in self.tenants)) and not stored:
+            raise ValueError("tenant quotas need `quotas` with a Redis `url` (or `shared_state`) where spend is kept")
+        if any(lim.unit == "usd" for lim in limits):
+            unpriced = [m.name for m in self.models if m.price is None]
+            if unpriced:
+                raise ValueError(f"quotas in usd need a `price` on every model (none on {', '.join(unpriced)})")
+        seen: dict[tuple[str, str], str] = {}
+        for g in groups:
+            for t in g.tenants:
+                if t not in tenants:
+                    raise ValueError(f"quota group {g.name!r} lists unknown tenant {t!r}")
+                if (t, g.level) in seen:
+                    raise ValueError(f"tenant {t!r} is in two {g.level} groups ({seen[(t, g.level)]!r}, {g.name!r})")
+                seen[(t, g.level)] = g.name
+        if len({(g.level, g.name) for g in groups}) != len(groups):
+            raise ValueError("quota group names must be unique per level")
+        for m in self.models:
+            names = [o.name for o in m.overflow]
+            if len(set(names)) != len(names):
+                raise ValueError(f"model {m.name!r}: overflow target names must be unique")
+            for o in m.overflow:
+                if o.model is not None and (o.model not in models or o.model == m.name):
+                    raise ValueError(f"model {m.name!r}: overflow target {o.name!r} names "
+                                     + ("itself" if o.model == m.name else f"unknown model {o.model!r}"))
 
     def tenant_by_key(self) -> dict[str, Tenant]:
         return {k: t for t in self.tenants for k in t.api_keys_sha256}

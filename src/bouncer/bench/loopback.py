@@ -75,10 +75,12 @@ def stop(procs: list[subprocess.Popen]) -> None:
 
 
 class RedisServer:
-    """A `redis-server` of our own on a free loopback port (no persistence), which a benchmark
-    or a test may stop, freeze (SIGSTOP: it answers nothing) and start again empty."""
+    """A `redis-server` of our own on a free loopback port, which a benchmark or a test may
+    stop, freeze (SIGSTOP: it answers nothing) and start again: empty, or with `aof_dir` as it
+    was (an append-only file there, fsynced on every write)."""
 
-    def __init__(self) -> None:
+    def __init__(self, aof_dir: str | None = None) -> None:
+        self.aof_dir = aof_dir
         self.binary = shutil.which("redis-server")
         if self.binary is None:
             raise RuntimeError("no redis-server: `apt-get install redis-server` (make system-tools does it)")
@@ -88,8 +90,10 @@ class RedisServer:
         self.start()
 
     def start(self) -> None:
+        durability = ["--appendonly", "yes", "--appendfsync", "always", "--dir", self.aof_dir] if self.aof_dir \
+            else ["--appendonly", "no"]
         self.proc = subprocess.Popen([self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                                      "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                      *durability], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
         deadline = time.monotonic() + 10
         while not self._pong():

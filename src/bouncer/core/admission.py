@@ -47,7 +47,7 @@ from bouncer.core.intake.pressure import PressureSignal, reconfigured
 from bouncer.core.intake.tenant_book import TenantBook
 from bouncer.core.learning import feedback
 from bouncer.core.model_state import ModelState, next_wakeup
-from bouncer.core.outcomes import Dispatch, Event, Layer, Reason, Refusal, Reject, Terminal
+from bouncer.core.outcomes import Dispatch, Divert, Event, Layer, Reason, Refusal, Reject, Terminal
 from bouncer.core.registry import make_fairness, make_ordering, make_router, make_saturation
 from bouncer.core.requests import Admission, RequestInfo
 from bouncer.core.sharing import claims, exchange
@@ -95,6 +95,7 @@ class AdmissionCore:
         self.config, self.policy, self._routing_cfg = config, p, p.routing
         self.shares.window_s, self.shares.slack = p.fleet_shares_window_s, p.fleet_shares_slack_tokens
         self.finaliser.retries = self.stores.retries if p.retries.deadline == "first-attempt" else None
+        self.finaliser.overflow.reconfigure(config, now)
         self.stores.retries.remember_s, self.stores.retries.max_entries = p.retries.remember_s, p.retries.max_remembered
         self.pressures = reconfigured(self.pressures, config.pressure)
         self.tenants.reconfigure(config, now)
@@ -120,7 +121,7 @@ class AdmissionCore:
         return self.tick(now)
 
     # -- a new request, layer by layer (`bouncer.core.arrivals`) ------------------------------------
-    def precheck(self, info: RequestInfo, now: float) -> Reject | Tenant:
+    def precheck(self, info: RequestInfo, now: float) -> Reject | Divert | Tenant:
         """A new request's cheap layers, before its prompt is tokenized (`prompt_tokens` and its
         blocks are not read): who it is, its model, its tenant's breaker and rate limits (looked
         at, not taken: `offer` takes them), the waiting room's doors; its arrival counted. A
@@ -362,7 +363,7 @@ class AdmissionCore:
         """Count a refusal the shell made before the core could see the request (a body too
         large or not JSON), so every offered request is accounted in one place."""
         self.stats.arrive(tenant)
-        return self.finaliser.refuse_unadmitted(request_id, tenant, None, refusal)
+        return self.finaliser.refuse_unadmitted(request_id, tenant, None, refusal)  # type: ignore[return-value]
 
     def snapshot(self, now: float) -> dict:
         return self.view.snapshot(now)

@@ -28,12 +28,12 @@ from bouncer.core.finaliser import UNKNOWN_TENANT
 from bouncer.core.fleet.pool import PoolView
 from bouncer.core.flow import deadlines
 from bouncer.core.flow.waiting_room import door, leave
-from bouncer.core.intake import checks
+from bouncer.core.intake import checks, quota
 from bouncer.core.intake.pressure import pressure_refusal
 from bouncer.core.intake.retries import first_arrival, first_seen
 from bouncer.core.learning import feedback
 from bouncer.core.model_state import ModelState
-from bouncer.core.outcomes import Event, Layer, Reason, Refusal, Reject, Terminal
+from bouncer.core.outcomes import Divert, Event, Layer, Reason, Refusal, Reject, Terminal
 from bouncer.core.parts import CoreParts
 from bouncer.core.precheck import cheap_refusal
 from bouncer.core.requests import Admission, RequestInfo
@@ -59,7 +59,7 @@ class Arrivals:
         self._seq = itertools.count()  # arrival order, for FCFS ties
         self._exemption = exemption
 
-    def precheck(self, info: RequestInfo, now: float) -> tuple[Reject | Tenant, PoolView | None]:
+    def precheck(self, info: RequestInfo, now: float) -> tuple[Reject | Divert | Tenant, PoolView | None]:
         """`AdmissionCore.precheck`, and the pool view it judged by (None where it did not get
         that far), which `offer` may use on: nothing between them moves a replica."""
         c = self.core
@@ -86,8 +86,7 @@ class Arrivals:
         if refusal is not None:
             # as offer remembers what the gate or the door refuses
             first_arrival(c.finaliser.retries, t.name, info, now)
-            return c.finaliser.refuse_unadmitted(info.request_id, t.name, t.priority, refusal, info.model,
-                                                 now), None
+            return c.finaliser.refuse_unadmitted(info.request_id, t.name, t.priority, refusal, info, now), None
         return t, view
 
     def offer(self, info: RequestInfo, now: float, checked: Tenant | None = None) -> list[Event]:
@@ -97,7 +96,7 @@ class Arrivals:
         view: PoolView | None = None
         if checked is None:
             found, view = self.precheck(info, now)
-            if isinstance(found, Reject):
+            if isinstance(found, (Reject, Divert)):
                 return [found]
             checked = found
         t = c.tenants.get(checked.name)  # (a reload may have come since the precheck)
@@ -115,6 +114,11 @@ class Arrivals:
         max_tokens = checks.context_budget(info, t, ms.cfg)  # layer 2
         if isinstance(max_tokens, Refusal):
             return [self._refuse_new(info, t.name, t.priority, max_tokens)]
+        if info.over_quota is not None:  # the shell found its quota spent (`intake.quota`)
+            spent = self._over_quota(info, t, now)
+            if not isinstance(spent, Tenant):
+                return [spent]
+            t = spent
         retry_key, first_arrival_at = first_arrival(c.finaliser.retries, t.name, info, now)
         refusal, probe = c.gate.enter(t, c.tenants.breakers[t.name], info.prompt_tokens + max_tokens, now)  # rate
         if refusal is not None:
@@ -149,7 +153,20 @@ class Arrivals:
         return self._enter_waiting_room(ms, adm, view, ttft_left, best_ttft, now)  # layers 4 and 5
 
     def _refuse_new(self, info: RequestInfo, tenant: str, band: int | None, refusal: Refusal) -> Reject:
-        return self.core.finaliser.refuse_unadmitted(info.request_id, tenant, band, refusal)
+        return self.core.finaliser.refuse_unadmitted(info.request_id, tenant, band, refusal)  # type: ignore[return-value]
+
+    def _over_quota(self, info: RequestInfo, t: Tenant, now: float) -> Tenant | Reject | Divert:
+        """Its tenant's quota is spent: the tenant as demoted, or the refusal, or the divert."""
+        c, over = self.core, info.over_quota
+        assert over is not None
+        if over.action == "demote":
+            c.stats.note("demoted", Layer.RATE.value, Reason.QUOTA_EXHAUSTED.value, t.name, over.band)
+            return quota.demoted(t, over)
+        ttl = min(t.queue_ttl_s or c.policy.default_ttl_s, info.ttl_s or float("inf"))
+        refusal = quota.refusal(over, ttl)
+        if over.action == "divert":
+            return c.finaliser.refuse_unadmitted(info.request_id, t.name, t.priority, refusal, info, now)
+        return self._refuse_new(info, t.name, t.priority, refusal)
 
     def _enter_waiting_room(self, ms: ModelState, adm: Admission, view: PoolView, ttft_left: float | None,
                             best_ttft: float | None, now: float) -> list[Event]:

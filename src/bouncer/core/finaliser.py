@@ -1,7 +1,7 @@
 """The one place a request ends.
 
 Every terminal outcome — refused at any layer, evicted, expired, cancelled, completed, failed,
-reclaimed — goes through a `Finaliser` method, which counts it once and settles what earlier
+reclaimed, diverted — goes through a `Finaliser` method, which counts it once and settles what earlier
 layers took for it:
 - the tenant's breaker: a completion records success (or, for a runaway that ran into the
   context limit, failure), an upstream timeout records failure; a half-open probe that ended any
@@ -13,6 +13,10 @@ layers took for it:
 - the waiting room's departure rate, when it left the waiting room (for Retry-After), and how
   long it waited there (whether its queue stands: `bouncer.core.flow.standing_queue`);
 - its band's misses, when it was refused or expired as late (`band_slos.BandSLOs.missed`).
+
+A refusal the model's overflow may take instead (`bouncer.core.fleet.overflow`) ends as a
+`Divert`: the request goes there, counted as diverted (with the reason it did not stay), and
+keeps its rate-limit charge (it is served, elsewhere).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from bouncer.core.fleet.overflow import Overflow
 from bouncer.core.fleet.permits import PermitStore
 from bouncer.core.fleet.replica import ReplicaState
 from bouncer.core.flow.backlog import BacklogStore
@@ -29,8 +34,8 @@ from bouncer.core.flow.queues import FlowQueues
 from bouncer.core.intake.breaker import CircuitBreaker
 from bouncer.core.intake.rate_limit import RateLimitStore
 from bouncer.core.intake.retries import RetryStore
-from bouncer.core.outcomes import LATE_REASONS, Layer, Reason, Reclaimed, Refusal, Reject, Terminal
-from bouncer.core.requests import Admission
+from bouncer.core.outcomes import LATE_REASONS, Divert, Layer, Reason, Reclaimed, Refusal, Reject, Terminal
+from bouncer.core.requests import Admission, RequestInfo
 
 if TYPE_CHECKING:
     from bouncer.core.model_state import ModelState
@@ -84,20 +89,36 @@ class Finaliser:
         self.replicas = replicas
         self.models = models  # the core's, by name: whose queues stand
         self.retries: RetryStore | None = None  # set by the core's reload
+        self.overflow = Overflow()  # reconfigured by the core's reload
 
     # -- before the request was admitted to a layer that takes anything ------------------------
     def refuse_unadmitted(self, request_id: str, tenant: str, band: int | None, refusal: Refusal,
-                          model: str | None = None, now: float | None = None) -> Reject:
+                          info: RequestInfo | None = None, now: float | None = None) -> Reject | Divert:
         """Refused before any layer took anything for it (who it is, validation, context, the
-        gate refusing; `model` and `now` where it may have been refused as late: the precheck)."""
-        if model is not None and now is not None and band is not None:
-            self._missed(model, band, refusal.reason, now)
+        gate refusing; `info` and `now` where it may have been refused as late, or diverted:
+        the precheck, a spent quota)."""
+        if info is not None and now is not None and band is not None:
+            self._missed(info.model, band, refusal.reason, now)
+            divert = self._divert(info, tenant, band, refusal, now)
+            if divert is not None:
+                return divert
         self._count(Terminal.REFUSED, refusal.layer, refusal.reason, tenant, band)
         return Reject(request_id, refusal, Terminal.REFUSED, tenant, band)
 
+    def _divert(self, info: RequestInfo, tenant: str, band: int | None, refusal: Refusal,
+                now: float) -> Divert | None:
+        """A Divert in place of `refusal`, where an overflow target takes it (counted here)."""
+        if info.diverted_from is not None:
+            return None
+        target = self.overflow.target(info.model, tenant, refusal.reason, now)
+        if target is None:
+            return None
+        self._count(Terminal.DIVERTED, refusal.layer, refusal.reason, tenant, band)
+        return Divert(info.request_id, target.name, refusal, tenant, band)
+
     # -- an Admission exists: it may hold a breaker probe and a rate-limit charge ----------------
     def refuse(self, adm: Admission, refusal: Refusal | Callable[[], Refusal], now: float,
-               terminal: Terminal = Terminal.REFUSED, flow: FlowQueues | None = None) -> Reject:
+               terminal: Terminal = Terminal.REFUSED, flow: FlowQueues | None = None) -> Reject | Divert:
         """It ends with `refusal`, taken out of `flow` first if queued there (a callable refusal
         is made after that, so that its Retry-After counts the waiting room without it)."""
         if flow is not None and flow.remove(adm):
@@ -106,6 +127,10 @@ class Finaliser:
             refusal = refusal()
         if not adm.best_effort:
             self._missed(adm.info.model, adm.priority, refusal.reason, now)
+        divert = self._divert(adm.info, adm.tenant, adm.priority, refusal, now)
+        if divert is not None:
+            self._settle(adm, Terminal.DIVERTED, refusal.reason, now, completion_tokens=0)
+            return divert
         self._count(terminal, refusal.layer, refusal.reason, adm.tenant, adm.priority)
         self._settle(adm, terminal, refusal.reason, now, completion_tokens=0)
         return Reject(adm.request_id, refusal, terminal, adm.tenant, adm.priority)

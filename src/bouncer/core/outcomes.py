@@ -1,9 +1,10 @@
 """What the core decides about a request, as typed, immutable values.
 
 Every offered request ends in exactly one terminal outcome: completed, refused (with layer and
-reason), expired, evicted, cancelled, or failed upstream. Turning an outcome into an HTTP status
+reason), expired, evicted, cancelled, failed upstream, or diverted (sent to an overflow target
+instead of refused). Turning an outcome into an HTTP status
 happens in one place: `Refusal.status`. The shells get decisions as events (`Dispatch`,
-`Reject`, `Reclaimed`), immutable values (named tuples: cheap to make, once per request) that say
+`Reject`, `Divert`, `Reclaimed`), immutable values (named tuples: cheap to make, once per request) that say
 what to do and never let them reach into the core's state.
 """
 
@@ -30,6 +31,7 @@ class Terminal(StrEnum):
     EVICTED = "evicted"
     CANCELLED = "cancelled"
     FAILED = "failed"
+    DIVERTED = "diverted"  # not served here: sent to an overflow target (`bouncer.core.fleet.overflow`)
 
 
 class Reason(StrEnum):
@@ -46,6 +48,7 @@ class Reason(StrEnum):
     RATE_LIMITED_REQUESTS = "rate_limited_requests"
     RATE_LIMITED_TOKENS = "rate_limited_tokens"
     CIRCUIT_OPEN = "circuit_open"
+    QUOTA_EXHAUSTED = "quota_exhausted"  # the tenant (or its group) spent a day's or month's quota (`bouncer.quotas`)
     SHARED_STATE_UNAVAILABLE = "shared_state_unavailable"  # the gateways' Redis is away, and the config fails closed
     OUTSIDE_PRESSURE = "outside_pressure"  # an outside signal (carbon, price) is high: its bands are shed
     TENANT_QUEUE_FULL = "tenant_queue_full"
@@ -81,6 +84,7 @@ STATUS_BY_REASON: dict[Reason, int] = {
     Reason.RATE_LIMITED_REQUESTS: 429,
     Reason.RATE_LIMITED_TOKENS: 429,
     Reason.CIRCUIT_OPEN: 429,
+    Reason.QUOTA_EXHAUSTED: 429,
     Reason.TENANT_QUEUE_FULL: 429,
     Reason.DEADLINE_INFEASIBLE: 429,
     Reason.RETRY_PAST_DEADLINE: 429,
@@ -183,6 +187,18 @@ class Reject(NamedTuple):
     band: int | None
 
 
+class Divert(NamedTuple):
+    """Not served by this pool: send this request to the overflow target `target` (another
+    model's pool, or an external endpoint) instead of refusing it with `refusal`, which is what a
+    front that cannot divert answers."""
+
+    request_id: str
+    target: str
+    refusal: Refusal
+    tenant: str
+    band: int | None
+
+
 class Reclaimed(NamedTuple):
     """An admitted request's permit outlived its lease without the shell renewing it: the core
     took it back (a lost permit in the shell costs a slot for a while, not the fleet for ever)."""
@@ -194,4 +210,4 @@ class Reclaimed(NamedTuple):
     age_s: float
 
 
-Event = Dispatch | Reject | Reclaimed
+Event = Dispatch | Reject | Divert | Reclaimed

@@ -3,6 +3,18 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
+
+
+class OverQuota(NamedTuple):
+    """A spent quota (`bouncer.quotas`), found by the shell before the offer: what its tenant's
+    requests get while it lasts (the core acts on it: `bouncer.core.intake.quota`)."""
+
+    action: str  # refuse, demote or divert (a tenant's `quota.over`)
+    band: int  # demote: the band it runs in
+    resets_in_s: float  # until every spent window that applies has reset
+    limit: str  # which limit, for the message: "tenant acme: 2000000 total_tokens per day (2026-12-05 UTC)"
+
 
 RetryKey = tuple[str, str, int, int | None]  # tenant, model, prompt digest, max_tokens as asked (`intake.retries`)
 
@@ -34,6 +46,8 @@ class RequestInfo:
     fairness_id: str | None = None  # x-llm-d-inference-fairness-id: names a tenant where its key names none
     objective: str | None = None  # x-llm-d-inference-objective: a configured objective, a lower band
     replicas: frozenset[str] | None = None  # only these may serve it (an endpoint picker's subset hint)
+    over_quota: OverQuota | None = None  # its tenant's quota is spent, as the shell found before the offer
+    diverted_from: str | None = None  # diverted here from this model's pool: never diverted again
 
 
 # An agent's step goes before other requests of its tenant: an active agent's first (its prefix is

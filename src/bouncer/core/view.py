@@ -15,7 +15,11 @@ from bouncer.core.fleet.demand import DemandEstimate
 from bouncer.core.fleet.pool import PoolView
 from bouncer.core.fleet.replica import ReplicaState
 from bouncer.core.flow.saturation import ceiling
+from bouncer.core.intake import checks
+from bouncer.core.learning import feedback
+from bouncer.core.outcomes import Refusal
 from bouncer.core.parts import CoreParts
+from bouncer.core.requests import RequestInfo
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +59,18 @@ class CoreView:
     @property
     def queued(self) -> int:
         return sum(len(ms.flow) for ms in self._core.models.values())
+
+    def predicted_output(self, tenant: str, info: RequestInfo) -> int:
+        """The output a request of `tenant` is expected to have: its tenant's learned mean on its
+        model (no margin), within the max_tokens it runs with. What a quota reserves."""
+        c = self._core
+        t, ms = c.tenants.get(tenant), c.models.get(info.model)
+        if t is None or ms is None:
+            return 0
+        max_tokens = checks.context_budget(info, t, ms.cfg)
+        if isinstance(max_tokens, Refusal):
+            return 0
+        return feedback.mean_output(c.tenants.output_models[tenant], c.policy, info.model, max_tokens)
 
     def tenant_bands(self) -> dict[str, int]:
         """Each configured tenant's priority band."""

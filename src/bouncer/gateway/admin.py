@@ -22,6 +22,7 @@ from bouncer.gateway.connections import Limits
 from bouncer.gateway.errors import plain_error
 from bouncer.gateway.metrics import GatewayMetrics
 from bouncer.gateway.prepared import Prepared, prepare
+from bouncer.gateway.quota_keeper import QuotaKeeper
 from bouncer.gateway.recording import GatewayRecorder
 from bouncer.openai_wire import dumps
 from bouncer.recorder.page import timeline_response
@@ -38,6 +39,7 @@ class Served(Protocol):
     prepared: Prepared
     metrics: GatewayMetrics
     recorder: GatewayRecorder
+    quotas: QuotaKeeper | None
 
     @property
     def serving(self) -> int: ...
@@ -109,6 +111,9 @@ class Admin:
             snap["models"][name]["discovery"] = finder.status.as_dict(gw.clock())
         snap["connections"] = {"open": gw.connections.open, "refused": gw.connections.refused,
                                "header_timeouts": gw.connections.header_timeouts}
+        if gw.quotas is not None:
+            snap["quotas"] = {"lines": gw.quotas.report(), "store_degraded": gw.quotas.degraded,
+                              "unsettled": gw.quotas.unsettled}
         return web.Response(body=dumps(snap), content_type="application/json")
 
     async def _model_from(self, request: web.Request) -> str | web.Response:
@@ -167,6 +172,11 @@ class Admin:
                 raise ConfigError("shared_state changed: that takes a restart (the gateway's state moves)")
             if config.tracing != gw.config.tracing:
                 raise ConfigError("tracing changed: that takes a restart")
+            if (config.quotas is None) != (gw.config.quotas is None) or (
+                    config.quotas is not None and gw.config.quotas is not None
+                    and (config.quotas.url, config.quotas.key_prefix) != (gw.config.quotas.url,
+                                                                          gw.config.quotas.key_prefix)):
+                raise ConfigError("quotas added, removed or moved to another store: that takes a restart")
         except (ConfigError, ValueError, yaml.YAMLError, OSError) as exc:
             log.warning("reload refused", extra={"event": "reload", "ok": False, "error": str(exc)})
             return plain_error(400, str(exc), "invalid_request_error", "invalid_config")

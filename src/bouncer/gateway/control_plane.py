@@ -35,7 +35,7 @@ from bouncer.core.fleet.replica import Telemetry
 from bouncer.core.intake import checks
 from bouncer.core.intake.retries import retry_key
 from bouncer.core.model_state import backend_name
-from bouncer.core.outcomes import Dispatch, Event, Layer, Reason, Reclaimed, Refusal, Reject, Terminal
+from bouncer.core.outcomes import Dispatch, Divert, Event, Layer, Reason, Reclaimed, Refusal, Reject, Terminal
 from bouncer.core.sharing.rate_limits import SharedRateLimits
 from bouncer.core.sharing.retries import SharedRetries
 from bouncer.core.stores import Stores
@@ -47,11 +47,13 @@ from bouncer.gateway.errors import error_response, plain_error
 from bouncer.gateway.exchange import Outcome, Parsed
 from bouncer.gateway.metrics import GatewayMetrics
 from bouncer.gateway.prepared import Prepared, prepare
+from bouncer.gateway.quota_keeper import QuotaKeeper
 from bouncer.gateway.recording import GatewayRecorder
 from bouncer.gateway.request_parsing import key_digest_from_headers, request_head, with_prompt
 from bouncer.gateway.scrapers import PARSERS
 from bouncer.gateway.shared_state import SharedState
 from bouncer.openai_wire import ApiError, dumps, parse_json_object
+from bouncer.quotas.settings import OverflowTarget
 from bouncer.recorder.page import add_page_routes
 
 log = logging.getLogger("bouncer.gateway")
@@ -87,10 +89,11 @@ class ControlPlane:
                                       retries=shared_retries)
         else:
             self.core = AdmissionCore(config, clock())
+        self.quotas = QuotaKeeper(config) if config.quotas is not None else None  # spend over days and months
         self._install(prepared)
         self.connections = Limits(config.listen.header_timeout_s, config.listen.max_connections)
         self.metrics = GatewayMetrics(lambda: self.core, clock, lambda: self.kv_event_stats, lambda: self.connections,
-                                      lambda: self.shared, lambda: self.finders.by_model)
+                                      lambda: self.shared, lambda: self.finders.by_model, lambda: self.quotas)
         self.tracer = None  # OpenTelemetry (`tracing:`): its SDK is imported only where it is configured
         if config.tracing is not None:
             from bouncer.gateway.tracing import Tracer
@@ -167,6 +170,8 @@ class ControlPlane:
         self._tasks.append(loop.create_task(self._renew_leases()))
         self._tasks.append(loop.create_task(self.recorder.run()))
         self._tasks.append(loop.create_task(self._probe_loop_lag()))
+        if self.quotas is not None:
+            self._tasks.append(loop.create_task(self.quotas.run()))
         await self.finders.start(self.config)
         self._sync_scrapers()
         self._sync_pressure()
@@ -185,6 +190,8 @@ class ControlPlane:
             await self.session.close()
         if self.shared is not None:
             await self.shared.close()
+        if self.quotas is not None:
+            await self.quotas.close()
         if self.tracer is not None:
             await asyncio.to_thread(self.tracer.close)  # what is still batched goes out first
 
@@ -303,15 +310,18 @@ class ControlPlane:
                     reason=str(r.reason))
         return r
 
-    async def admit(self, parsed: Parsed, line: dict[str, Any]) -> Dispatch | Refusal:
+    async def admit(self, parsed: Parsed, line: dict[str, Any]) -> Dispatch | Divert | Refusal:
         """The core's decision for a parsed request: its dispatch (the front serves it and owns
-        its permit from here), or the refusal its client gets. A front cancelled while this waits
-        (its client left) takes the request out of the queue."""
+        its permit from here), its divert to an external overflow endpoint (the front relays it
+        and calls `finish_diverted`), or the refusal its client gets. A front cancelled while this
+        waits (its client left) takes the request out of the queue."""
         head = parsed.head
         # the layers that need no prompt first: what they refuse (a flood over its rate limit, a
         # full tenant queue, sheddable traffic while saturated) is never tokenized
         checked = self.core.precheck(head, self.clock())
-        if isinstance(checked, Reject):
+        if isinstance(checked, (Reject, Divert)):
+            if isinstance(checked, Divert):  # refused for load before tokenizing: tokenized now, then diverted
+                return await self._diverted_early(parsed, checked, line)
             return self.refused(checked, line)
         block_size = parsed.model.block_size if parsed.model else 16
         args = (head, parsed.kind, parsed.body, parsed.tokenizer, block_size)
@@ -324,8 +334,48 @@ class ControlPlane:
                 info, checked, parsed.model, self.config.limits)) is not None:
             await self.shared.charge(checked.name, charge)  # the rate verdict, from the gateways' Redis
         rid = head.request_id
-        return await self._claimed(await self.decision(rid, lambda: self.core.offer(info, self.clock(), checked)),
-                                   line)
+        quota = self.quotas if self.quotas is not None and self.quotas.applies(checked.name) else None
+        if quota is not None:  # its expected cost reserved, or its tenant found over (`quota_keeper`)
+            info.over_quota = await quota.reserve(rid, checked.name, info.model, info.prompt_tokens,
+                                                  self.core.view.predicted_output(checked.name, info))
+        try:
+            decision = await self.decision(rid, lambda: self.core.offer(info, self.clock(), checked))
+            while isinstance(decision, Divert):
+                target = self.overflow_target(info.model, decision.target)
+                line.update(outcome=Terminal.DIVERTED.value, reason=str(decision.refusal.reason),
+                            overflow=target.name)
+                if target.model is None:
+                    return decision  # an external endpoint: the front relays it
+                # another model's pool: admitted there as usual (never diverted again)
+                info = dataclasses.replace(info, model=target.model, diverted_from=info.model, over_quota=None)
+                decision = await self.decision(rid, lambda i=info: self.core.offer(i, self.clock()))
+            result = await self._claimed(decision, line)
+        except BaseException:
+            if quota is not None:
+                quota.release(rid)
+            raise
+        if quota is not None and isinstance(result, Refusal):
+            quota.release(rid)
+        return result
+
+    def overflow_target(self, model: str, name: str) -> OverflowTarget:
+        return next(t for t in self.prepared.models[model].overflow if t.name == name)
+
+    async def _diverted_early(self, parsed: Parsed, divert: Divert,
+                              line: dict[str, Any]) -> Dispatch | Divert | Refusal:
+        """The precheck diverted it (the door shut for load): an external target takes it as it
+        is; another pool gets it offered, tokenized, as a new arrival."""
+        target = self.overflow_target(parsed.head.model, divert.target)
+        line.update(tenant=divert.tenant, band=divert.band, outcome=Terminal.DIVERTED.value,
+                    reason=str(divert.refusal.reason), overflow=target.name)
+        if target.model is None:
+            return divert
+        block_size = self.prepared.models[target.model].block_size
+        info = with_prompt(dataclasses.replace(parsed.head, model=target.model, diverted_from=parsed.head.model),
+                           parsed.kind, parsed.body, self.prepared.tokenizers.get(target.model), block_size)
+        line.update(prompt_tokens=info.prompt_tokens)
+        rid = info.request_id
+        return await self._claimed(await self.decision(rid, lambda: self.core.offer(info, self.clock())), line)
 
     async def requeue(self, rid: str, retry_after: float | None, line: dict[str, Any]) -> Dispatch | Refusal:
         """The replica refused the dispatched request before its client saw anything: the core
@@ -334,8 +384,11 @@ class ControlPlane:
         return await self._claimed(await self.decision(rid, lambda: self.core.requeue(rid, self.clock(), retry_after)),
                                    line)
 
-    async def _claimed(self, decision: Dispatch | Reject, line: dict[str, Any]) -> Dispatch | Refusal:
+    async def _claimed(self, decision: Dispatch | Reject | Divert, line: dict[str, Any]) -> Dispatch | Refusal:
         while True:
+            if isinstance(decision, Divert):  # diverted a second time: a target pool never diverts
+                decision = Reject(decision.request_id, decision.refusal, Terminal.REFUSED, decision.tenant,
+                                  decision.band)
             if isinstance(decision, Reject):
                 return self.refused(decision, line)
             if decision.claim is None or self.shared is None:
@@ -365,10 +418,31 @@ class ControlPlane:
             tpot = (now - out.first_token_at) / (tokens - 1) \
                 if out.first_token_at is not None and tokens > 1 and streamed else None
             self.metrics.observe_completed(d.tenant, d.arrival, out.first_token_at, tpot, now)
-        line.update(outcome=out.terminal.value, reason=out.reason, completion_tokens=out.completion_tokens,
+        if "overflow" in line:  # diverted to another pool: the access line keeps `diverted`
+            line["overflow_outcome"] = out.terminal.value
+        else:
+            line.update(outcome=out.terminal.value, reason=out.reason)
+        line.update(completion_tokens=out.completion_tokens,
                     ttft_s=None if out.first_token_at is None else round(out.first_token_at - d.arrival, 4),
                     layer=Layer.UPSTREAM.value if out.terminal is Terminal.FAILED else None)
+        self._settle_quota(rid, out, line)
         self.apply(self.core.finished(rid, now, out.terminal, out.completion_tokens, out.reason))
+
+    def finish_diverted(self, d: Divert, model: str, out: Outcome, line: dict[str, Any]) -> None:
+        """A request diverted to an external endpoint is over (the core counted it when it
+        diverted it): its quota is settled at the target's price, and how it ended is counted."""
+        self.metrics.overflow.labels(model, d.target, out.terminal.value).inc()
+        line.update(completion_tokens=out.completion_tokens, overflow_outcome=out.terminal.value)
+        self._settle_quota(d.request_id, out, line)
+
+    def _settle_quota(self, rid: str, out: Outcome, line: dict[str, Any]) -> None:
+        """Its reservation replaced by what it used: its prompt, where the engine computed it (its
+        answer began), and the completion tokens it reported or streamed."""
+        if self.quotas is None:
+            return
+        began = out.terminal is Terminal.COMPLETED or out.first_token_at is not None
+        self.quotas.settle(rid, line.get("prompt_tokens", 0) if began else 0, out.completion_tokens or 0,
+                           line.get("overflow"))
 
     async def _claim(self, d: Dispatch) -> int | None:
         """Claim the nearly full replica `d` goes to (`bouncer.core.sharing.claims`); the permit is this
@@ -511,6 +585,8 @@ class ControlPlane:
         prepared = dataclasses.replace(prepared, config=config, models={m.name: m for m in config.models})
         self.apply(self.core.reload(config, self.clock()))
         self._install(prepared)
+        if self.quotas is not None:
+            self.quotas.reconfigure(config)
         self.recorder.reconfigure(config.recorder)
         self._sync_scrapers()
         if config.pressure != old.pressure:

@@ -288,14 +288,46 @@ class _DiscoveryCollector:
         yield from (replicas, stale, lookups, failures, changes)
 
 
+class _QuotaCollector:
+    """Tenants' and groups' spend in the windows now in force, as last read from the quota store
+    (`bouncer.gateway.quota_keeper`, every few seconds)."""
+
+    def __init__(self, quotas: Callable[[], object | None]) -> None:
+        self.quotas = quotas
+
+    def collect(self):
+        keeper = self.quotas()
+        if keeper is None:
+            return
+        labels = ["scope", "owner", "unit", "window"]
+        families = {name: GaugeMetricFamily(f"bouncer_quota_{name}", text, labels=labels) for name, text in (
+            ("limit", "A quota's limit per window, in its unit (tokens or USD)."),
+            ("spent", "Settled spend in the current window."),
+            ("reserved", "Spend reserved by admitted requests not yet settled."),
+            ("remaining", "What is left in the current window: limit - spent - reserved, at least 0."),
+            ("resets_at_seconds", "When the current window ends, seconds since the epoch."))}
+        for row in keeper.report():  # type: ignore[attr-defined]
+            values = [row["scope"], row["owner"], row["unit"], row["window"]]
+            for name, key in (("limit", "limit"), ("spent", "spent"), ("reserved", "reserved"),
+                              ("remaining", "remaining"), ("resets_at_seconds", "resets_at")):
+                families[name].add_metric(values, row[key])
+        yield from families.values()
+        yield CounterMetricFamily("bouncer_quota_store_failures", "Calls to the quota store (Redis) that failed.",
+                                  value=keeper.failures)  # type: ignore[attr-defined]
+        yield GaugeMetricFamily("bouncer_quota_unsettled", "Requests' spend waiting for the quota store to answer "
+                                "again (written once it does).", value=keeper.unsettled)  # type: ignore[attr-defined]
+
+
 class GatewayMetrics:
     """Observed by the gateway as requests move. Latency histograms and internal errors, in the
     registry /metrics serves, with the collectors above."""
 
     def __init__(self, core_ref: Callable[[], AdmissionCore], clock: Callable[[], float],
                  kv_event_stats: Callable[[], dict] = dict, connections: Callable[[], object | None] = lambda: None,
-                 shared: Callable[[], object | None] = lambda: None, finders: Callable[[], dict] = dict) -> None:
+                 shared: Callable[[], object | None] = lambda: None, finders: Callable[[], dict] = dict,
+                 quotas: Callable[[], object | None] = lambda: None) -> None:
         self.registry = CollectorRegistry()
+        self.registry.register(_QuotaCollector(quotas))
         self.registry.register(_CoreCollector(core_ref, clock, kv_event_stats, connections))
         self.registry.register(_SharedStateCollector(shared))
         self.registry.register(_DiscoveryCollector(finders))
@@ -309,6 +341,8 @@ class GatewayMetrics:
                               ["tenant"], buckets=TPOT_BUCKETS, registry=self.registry)
         self.e2e = Histogram("bouncer_request_duration_seconds", "Arrival to last byte, admitted requests.",
                              ["tenant"], buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.overflow = Counter("bouncer_overflow_requests", "Requests diverted to an external overflow endpoint, by "
+                                "how they ended there.", ["model", "target", "outcome"], registry=self.registry)
         self.loop_lag = Histogram("bouncer_event_loop_lag_seconds", "How late the gateway's event loop ran a timer "
                                   "set for every 0.1 s: time every request on this gateway waits for its turn.",
                                   buckets=LOOP_LAG_BUCKETS, registry=self.registry)

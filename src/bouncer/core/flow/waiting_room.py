@@ -16,7 +16,7 @@ from bouncer.config import Policy
 from bouncer.core.fleet.pool import PoolView
 from bouncer.core.flow.saturation import SaturationDetector, ceiling
 from bouncer.core.model_state import ModelState
-from bouncer.core.outcomes import Layer, Reason, Refusal, Reject, Terminal
+from bouncer.core.outcomes import Divert, Layer, Reason, Refusal, Reject, Terminal
 from bouncer.core.requests import Admission
 
 if TYPE_CHECKING:
@@ -88,8 +88,8 @@ def door(ms: ModelState, adm: Admission, view: PoolView, saturation: SaturationD
 
 
 def leave(finaliser: Finaliser, ms: ModelState, adm: Admission, terminal: Terminal, reason: Reason, message: str,
-          now: float) -> Reject:
-    """A queued request leaves the waiting room with an error (evicted, expired, drained); its
-    Retry-After counts the room without it."""
+          now: float) -> Reject | Divert:
+    """A queued request leaves the waiting room with an error (evicted, expired, drained), or for
+    an overflow target; its Retry-After counts the room without it."""
     return finaliser.refuse(adm, lambda: Refusal(Layer.FLOW, reason, message, ms.backlog.retry_after(
         adm.priority, now, adm.tenant)), now, terminal, ms.flow)

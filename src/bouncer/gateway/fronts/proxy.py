@@ -16,13 +16,14 @@ token, the usage, the end, the client leaving.
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import yarl
 from aiohttp import web
 
-from bouncer.core.outcomes import Dispatch, Layer, Reason, Refusal, Terminal
+from bouncer.core.outcomes import Dispatch, Divert, Layer, Reason, Refusal, Terminal
 from bouncer.gateway import logs
 from bouncer.gateway.control_plane import ControlPlane, serve_http
 from bouncer.gateway.disaggregated import kv_transfer_params, prefill_body
@@ -108,6 +109,8 @@ class Proxy:
         if isinstance(parsed, Refusal):
             return error_response(parsed)
         decision = await plane.admit(parsed, line)
+        if isinstance(decision, Divert):
+            return await self._serve_overflow(request, path, parsed.head.model, parsed.body, decision, line)
         while True:
             if isinstance(decision, Refusal):
                 return error_response(decision)
@@ -186,6 +189,50 @@ class Proxy:
                 plane.tracer.end_upstream(  # type: ignore[union-attr]
                     span, dispatched, first_at[0] if first_at else None, up_status, self.clock())
 
+    async def _serve_overflow(self, request: web.Request, path: str, model: str, body: dict[str, Any], d: Divert,
+                              line: dict[str, Any]) -> web.StreamResponse:
+        """Relay a diverted request to its external overflow endpoint (`OverflowTarget`), with that
+        endpoint's key and model name; its usage is settled at its price. Refused there for load
+        (429, 503): the client gets the refusal the pool would have given."""
+        plane = self.plane
+        target = plane.overflow_target(model, d.target)
+        out = Outcome()
+        streaming = bool(body.get("stream"))
+        options = body.get("stream_options") or {}
+        upstream_body = dict(body)
+        if target.upstream_model:
+            upstream_body["model"] = target.upstream_model
+        if streaming:
+            upstream_body["stream_options"] = {**options, "include_usage": True}
+        key = os.environ.get(target.api_key_env) if target.api_key_env else None
+        auth = f"Authorization: Bearer {key}\r\n" if key else ""
+        try:
+            up = await self.upstream.post_json(self._upstream_url(target.url.rstrip("/"), path),  # type: ignore[union-attr]
+                                               dumps(upstream_body), auth)
+            try:
+                if up.status != 200:
+                    raise failure_for_status(up.status, up.headers, await up.read(self.upstream.read_timeout))
+                if streaming:
+                    return await relay_stream(up, request, self.upstream.read_timeout,
+                                              bool(options.get("include_usage")), self.clock, _ignore, out)
+                return await relay_json(up, request, self.upstream.read_timeout, self.clock, _ignore, out)
+            finally:
+                up.close()
+        except Requeue:
+            out.reason = Reason.UPSTREAM_REFUSED
+            return error_response(d.refusal)
+        except UpstreamFailure as exc:
+            out.reason = exc.reason
+            return error_response(Refusal(Layer.UPSTREAM, exc.reason, exc.message, exc.retry_after))
+        except UpstreamError as exc:
+            out.reason = Reason.UPSTREAM_TIMEOUT if isinstance(exc, UpstreamTimeout) else Reason.UPSTREAM_ERROR
+            return error_response(Refusal(Layer.UPSTREAM, out.reason, f"overflow endpoint failed: {exc}", 1.0))
+        except (asyncio.CancelledError, ConnectionResetError):
+            out.terminal, out.reason = Terminal.CANCELLED, Reason.CLIENT_DISCONNECTED
+            raise
+        finally:
+            plane.finish_diverted(d, model, out, line)
+
     async def _prefill(self, rid: str, url: str, path: str, upstream_body: dict[str, Any], decode: str) -> str:
         """The P/D hop (`bouncer.gateway.disaggregated`): the prompt on the prefill worker at
         `url`; then the request is the decode worker's, whose URL is returned, and
@@ -211,6 +258,10 @@ class Proxy:
         if names is None:
             return plain_error(401, "invalid or missing API key", "authentication_error", "unauthenticated")
         return web.Response(body=dumps(models_list(names)), content_type="application/json")
+
+
+def _ignore(_at: float) -> None:
+    """An overflow endpoint's first token: nothing in the core waits for it."""
 
 
 async def serve_proxy(plane: ControlPlane, host: str, port: int, ready: asyncio.Event | None = None,

@@ -1,0 +1,199 @@
+"""The gateway's side of quotas: a request reserves before the offer, settles when it ends.
+
+- `reserve` (awaited, one Redis call, before the offer): the request's expected cost (prompt
+  plus its tenant's predicted output, not max_tokens) on every line of its tenant's limits. No
+  room: the tenant's `over` choice goes to the core (`RequestInfo.over_quota`); demoted and
+  diverted requests still reserve, their spend counts.
+- `settle` (in the background): when it ends, what it used (the usage its answer reported,
+  prompt and completion tokens, at the price of whoever served it) replaces the reservation; a
+  request refused, expired or cancelled before it ran gives all of it back.
+- every lease_s / 3 the reservations this gateway holds (queued or being served) are renewed; a
+  gateway that dies stops renewing, and its reservations are given back within lease_s.
+- every REFRESH_S the levels of the lines in force are read, for metrics and /admin/state.
+
+Redis away: fail-open admits without reserving, and the spend of what it served is settled once
+Redis answers again (kept in order; nothing is dropped); fail-closed refuses limited tenants'
+requests with 503 until Redis answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from redis.exceptions import RedisError
+
+from bouncer.config import BouncerConfig
+from bouncer.core.requests import OverQuota
+from bouncer.gateway.quota_store import RedisQuotaLedger
+from bouncer.quotas.ledger import Hold, Level
+from bouncer.quotas.plan import Charge, QuotaPlan
+
+log = logging.getLogger("bouncer.gateway")
+
+REFRESH_S = 5.0
+KEPT_AFTER_WINDOW_S = 40 * 86400  # a window's spend stays readable this long after it ends
+UNAVAILABLE = OverQuota("unavailable", 0, 1.0, "the quota store (Redis) is unreachable")
+
+
+@dataclass(slots=True)
+class _Held:
+    tenant: str
+    model: str
+    charges: list[Charge]  # its lines, in the windows it was admitted in
+    reserved: bool  # False: admitted while Redis was away (fail-open), nothing reserved
+
+
+class QuotaKeeper:
+    def __init__(self, config: BouncerConfig, wall: Callable[[], float] = time.time) -> None:
+        q = config.quotas
+        assert q is not None
+        url = q.url or config.shared_state.url  # type: ignore[union-attr]  (checked by the config)
+        self.store = RedisQuotaLedger(url, q.key_prefix, q.timeout_ms / 1000)
+        self.wall = wall
+        self.instance = secrets.token_hex(6)  # reservation ids are unique across gateways and restarts
+        self.degraded = False
+        self.levels: dict[str, Level] = {}  # key -> as last read
+        self.failures = 0  # Redis calls that failed
+        self._held: dict[str, _Held] = {}
+        self._unsettled: list[tuple[str, list[tuple[str, float, float]]]] = []  # to write once Redis is back
+        self._tasks: set[asyncio.Task] = set()
+        self.reconfigure(config)
+
+    def reconfigure(self, config: BouncerConfig) -> None:
+        """A reload's limits (the store's URL is read at start only)."""
+        self.plan = QuotaPlan(config)
+        q = config.quotas
+        self.lease_s = q.lease_s if q is not None else 60.0
+        self.fail_closed = q is not None and q.on_unavailable == "fail-closed"
+
+    def applies(self, tenant: str) -> bool:
+        return self.plan.applies(tenant)
+
+    # -- the request path --------------------------------------------------------------------------
+    async def reserve(self, rid: str, tenant: str, model: str, prompt_tokens: int,
+                      predicted_output: int) -> OverQuota | None:
+        """Reserve a request's expected cost; None: it fits, else what its tenant's requests get."""
+        at = self.wall()
+        charges = self.plan.charges(self.plan.lines[tenant], prompt_tokens, predicted_output,
+                                    self.plan.price(model), at)
+        force = self.plan.over.get(tenant, ("refuse", 0))[0] != "refuse"
+        holds = [Hold(c.key, c.line.limit.limit, c.amount, c.window.end + KEPT_AFTER_WINDOW_S) for c in charges]
+        try:
+            full = await self.store.reserve(self._id(rid), holds, force, self.lease_s)
+        except (RedisError, OSError, TimeoutError) as exc:
+            self._failed("reserve", exc)
+            if self.fail_closed:
+                return UNAVAILABLE
+            self._held[rid] = _Held(tenant, model, charges, reserved=False)
+            return None
+        self._recovered()
+        if full and not force:
+            return self.plan.verdict(tenant, [charges[i] for i in full], at)
+        self._held[rid] = _Held(tenant, model, charges, reserved=True)
+        return self.plan.verdict(tenant, [charges[i] for i in full], at) if full else None
+
+    def settle(self, rid: str, prompt_tokens: int, completion_tokens: int, overflow_target: str | None = None) -> None:
+        """It ended having used these (0 and 0: it never ran); written in the background."""
+        held = self._held.pop(rid, None)
+        if held is None:
+            return
+        price = self.plan.price(held.model, overflow_target)
+        used = [(c.key, self.plan.charges([c.line], prompt_tokens, completion_tokens, price, c.window.start)[0].amount,
+                 c.window.end + KEPT_AFTER_WINDOW_S) for c in held.charges]
+        if not held.reserved and not any(a for _, a, _ in used):
+            return  # nothing reserved, nothing used
+        task = asyncio.get_running_loop().create_task(self._settle(self._id(rid), used))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def release(self, rid: str) -> None:
+        """It never ran (refused, expired, cancelled while queued): its reservation goes back."""
+        self.settle(rid, 0, 0)
+
+    async def _settle(self, sid: str, used: list[tuple[str, float, float]]) -> None:
+        try:
+            await self.store.settle(sid, used)
+            self._recovered()
+        except (RedisError, OSError, TimeoutError) as exc:
+            self._failed("settle", exc)
+            self._unsettled.append((sid, used))
+
+    def _id(self, rid: str) -> str:
+        return f"{self.instance}:{rid}"
+
+    # -- in the background -----------------------------------------------------------------------------
+    async def run(self) -> None:
+        """Renew this gateway's reservations, write what waits to be settled, read the levels."""
+        next_refresh = 0.0
+        while True:
+            try:
+                await self.store.renew([self._id(rid) for rid, h in self._held.items() if h.reserved], self.lease_s)
+                while self._unsettled:
+                    sid, used = self._unsettled[0]
+                    await self.store.settle(sid, used)  # idempotent: one sent twice counts once
+                    self._unsettled.pop(0)
+                if time.monotonic() >= next_refresh:
+                    await self.refresh()
+                    next_refresh = time.monotonic() + REFRESH_S
+                self._recovered()
+            except (RedisError, OSError, TimeoutError) as exc:
+                self._failed("renew", exc)
+            await asyncio.sleep(min(self.lease_s / 3, REFRESH_S))
+
+    async def refresh(self) -> None:
+        keys = [c.key for c in self.current()]
+        self.levels = dict(zip(keys, await self.store.levels(keys), strict=True))
+
+    def current(self, tenant: str | None = None) -> list[Charge]:
+        """Every line in force (or `tenant`'s: its own and its groups'), in its window now (each
+        group's once), amounts 0."""
+        at, seen, out = self.wall(), set(), []
+        for lines in [self.plan.lines[tenant]] if tenant is not None else self.plan.lines.values():
+            for c in self.plan.charges(lines, 0, 0, None, at):
+                if c.key not in seen:
+                    seen.add(c.key)
+                    out.append(c)
+        return out
+
+    async def reset(self, charges: list[Charge]) -> None:
+        """These lines' spend in their current windows forgotten (an operator's `bouncer quota
+        reset`); reservations stay."""
+        await self.store.reset([c.key for c in charges])
+
+    def report(self, tenant: str | None = None) -> list[dict]:
+        """The lines in force (or `tenant`'s) with their levels as last read (`/admin/state`,
+        metrics, `bouncer quota show`)."""
+        out = []
+        for c in self.current(tenant):
+            level = self.levels.get(c.key, Level(0.0, 0.0))
+            out.append({"scope": c.line.scope, "owner": c.line.owner, "unit": c.line.limit.unit,
+                        "window": c.line.limit.window, "period": c.window.label, "time_zone": c.line.time_zone,
+                        "limit": c.line.limit.limit, "spent": level.spent, "reserved": level.reserved,
+                        "remaining": max(0.0, c.line.limit.limit - level.spent - level.reserved),
+                        "resets_at": c.window.end})
+        return out
+
+    @property
+    def unsettled(self) -> int:
+        return len(self._unsettled)
+
+    def _failed(self, what: str, exc: BaseException) -> None:
+        self.failures += 1
+        if not self.degraded:
+            log.warning("quota store unreachable", extra={"event": "quota_store", "call": what, "error": repr(exc)})
+        self.degraded = True
+
+    def _recovered(self) -> None:
+        if self.degraded:
+            log.info("quota store answers again", extra={"event": "quota_store", "unsettled": len(self._unsettled)})
+        self.degraded = False
+
+    async def close(self) -> None:
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.store.close()
