@@ -26,8 +26,8 @@ ROWS = [
          "Completed requests within their TTFT and TPOT SLO (goodput over completions)."),
         ("Decisions by outcome", "reqps",
          [(f"sum by (outcome) (rate(bouncer_decisions_total{{{T}}}[{R}]))", "{{outcome}}")],
-         "admitted counts dispatches; every request ends once as completed, refused, expired, evicted, cancelled or "
-         "failed."),
+         "admitted counts dispatches; every request ends once as completed, refused, expired, evicted, cancelled, "
+         "failed or diverted (sent to an overflow target)."),
         ("Refusals and other ends by reason", "reqps",
          [(f'sum by (outcome, reason) (rate(bouncer_decisions_total{{outcome!~"admitted|completed|requeued|demoted",'
            f"{T}}}[{R}]))", "{{outcome}} {{reason}}")],
@@ -67,6 +67,20 @@ ROWS = [
          [(f'sum by (model) (bouncer_demand_offered_rps{{{M},scope="all"}})', "{{model}} first attempts/s"),
           (f'max by (model) (bouncer_demand_cost_seconds{{{M},scope="all"}})', "{{model}} engine-s per request")],
          ""),
+    ]),
+    ("Quotas and overflow", [
+        ("Quota spent and remaining", "short",
+         [("max by (scope, owner, unit, window) (bouncer_quota_spent)",
+           "{{scope}} {{owner}} {{unit}}/{{window}} spent"),
+          ("min by (scope, owner, unit, window) (bouncer_quota_remaining)",
+           "{{scope}} {{owner}} {{unit}}/{{window}} remaining")],
+         "Each tenant's and group's spend in the window now in force, as the gateways last read it from Redis "
+         "(docs/operations/quotas-and-overflow.md)."),
+        ("Diverted to overflow", "reqps",
+         [(f'sum by (reason) (rate(bouncer_decisions_total{{outcome="diverted",{T}}}[{R}]))', "diverted: {{reason}}"),
+          (f"sum by (target, outcome) (rate(bouncer_overflow_requests_total[{R}]))", "{{target}} {{outcome}}")],
+         "Requests the pool would have refused (the reason) sent to an overflow target instead, and how those "
+         "sent to an external endpoint ended there."),
     ]),
     ("Engines", [
         ("KV usage per replica", "percentunit",

@@ -33,6 +33,9 @@ METRIC = re.compile(r"\b(bouncer_[a-z0-9_]+|vllm:[a-z0-9_:]+)")
 SHARED_ONLY = {"bouncer_shared_state_up", "bouncer_shared_state_gateways", "bouncer_shared_state_peers",
                "bouncer_shared_state_syncs_total", "bouncer_shared_state_failures_total",
                "bouncer_shared_state_refunds_lost_total", "bouncer_shared_state_claims_total"}
+# exported only by a gateway with quotas and overflow targets (the demo has neither): checked
+# against such a gateway, a real redis-server and a second engine as the overflow, instead
+QUOTA_ONLY = {"bouncer_quota_spent", "bouncer_quota_remaining", "bouncer_overflow_requests_total"}
 # served only for models whose replicas are found (discovery:), which the demo's are not
 DISCOVERY_ONLY = {"bouncer_discovery_stale"}
 
@@ -172,12 +175,14 @@ def test_a_real_prometheus_scraping_the_demo_answers_every_query(tmp_path):
 
         with urllib.request.urlopen(prom_url + "/api/v1/label/__name__/values", timeout=10) as resp:
             exported = set(json.loads(resp.read())["data"])
-        queries = [q for q in dashboard_queries() if not SHARED_ONLY & set(METRIC.findall(q))] + \
+        queries = [q for q in dashboard_queries() if not (SHARED_ONLY | QUOTA_ONLY) & set(METRIC.findall(q))] + \
             [q for q in rule_queries() if not DISCOVERY_ONLY & set(METRIC.findall(q))]
         named = {m for q in queries for m in METRIC.findall(q)}
         assert named - exported == set(), "metrics the dashboard or rules name that the demo does not export"
 
-        problems = _unanswered(prom_url, [q for q in dashboard_queries() if not SHARED_ONLY & set(METRIC.findall(q))])
+        quota_row = set(_row_queries("Quotas and overflow"))  # (answered by the test below)
+        problems = _unanswered(prom_url, [q for q in dashboard_queries() if q not in quota_row
+                                          and not (SHARED_ONLY | QUOTA_ONLY) & set(METRIC.findall(q))])
         for expr in rule_queries():  # the rules evaluate; the demo is healthy, so most find nothing to alert on
             answer = _query(prom_url, expr)
             if answer["status"] != "success":
@@ -225,6 +230,48 @@ def test_a_real_prometheus_scraping_two_gateways_sharing_redis_answers_the_sever
             prom.wait(10)
         if gateways is not None:
             gateways.close()
+        redis.stop()
+
+
+@pytest.mark.slow
+def test_a_real_prometheus_scraping_a_gateway_with_quotas_and_overflow_answers_their_row(tmp_path):
+    from conftest import start_engine, start_gateway
+    from servers import BackgroundLoop
+    from test_quotas_live import _model, _stream, _tenant
+
+    row = _row_queries("Quotas and overflow")
+    assert QUOTA_ONLY <= {m for q in row for m in METRIC.findall(q)}
+    redis = RedisServer()
+    bg = BackgroundLoop()
+    cleanups = []
+    prom = None
+    try:
+        primary, _, stop_primary = start_engine(bg, speed=2.0)
+        spare, _, stop_spare = start_engine(bg, speed=20.0)
+        cleanups += [stop_primary, stop_spare]
+        model = _model([primary], overflow=[{"name": "provider", "url": spare}])
+        cfg = {"tenants": [_tenant("burst", overflow=True,
+                                   quota={"limits": [{"window": "month", "limit": 10_000_000}]})],
+               "models": [model], "quotas": {"url": redis.url},
+               "policy": {"max_inflight_per_replica": 2, "queues": {"max_requests": 2}}}
+        base, plane, stop_gateway = start_gateway(bg, cfg)
+        cleanups.append(stop_gateway)
+        prom, prom_url = _prometheus(tmp_path, {"bouncer": [base.removeprefix("http://")]})
+        poll_until(lambda: [r["value"][1] for r in _query(prom_url, "up")["data"]["result"]] == ["1"], timeout=30,
+                   what="Prometheus scraping the gateway")
+
+        async def flood():
+            return await asyncio.gather(*[_stream(base, "burst") for _ in range(16)])
+        assert [code for code, _, _ in asyncio.run(flood())] == [200] * 16  # some of them served by the overflow
+        time.sleep(25)  # enough scrapes for every rate window, and the quota levels read again
+        assert _unanswered(prom_url, row) == []
+    finally:
+        if prom is not None:
+            prom.terminate()
+            prom.wait(10)
+        for cleanup in reversed(cleanups):
+            cleanup()
+        bg.close()
         redis.stop()
 
 

@@ -11,6 +11,7 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from bouncer.bench.loopback import RedisServer
 from bouncer.cli import build_parser
 from bouncer.config import key_digest
 from bouncer.reference import cli_page, config_page, metrics_page
@@ -82,11 +83,14 @@ def test_metrics_page_lists_every_metric_the_gateway_and_the_engine_serve(bg_loo
     assert only_with_shared_state and only_with_shared_state <= documented
 
     engine, _, stop_engine = start_engine(bg_loop, num_blocks=2048, max_num_seqs=32)
+    redis_server = RedisServer()  # a quota, so that the quota families are served
     found = tmp_path / "found.yaml"
     found.write_text(f"[{engine}]\n")
     config = {
         "tenants": [{"name": "alice", "api_keys_sha256": [key_digest("alice")], "priority": 1,
-                     "slo": {"ttft_s": 5.0, "tpot_s": 1.0}}],
+                     "slo": {"ttft_s": 5.0, "tpot_s": 1.0},
+                     "quota": {"limits": [{"window": "day", "limit": 1_000_000}]}}],
+        "quotas": {"url": redis_server.url},
         "models": [{"name": "demo-llm", "tokenizer": str(default_tokenizer_path()),
                     "backends": [{"url": engine, "name": "e0"}]},
                    # a model whose replicas are found (a file), so that discovery's families are served
@@ -110,6 +114,7 @@ def test_metrics_page_lists_every_metric_the_gateway_and_the_engine_serve(bg_loo
     finally:
         stop_gateway()
         stop_engine()
+        redis_server.stop()
 
     assert "bouncer_pressure_value" in served and "bouncer_decisions" in served
     assert not served - documented, f"the gateway serves metrics the page does not list: {served - documented} " \

@@ -427,6 +427,12 @@ def cmd_bench_autoscaling(args) -> None:
     autoscaling(args.scenario, args.admission, args.signal, args.startup, args.seed, args.out)
 
 
+def cmd_bench_overflow(args) -> None:
+    from bouncer.bench import overflow
+
+    overflow.main(args.scenario, args.load, args.spare, args.seed, args.out)
+
+
 def cmd_bench_provisioner(args) -> None:
     from bouncer.bench.live_provisioner import run
 
@@ -673,6 +679,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="write the result JSON (with each run's autoscaler history)")
     p.set_defaults(func=cmd_bench_autoscaling)
 
+    p = bench.add_parser("overflow", help="quotas and overflow in the simulator: a provisioned-throughput tenant "
+                         "refused or demoted past its quota; a saturated pool refusing or diverting to a spare pool")
+    p.add_argument("--scenario", nargs="+", choices=["demote", "divert"], default=["demote", "divert"])
+    p.add_argument("--load", type=float, nargs="+", default=[2.0], help="divert: offered load over the primary's "
+                   "capacity")
+    p.add_argument("--spare", type=int, nargs="+", default=[2], help="divert: the spare pool's replicas (the "
+                   "primary has 2)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", help="write the rows as JSON here")
+    p.set_defaults(func=cmd_bench_overflow)
     p = bench.add_parser("provisioner", help="a stand-in for KEDA: starts and stops `bouncer engine` replicas on "
                                              "the gateways' demand gauge, listing them in a discovery file")
     p.add_argument("--metrics", nargs="+", required=True, metavar="URL", help="each gateway's /metrics URL")

@@ -300,18 +300,22 @@ class _QuotaCollector:
         if keeper is None:
             return
         labels = ["scope", "owner", "unit", "window"]
-        families = {name: GaugeMetricFamily(f"bouncer_quota_{name}", text, labels=labels) for name, text in (
-            ("limit", "A quota's limit per window, in its unit (tokens or USD)."),
-            ("spent", "Settled spend in the current window."),
-            ("reserved", "Spend reserved by admitted requests not yet settled."),
-            ("remaining", "What is left in the current window: limit - spent - reserved, at least 0."),
-            ("resets_at_seconds", "When the current window ends, seconds since the epoch."))}
+        families = [
+            (GaugeMetricFamily("bouncer_quota_limit", "A quota's limit per window, in its unit (tokens or USD).",
+                               labels=labels), "limit"),
+            (GaugeMetricFamily("bouncer_quota_spent", "Settled spend in the current window.", labels=labels),
+             "spent"),
+            (GaugeMetricFamily("bouncer_quota_reserved", "Spend reserved by admitted requests not yet settled.",
+                               labels=labels), "reserved"),
+            (GaugeMetricFamily("bouncer_quota_remaining", "What is left in the current window: limit - spent - "
+                               "reserved, at least 0.", labels=labels), "remaining"),
+            (GaugeMetricFamily("bouncer_quota_resets_at_seconds", "When the current window ends, seconds since the "
+                               "epoch.", labels=labels), "resets_at")]
         for row in keeper.report():  # type: ignore[attr-defined]
             values = [row["scope"], row["owner"], row["unit"], row["window"]]
-            for name, key in (("limit", "limit"), ("spent", "spent"), ("reserved", "reserved"),
-                              ("remaining", "remaining"), ("resets_at_seconds", "resets_at")):
-                families[name].add_metric(values, row[key])
-        yield from families.values()
+            for family, key in families:
+                family.add_metric(values, row[key])
+        yield from (family for family, _ in families)
         yield CounterMetricFamily("bouncer_quota_store_failures", "Calls to the quota store (Redis) that failed.",
                                   value=keeper.failures)  # type: ignore[attr-defined]
         yield GaugeMetricFamily("bouncer_quota_unsettled", "Requests' spend waiting for the quota store to answer "

@@ -23,29 +23,20 @@ import logging
 import secrets
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from redis.exceptions import RedisError
 
 from bouncer.config import BouncerConfig
 from bouncer.core.requests import OverQuota
 from bouncer.gateway.quota_store import RedisQuotaLedger
-from bouncer.quotas.ledger import Hold, Level
-from bouncer.quotas.plan import Charge, QuotaPlan
+from bouncer.quotas.book import QuotaBook
+from bouncer.quotas.ledger import Level
+from bouncer.quotas.plan import Charge
 
 log = logging.getLogger("bouncer.gateway")
 
 REFRESH_S = 5.0
-KEPT_AFTER_WINDOW_S = 40 * 86400  # a window's spend stays readable this long after it ends
 UNAVAILABLE = OverQuota("unavailable", 0, 1.0, "the quota store (Redis) is unreachable")
-
-
-@dataclass(slots=True)
-class _Held:
-    tenant: str
-    model: str
-    charges: list[Charge]  # its lines, in the windows it was admitted in
-    reserved: bool  # False: admitted while Redis was away (fail-open), nothing reserved
 
 
 class QuotaKeeper:
@@ -59,54 +50,43 @@ class QuotaKeeper:
         self.degraded = False
         self.levels: dict[str, Level] = {}  # key -> as last read
         self.failures = 0  # Redis calls that failed
-        self._held: dict[str, _Held] = {}
+        self.book = QuotaBook(config)
         self._unsettled: list[tuple[str, list[tuple[str, float, float]]]] = []  # to write once Redis is back
         self._tasks: set[asyncio.Task] = set()
         self.reconfigure(config)
 
     def reconfigure(self, config: BouncerConfig) -> None:
         """A reload's limits (the store's URL is read at start only)."""
-        self.plan = QuotaPlan(config)
+        self.book.reconfigure(config)
         q = config.quotas
         self.lease_s = q.lease_s if q is not None else 60.0
         self.fail_closed = q is not None and q.on_unavailable == "fail-closed"
 
     def applies(self, tenant: str) -> bool:
-        return self.plan.applies(tenant)
+        return self.book.applies(tenant)
 
     # -- the request path --------------------------------------------------------------------------
     async def reserve(self, rid: str, tenant: str, model: str, prompt_tokens: int,
                       predicted_output: int) -> OverQuota | None:
         """Reserve a request's expected cost; None: it fits, else what its tenant's requests get."""
         at = self.wall()
-        charges = self.plan.charges(self.plan.lines[tenant], prompt_tokens, predicted_output,
-                                    self.plan.price(model), at)
-        force = self.plan.over.get(tenant, ("refuse", 0))[0] != "refuse"
-        holds = [Hold(c.key, c.line.limit.limit, c.amount, c.window.end + KEPT_AFTER_WINDOW_S) for c in charges]
+        asked = self.book.ask(tenant, model, prompt_tokens, predicted_output, at)
         try:
-            full = await self.store.reserve(self._id(rid), holds, force, self.lease_s)
+            full = await self.store.reserve(self._id(rid), asked.holds, asked.force, self.lease_s)
         except (RedisError, OSError, TimeoutError) as exc:
             self._failed("reserve", exc)
             if self.fail_closed:
                 return UNAVAILABLE
-            self._held[rid] = _Held(tenant, model, charges, reserved=False)
+            self.book.unreserved(rid, asked)
             return None
         self._recovered()
-        if full and not force:
-            return self.plan.verdict(tenant, [charges[i] for i in full], at)
-        self._held[rid] = _Held(tenant, model, charges, reserved=True)
-        return self.plan.verdict(tenant, [charges[i] for i in full], at) if full else None
+        return self.book.answered(rid, asked, full, at)
 
     def settle(self, rid: str, prompt_tokens: int, completion_tokens: int, overflow_target: str | None = None) -> None:
         """It ended having used these (0 and 0: it never ran); written in the background."""
-        held = self._held.pop(rid, None)
-        if held is None:
+        used = self.book.used(rid, prompt_tokens, completion_tokens, overflow_target)
+        if used is None:
             return
-        price = self.plan.price(held.model, overflow_target)
-        used = [(c.key, self.plan.charges([c.line], prompt_tokens, completion_tokens, price, c.window.start)[0].amount,
-                 c.window.end + KEPT_AFTER_WINDOW_S) for c in held.charges]
-        if not held.reserved and not any(a for _, a, _ in used):
-            return  # nothing reserved, nothing used
         task = asyncio.get_running_loop().create_task(self._settle(self._id(rid), used))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -132,7 +112,8 @@ class QuotaKeeper:
         next_refresh = 0.0
         while True:
             try:
-                await self.store.renew([self._id(rid) for rid, h in self._held.items() if h.reserved], self.lease_s)
+                held = [self._id(rid) for rid, h in self.book.held.items() if h.reserved]
+                await self.store.renew(held, self.lease_s)
                 while self._unsettled:
                     sid, used = self._unsettled[0]
                     await self.store.settle(sid, used)  # idempotent: one sent twice counts once
@@ -150,15 +131,7 @@ class QuotaKeeper:
         self.levels = dict(zip(keys, await self.store.levels(keys), strict=True))
 
     def current(self, tenant: str | None = None) -> list[Charge]:
-        """Every line in force (or `tenant`'s: its own and its groups'), in its window now (each
-        group's once), amounts 0."""
-        at, seen, out = self.wall(), set(), []
-        for lines in [self.plan.lines[tenant]] if tenant is not None else self.plan.lines.values():
-            for c in self.plan.charges(lines, 0, 0, None, at):
-                if c.key not in seen:
-                    seen.add(c.key)
-                    out.append(c)
-        return out
+        return self.book.current(self.wall(), tenant)
 
     async def reset(self, charges: list[Charge]) -> None:
         """These lines' spend in their current windows forgotten (an operator's `bouncer quota
@@ -168,15 +141,7 @@ class QuotaKeeper:
     def report(self, tenant: str | None = None) -> list[dict]:
         """The lines in force (or `tenant`'s) with their levels as last read (`/admin/state`,
         metrics, `bouncer quota show`)."""
-        out = []
-        for c in self.current(tenant):
-            level = self.levels.get(c.key, Level(0.0, 0.0))
-            out.append({"scope": c.line.scope, "owner": c.line.owner, "unit": c.line.limit.unit,
-                        "window": c.line.limit.window, "period": c.window.label, "time_zone": c.line.time_zone,
-                        "limit": c.line.limit.limit, "spent": level.spent, "reserved": level.reserved,
-                        "remaining": max(0.0, c.line.limit.limit - level.spent - level.reserved),
-                        "resets_at": c.window.end})
-        return out
+        return [self.book.row(c, self.levels.get(c.key, Level(0.0, 0.0))) for c in self.current(tenant)]
 
     @property
     def unsettled(self) -> int:

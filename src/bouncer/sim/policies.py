@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable
+from dataclasses import replace
 
 import xxhash
 
@@ -22,11 +23,12 @@ from bouncer.core.fleet.prefix_index import ApproxPrefixIndex
 from bouncer.core.fleet.replica import ReplicaState, Telemetry
 from bouncer.core.fleet.routing import RoundRobinRouter, Router, cached_tokens
 from bouncer.core.flow.dispatch import blocks_and_prefill
-from bouncer.core.outcomes import Claim, Dispatch, Reject, Terminal
+from bouncer.core.outcomes import Claim, Dispatch, Divert, Reject, Terminal
 from bouncer.core.requests import Admission, RequestInfo
 from bouncer.core.sharing.peers import GatewayShare
 from bouncer.core.stores import Stores
 from bouncer.sim.fleet import Dispatched, PolicyEvent, Refused, SimRequest
+from bouncer.sim.quotas import SimQuotas
 
 SIM_MODEL = "sim-llm"
 
@@ -45,9 +47,15 @@ class CorePolicy:
     fall back on their own backoff."""
 
     def __init__(self, name: str, config: BouncerConfig, exemption: Exemption | None = None,
-                 advises_clients: bool = True, stores: Stores | None = None) -> None:
+                 advises_clients: bool = True, stores: Stores | None = None, quota_epoch: float = 0.0) -> None:
+        """`quota_epoch`: where the config has quotas, the wall-clock time of simulated second 0."""
         self.name = name
         self.advises_clients = advises_clients
+        # quotas and overflow (`sim.quotas`): the requests offered and not yet ended, for a
+        # divert to another pool and the quota's settling
+        self.quotas = SimQuotas(config, quota_epoch) if config.quotas is not None else None
+        self._offered: dict[str, RequestInfo] | None = {} if self.quotas or any(
+            m.overflow for m in config.models) else None
         # routes as config.policy.routing says; `stores`: what it shares with other gateways
         self.core = AdmissionCore(config, 0.0, stores, exemption=exemption)
         self._keys = {t.name: t.api_keys_sha256[0] for t in config.tenants}
@@ -77,14 +85,35 @@ class CorePolicy:
                         out.extend(self._convert(self.core.unclaimed(e.request_id, others, now), now))
                         continue
                 out.append(Dispatched(e.request_id, e.replica, e.decode_replica))
+            elif isinstance(e, Divert):
+                out.extend(self._diverted(e, now))
             else:
                 assert isinstance(e, Reject)
+                self._ended(e.request_id)
                 r = e.refusal
                 advice = self.advises_clients
                 out.append(Refused(e.request_id, r.status, f"{r.layer.value}/{r.reason}",
                                    r.retry_after if advice else None, final=e.terminal is Terminal.EXPIRED,
                                    should_retry=r.should_retry if advice else True))
         return out
+
+    def _diverted(self, e: Divert, now: float) -> list[PolicyEvent]:
+        """Offered again to the overflow pool, as the gateway does; a target outside the
+        simulated fleet (an external endpoint) answers as the pool would have."""
+        info = self._offered.get(e.request_id) if self._offered is not None else None
+        target = next((t for m in self.core.config.models for t in m.overflow if t.name == e.target), None)
+        if info is None or target is None or target.model is None:
+            return self._convert([Reject(e.request_id, e.refusal, Terminal.REFUSED, e.tenant, e.band)], now)
+        again = replace(info, model=target.model, diverted_from=info.model, over_quota=None)
+        self._offered[e.request_id] = again  # type: ignore[index]
+        return self._convert(self.core.offer(again, now), now)
+
+    def _ended(self, attempt_id: str, completion_tokens: int | None = None) -> None:
+        """It is over: its quota settled (None: it never ran, its reservation given back)."""
+        info = self._offered.pop(attempt_id, None) if self._offered is not None else None
+        if self.quotas is not None and info is not None:
+            self.quotas.settle(attempt_id, info.prompt_tokens if completion_tokens is not None else 0,
+                               completion_tokens or 0)
 
     def _info(self, req: SimRequest) -> RequestInfo:
         # as an OpenAI SDK client sends it: each attempt says how many came before
@@ -96,7 +125,13 @@ class CorePolicy:
                            retry_count=req.attempt - 1, prompt_digest=prompt_digest(req))
 
     def offer(self, req: SimRequest, now: float) -> list[PolicyEvent]:
-        return self._convert(self.core.offer(self._info(req), now), now)
+        info = self._info(req)
+        if self._offered is not None:
+            self._offered[info.request_id] = info
+            if self.quotas is not None:
+                info.over_quota = self.quotas.reserve(info.request_id, req.tenant, info.model, info.prompt_tokens,
+                                                      self.core.view.predicted_output(req.tenant, info), now)
+        return self._convert(self.core.offer(info, now), now)
 
     def tick(self, now):
         return self._convert(self.core.tick(now), now)
@@ -112,9 +147,11 @@ class CorePolicy:
 
     def finished(self, attempt_id, now, completed, completion_tokens):
         terminal = Terminal.COMPLETED if completed else Terminal.CANCELLED
+        self._ended(attempt_id, completion_tokens)
         return self._convert(self.core.finished(attempt_id, now, terminal, completion_tokens), now)
 
     def cancel(self, attempt_id, now):
+        self._ended(attempt_id)
         return self._convert(self.core.cancel(attempt_id, now), now)
 
     def engine_refused(self, attempt_id, now):
@@ -366,22 +403,30 @@ def tenant_config(name: str, priority: int, weight: float = 1.0, **kw) -> dict:
 
 def core_config(tenants: list[dict], replicas: int | dict[str, str], kv_blocks: int, block_size: int,
                 max_model_len: int, policy: dict, offload_blocks: int = 0, step_time: dict | None = None,
-                max_num_seqs: int | None = None) -> BouncerConfig:
+                max_num_seqs: int | None = None, pools: dict[str, list[str]] | None = None,
+                extra: dict | None = None) -> BouncerConfig:
     """`replicas`: how many (colocated, named r0...), or each one's name and role
     (`FleetConfig.roles`); `step_time`: the models' step_time config (a profile's
     `step_time_config` states it as given; without it, latency prediction is off: the baselines
     that use the core predict none); `max_num_seqs`: the engines', as an operator states it for the
-    demand signal."""
+    demand signal. `pools`: more models (`bench overflow`), each served by these of the replicas
+    (the rest are SIM_MODEL's); `extra`: more of the config (quotas, a model's overflow targets
+    under `models`: {name: {...}})."""
     roles = replicas if isinstance(replicas, dict) else {f"r{i}": "both" for i in range(replicas)}
+    pools = {SIM_MODEL: [n for n in roles if not any(n in p for p in (pools or {}).values())], **(pools or {})}
+    extra = dict(extra or {})
+    more = extra.pop("models", {})
     return parse_config({
         "tenants": tenants,
-        "models": [{"name": SIM_MODEL, "max_model_len": max_model_len, "block_size": block_size,
+        "models": [{"name": model, "max_model_len": max_model_len, "block_size": block_size,
                     "step_time": step_time or {"mode": "off"},
                     **({"demand": {"max_num_seqs": max_num_seqs}} if max_num_seqs else {}),
                     "backends": [{"url": f"http://sim-{name}", "name": name, "kv_blocks": kv_blocks,
-                                  "kv_offload_blocks": offload_blocks, "role": role}
-                                 for name, role in roles.items()]}],
+                                  "kv_offload_blocks": offload_blocks, "role": roles[name]} for name in names],
+                    **more.get(model, {})}
+                   for model, names in pools.items()],
         "policy": policy,
+        **extra,
     }, "simulated gateway")
 
 
