@@ -111,6 +111,7 @@ def test_200_concurrent_streams_over_two_gateways_spend_within_2_percent_of_the_
         [(spent, reserved)] = _levels(server.url, "race:").values()
         assert codes.count(200) == 50
         assert budget * 0.98 <= spent <= budget, (spent, budget)
+        assert all(not g[1].quotas.book.held for g in gateways)  # no reservation kept after its request
         rows = _state(gateways[0][0])["quotas"]["lines"]
         poll_until(lambda: _state(gateways[0][0])["quotas"]["lines"][0]["spent"] == spent, timeout=15,
                    what="the gateway's view of the spend")
@@ -220,6 +221,7 @@ def _write(tmp_path, cfg: dict):
 @pytest.mark.parametrize("target", ["external", "pool"])
 def test_a_saturated_primary_diverts_the_tenant_allowed_to_overflow_and_refuses_the_other(target):
     bg = BackgroundLoop()
+    server = RedisServer()  # the diverted tenant has a quota: what the overflow served is counted too
     cleanups = []
     try:
         primary, _, stop_primary = start_engine(bg, speed=2.0)
@@ -234,7 +236,8 @@ def test_a_saturated_primary_diverts_the_tenant_allowed_to_overflow_and_refuses_
             model["overflow"] = [{"name": "provider", "model": "spare-llm"}]
             # the spare pool's replicas are one fast engine listed 8 times (the per-replica cap is the primary's)
             models.append({**_model([spare] * 8), "name": "spare-llm", "upstream_model": "demo-llm"})
-        cfg = {"tenants": [_tenant("burst", overflow=True), _tenant("steady")], "models": models,
+        cfg = {"tenants": [_tenant("burst", overflow=True, quota={"limits": [{"window": "month", "limit": 1e9}]}),
+                           _tenant("steady")], "models": models, "quotas": {"url": server.url, "key_prefix": "ovf:"},
                "admin_keys_sha256": [key_digest("admin")],
                "policy": {"max_inflight_per_replica": 2, "queues": {"max_requests": 2},
                           "telemetry": {"scrape_interval_s": 0.05}}}
@@ -259,6 +262,13 @@ def test_a_saturated_primary_diverts_the_tenant_allowed_to_overflow_and_refuses_
         diverted = sum(n for (outcome, *_, tenant, _b), n in stats.decisions.items()
                        if outcome == "diverted" and tenant == "burst")
         assert diverted >= 1 and not any(o == "diverted" and t == "steady" for (o, _l, _r, t, _b) in stats.decisions)
+        # every answer of the diverted tenant counted against its quota, here or at the overflow
+        # (each request is the same prompt and 20 tokens: what one cost, from those the primary served)
+        served_here = sum(n for (o, _l, _r, _t, _b), n in stats.decisions.items() if o == "completed")
+        per_request = sum(stats.served_tokens.values()) / served_here
+        poll_until(lambda: all(r == 0 for _, r in _levels(server.url, "ovf:").values()), what="settled")
+        [(spent, _)] = _levels(server.url, "ovf:").values()
+        assert spent == pytest.approx(16 * per_request) and not plane.quotas.book.held
         if target == "external":
             metrics = urllib.request.urlopen(base + "/metrics", timeout=10).read().decode()
             assert (f'bouncer_overflow_requests_total{{model="demo-llm",outcome="completed",target="provider"}} '
@@ -267,3 +277,4 @@ def test_a_saturated_primary_diverts_the_tenant_allowed_to_overflow_and_refuses_
         for cleanup in reversed(cleanups):
             cleanup()
         bg.close()
+        server.stop()

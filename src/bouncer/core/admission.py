@@ -47,7 +47,7 @@ from bouncer.core.intake.pressure import PressureSignal, reconfigured
 from bouncer.core.intake.tenant_book import TenantBook
 from bouncer.core.learning import feedback
 from bouncer.core.model_state import ModelState, next_wakeup
-from bouncer.core.outcomes import Dispatch, Divert, Event, Layer, Reason, Refusal, Reject, Terminal
+from bouncer.core.outcomes import Dispatch, Event, Layer, Reason, Refusal, Reject, Terminal
 from bouncer.core.registry import make_fairness, make_ordering, make_router, make_saturation
 from bouncer.core.requests import Admission, RequestInfo
 from bouncer.core.sharing import claims, exchange
@@ -121,7 +121,7 @@ class AdmissionCore:
         return self.tick(now)
 
     # -- a new request, layer by layer (`bouncer.core.arrivals`) ------------------------------------
-    def precheck(self, info: RequestInfo, now: float) -> Reject | Divert | Tenant:
+    def precheck(self, info: RequestInfo, now: float) -> Reject | Tenant:
         """A new request's cheap layers, before its prompt is tokenized (`prompt_tokens` and its
         blocks are not read): who it is, its model, its tenant's breaker and rate limits (looked
         at, not taken: `offer` takes them), the waiting room's doors; its arrival counted. A

@@ -59,7 +59,7 @@ class Arrivals:
         self._seq = itertools.count()  # arrival order, for FCFS ties
         self._exemption = exemption
 
-    def precheck(self, info: RequestInfo, now: float) -> tuple[Reject | Divert | Tenant, PoolView | None]:
+    def precheck(self, info: RequestInfo, now: float) -> tuple[Reject | Tenant, PoolView | None]:
         """`AdmissionCore.precheck`, and the pool view it judged by (None where it did not get
         that far), which `offer` may use on: nothing between them moves a replica."""
         c = self.core
@@ -83,10 +83,12 @@ class Arrivals:
         refusal = cheap_refusal(ms, t, info, c.gate, c.tenants.breakers[t.name], c.saturation, c.policy,
                                 self._acts_on_late(info.request_id), view,
                                 first_seen(c.finaliser.retries, t.name, info, now), now)
-        if refusal is not None:
+        if refusal is not None and not c.finaliser.overflow.may_take(info, t.name, refusal.reason):
             # as offer remembers what the gate or the door refuses
             first_arrival(c.finaliser.retries, t.name, info, now)
-            return c.finaliser.refuse_unadmitted(info.request_id, t.name, t.priority, refusal, info, now), None
+            return c.finaliser.refuse_unadmitted(info.request_id, t.name, t.priority, refusal, info.model,  # type: ignore[return-value]
+                                                 now), None
+        # (a refusal an overflow target may take instead is left to `offer`: it tokenizes first)
         return t, view
 
     def offer(self, info: RequestInfo, now: float, checked: Tenant | None = None) -> list[Event]:
@@ -96,7 +98,7 @@ class Arrivals:
         view: PoolView | None = None
         if checked is None:
             found, view = self.precheck(info, now)
-            if isinstance(found, (Reject, Divert)):
+            if isinstance(found, Reject):
                 return [found]
             checked = found
         t = c.tenants.get(checked.name)  # (a reload may have come since the precheck)
@@ -165,7 +167,7 @@ class Arrivals:
         ttl = min(t.queue_ttl_s or c.policy.default_ttl_s, info.ttl_s or float("inf"))
         refusal = quota.refusal(over, ttl)
         if over.action == "divert":
-            return c.finaliser.refuse_unadmitted(info.request_id, t.name, t.priority, refusal, info, now)
+            return c.finaliser.refuse_unadmitted(info.request_id, t.name, t.priority, refusal, info.model, now, info)
         return self._refuse_new(info, t.name, t.priority, refusal)
 
     def _enter_waiting_room(self, ms: ModelState, adm: Admission, view: PoolView, ttft_left: float | None,

@@ -93,13 +93,15 @@ class Finaliser:
 
     # -- before the request was admitted to a layer that takes anything ------------------------
     def refuse_unadmitted(self, request_id: str, tenant: str, band: int | None, refusal: Refusal,
-                          info: RequestInfo | None = None, now: float | None = None) -> Reject | Divert:
+                          model: str | None = None, now: float | None = None,
+                          divertible: RequestInfo | None = None) -> Reject | Divert:
         """Refused before any layer took anything for it (who it is, validation, context, the
-        gate refusing; `info` and `now` where it may have been refused as late, or diverted:
-        the precheck, a spent quota)."""
-        if info is not None and now is not None and band is not None:
-            self._missed(info.model, band, refusal.reason, now)
-            divert = self._divert(info, tenant, band, refusal, now)
+        gate refusing; `model` and `now` where it may have been refused as late: the precheck);
+        `divertible`: the request, where an overflow target may take it instead (a spent quota's
+        `divert`)."""
+        if model is not None and now is not None and band is not None:
+            self._missed(model, band, refusal.reason, now)
+            divert = self._divert(divertible, tenant, band, refusal, now) if divertible is not None else None
             if divert is not None:
                 return divert
         self._count(Terminal.REFUSED, refusal.layer, refusal.reason, tenant, band)

@@ -319,9 +319,7 @@ class ControlPlane:
         # the layers that need no prompt first: what they refuse (a flood over its rate limit, a
         # full tenant queue, sheddable traffic while saturated) is never tokenized
         checked = self.core.precheck(head, self.clock())
-        if isinstance(checked, (Reject, Divert)):
-            if isinstance(checked, Divert):  # refused for load before tokenizing: tokenized now, then diverted
-                return await self._diverted_early(parsed, checked, line)
+        if isinstance(checked, Reject):
             return self.refused(checked, line)
         block_size = parsed.model.block_size if parsed.model else 16
         args = (head, parsed.kind, parsed.body, parsed.tokenizer, block_size)
@@ -361,28 +359,20 @@ class ControlPlane:
     def overflow_target(self, model: str, name: str) -> OverflowTarget:
         return next(t for t in self.prepared.models[model].overflow if t.name == name)
 
-    async def _diverted_early(self, parsed: Parsed, divert: Divert,
-                              line: dict[str, Any]) -> Dispatch | Divert | Refusal:
-        """The precheck diverted it (the door shut for load): an external target takes it as it
-        is; another pool gets it offered, tokenized, as a new arrival."""
-        target = self.overflow_target(parsed.head.model, divert.target)
-        line.update(tenant=divert.tenant, band=divert.band, outcome=Terminal.DIVERTED.value,
-                    reason=str(divert.refusal.reason), overflow=target.name)
-        if target.model is None:
-            return divert
-        block_size = self.prepared.models[target.model].block_size
-        info = with_prompt(dataclasses.replace(parsed.head, model=target.model, diverted_from=parsed.head.model),
-                           parsed.kind, parsed.body, self.prepared.tokenizers.get(target.model), block_size)
-        line.update(prompt_tokens=info.prompt_tokens)
-        rid = info.request_id
-        return await self._claimed(await self.decision(rid, lambda: self.core.offer(info, self.clock())), line)
-
     async def requeue(self, rid: str, retry_after: float | None, line: dict[str, Any]) -> Dispatch | Refusal:
         """The replica refused the dispatched request before its client saw anything: the core
-        holds it again until it fits elsewhere, or ends it."""
+        holds it again until it fits elsewhere, or ends it (its quota's reservation given back)."""
         self._live.discard(rid)
-        return await self._claimed(await self.decision(rid, lambda: self.core.requeue(rid, self.clock(), retry_after)),
-                                   line)
+        try:
+            result = await self._claimed(
+                await self.decision(rid, lambda: self.core.requeue(rid, self.clock(), retry_after)), line)
+        except BaseException:
+            if self.quotas is not None:
+                self.quotas.release(rid)
+            raise
+        if self.quotas is not None and isinstance(result, Refusal):
+            self.quotas.release(rid)
+        return result
 
     async def _claimed(self, decision: Dispatch | Reject | Divert, line: dict[str, Any]) -> Dispatch | Refusal:
         while True:

@@ -16,6 +16,7 @@ from __future__ import annotations
 from bouncer.config import BouncerConfig
 from bouncer.core.intake.rate_limit import TokenBucket
 from bouncer.core.outcomes import Reason
+from bouncer.core.requests import RequestInfo
 from bouncer.quotas.settings import OverflowTarget
 
 DIVERTIBLE = frozenset({Reason.SATURATED, Reason.QUEUE_FULL, Reason.TENANT_QUEUE_FULL, Reason.EVICTED,
@@ -44,6 +45,13 @@ class Overflow:
             if targets:
                 self._targets[m.name] = targets
         self._allowed = frozenset(t.name for t in config.tenants if t.overflow)
+
+    def may_take(self, info: RequestInfo, tenant: str, reason: Reason | str) -> bool:
+        """Whether a refusal for `reason` of this request could be diverted (its targets' rate
+        limits not looked at): the precheck then leaves it to `offer`, which tokenizes it first
+        (a quota and another pool both need its prompt)."""
+        return (info.diverted_from is None and bool(self._targets.get(info.model))
+                and reason in DIVERTIBLE and tenant in self._allowed)
 
     def target(self, model: str, tenant: str, reason: Reason | str, now: float) -> OverflowTarget | None:
         """The target a request refused for `reason` goes to instead (its bucket charged), or
