@@ -27,7 +27,7 @@ from collections import Counter
 
 from bouncer.core.view import CoreView
 
-ENDS_WITH_REASON = ("refused", "expired", "evicted", "cancelled", "failed")
+ENDS_WITH_REASON = ("refused", "expired", "evicted", "cancelled", "failed", "diverted")
 NOTES = ("admitted", "demoted", "requeued", "reclaimed")
 
 
