@@ -1111,6 +1111,15 @@ recorder: {enabled: true, step_s: 0.25, horizon_s: 900}
 #     resume_below: 350
 #     bands: [-1]
 
+# Quotas over hours, days, weeks or months (tokens or usd at the models' prices), kept in Redis:
+# a request reserves its expected cost at admission and settles what it used. A tenant's own are
+# under `quota:` (below, commented); groups of tenants share theirs. docs/operations/quotas-and-overflow.md
+# quotas:
+#   url: "redis://127.0.0.1:6379/0"   # default: shared_state.url
+#   time_zone: UTC
+#   groups:
+#     - {name: acme, level: org, tenants: [interactive, batch], limits: [{window: month, unit: usd, limit: 500}]}
+
 logging: {level: info, format: logfmt, access_log: true}   # format: logfmt | json | text
 
 # default_tenant: batch      # requests with no key, or a key no tenant lists, go to this tenant (else 401)
@@ -1131,6 +1140,8 @@ tenants:
     api_keys_sha256: ["<sha256 of another key>"]
     priority: -1             # sheddable
     slo: {ttft_s: 30, on_infeasible: best-effort}   # too late for 30 s: served without a deadline
+    # quota: {limits: [{window: day, unit: total_tokens, limit: 50000000}], over: demote}   # then band -1
+    # overflow: true         # what the pool would refuse for load goes to the model's overflow targets
 
 models:
   - name: llama-3.1-8b
@@ -1146,6 +1157,12 @@ models:
     # model's own requests by default (see /admin/state); a, b, c, d here are then the prior.
     # mode: given uses them as stated; mode: off predicts nothing.
     step_time: {mode: learned, max_batched_tokens: 8192}   # the engine's --max-num-batched-tokens
+    # price: {input_per_million: 0.20, output_per_million: 0.60}   # for quotas in usd
+    # What it would refuse for load (tenants with overflow: true), in order: another model of this
+    # config, or an external OpenAI-compatible endpoint with its own key, model name and rate limit.
+    # overflow:
+    #   - {name: provider, url: "https://api.provider.example", api_key_env: PROVIDER_API_KEY,
+    #      upstream_model: meta-llama/Llama-3.1-8B-Instruct, requests_per_s: 20}
     backends:
       - url: http://10.0.0.11:8000   # KV blocks are scraped from vllm:cache_config_info
         kv_events: tcp://10.0.0.11:5557   # vLLM --kv-events-config publisher: a precise prefix index
