@@ -243,3 +243,16 @@ def test_a_saturated_pool_diverts_the_tenants_allowed_to_overflow_and_refuses_th
     assert {type(ends[f"q{i}"]) for i in (1, 3, 5) if f"q{i}" in ends} == {Divert}
     assert all(isinstance(ends[f"q{i}"], Reject) for i in (2, 4) if f"q{i}" in ends)
     assert any(isinstance(e, Divert) for e in events) and any(isinstance(e, Reject) for e in events)
+
+
+def test_a_demoted_tenants_requests_are_judged_in_its_demoted_band_from_the_precheck_on():
+    core = _core(_config())
+    batch = next(t for t in core.config.tenants if t.name == "acme-batch")
+    assert core.precheck(_info("p0", "acme-batch"), 1.0).priority == batch.priority
+    core.offer(_info("p1", "acme-batch", OverQuota("demote", -2, 100, "x")), 1.0)
+    # the next request's precheck (before the shell has looked at its quota) already sees band -2
+    assert core.precheck(_info("p2", "acme-batch"), 2.0).priority == -2
+    assert core.precheck(_info("p3", "acme-batch"), 102.0).priority == batch.priority  # the window reset
+    core.offer(_info("p4", "acme-batch", OverQuota("demote", -2, 100, "x")), 200.0)
+    core.offer(_info("p5", "acme-batch"), 201.0)  # found within its quota again (an operator's reset)
+    assert core.precheck(_info("p6", "acme-batch"), 202.0).priority == batch.priority

@@ -5,14 +5,14 @@ Requests of the Azure conversation trace, Poisson arrivals; a replica's capacity
 shipped, step time given. Tenants: `interactive` (band 1, TTFT 1 s, TPOT 0.1 s), `standard`
 (band 0, TTFT 5 s), and per scenario:
 
-- `demote`: 2 replicas, 40 minutes. `pt` (band 0, TTFT 5 s), a provisioned-throughput tenant,
-  sends 0.2 of the pool's capacity, and from 20 minutes 0.6 (a batch job starts); its hourly
-  quota (total tokens) is what its first 20 minutes' rate sends in half an hour, so the job
-  spends the rest within minutes. Beside it interactive 0.25 and standard 0.30 of the capacity:
-  0.75 in all before the job, 1.15 with it. Policies:
-  `none` (no quota: pt's job competes in band 0), `refuse` (past the quota, 429), `demote` (past
-  it, band -1: sheddable). The claim: demote keeps pt's in-quota requests and the other tenants
-  where refusal keeps them, while serving some of pt's overflow from spare capacity.
+- `demote`: 2 replicas, 40 minutes. `pt` (band 1, TTFT 5 s: a provisioned-throughput tenant,
+  its committed traffic goes before the standard band's) sends 0.2 of the pool's capacity, and
+  from 20 minutes 0.6 (a batch job starts); its hourly quota (total tokens) is what its first 20
+  minutes' rate sends in half an hour, so the job spends the rest within minutes. Beside it
+  interactive 0.25 and standard 0.30 of the capacity: 0.75 in all before the job, 1.15 with it.
+  Policies: `none` (no quota: pt's whole job in band 1), `refuse` (past the quota, 429),
+  `demote` (past it, band -1: sheddable). The claim: demote keeps pt's in-quota requests at their SLO and the
+  other tenants where refusal keeps them, while serving pt's overflow from spare capacity.
 - `divert`: 2 primary replicas and a spare pool (another model of the config, its overflow
   target), 10 minutes, interactive 0.3, standard 0.4 and `batch` (band -1, TTFT 30 s) 0.3 of
   `load` x the primary's capacity. Policies: `refuse` (no tenant may overflow: the spare pool
@@ -45,7 +45,7 @@ INTERACTIVE = TenantSpec("interactive", priority=1, share=0.3, trace="conv", ttf
                          max_tokens=1024)
 STANDARD = TenantSpec("standard", priority=0, share=0.4, trace="conv", ttft_slo=5.0, max_tokens=1024)
 BATCH = TenantSpec("batch", priority=-1, share=0.3, trace="conv", ttft_slo=30.0, max_tokens=1024, timeout_s=120.0)
-PT = TenantSpec("pt", priority=0, share=0.0, trace="conv", ttft_slo=5.0, max_tokens=1024)
+PT = TenantSpec("pt", priority=1, share=0.0, trace="conv", ttft_slo=5.0, max_tokens=1024)
 
 DEMOTE_S = 2400.0  # its job starts halfway
 PT_RATE, JOB_RATE = 0.2, 0.6  # of the pool's capacity: pt's before its job, and with it

@@ -71,7 +71,7 @@ class Arrivals:
         asked = c.tenants.as_asked(t, info.objective)
         if asked is None:
             return self._refuse_new(info, t.name, t.priority, _unknown_objective(info.objective)), None
-        t = asked
+        t = c.tenants.demotions.applied(asked, now)  # past its quota, as last found: in the band it runs in
         ms = c.models.get(info.model)
         refusal = checks.validate_model(info.model, t, ms.cfg if ms else None) or pressure_refusal(
             c.pressures, t, now)
@@ -116,6 +116,7 @@ class Arrivals:
         max_tokens = checks.context_budget(info, t, ms.cfg)  # layer 2
         if isinstance(max_tokens, Refusal):
             return [self._refuse_new(info, t.name, t.priority, max_tokens)]
+        c.tenants.demotions.note(t.name, info.over_quota, now)
         if info.over_quota is not None:  # the shell found its quota spent (`intake.quota`)
             spent = self._over_quota(info, t, now)
             if not isinstance(spent, Tenant):

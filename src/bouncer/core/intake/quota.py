@@ -8,6 +8,11 @@ rate limit is charged:
 - divert: it goes to the model's overflow targets (`bouncer.core.fleet.overflow`), else refused.
 With the store unreachable and `on_unavailable: fail-closed`, the shell's finding is
 "unavailable": 503 `shared_state_unavailable`.
+
+A demotion is remembered until the spent windows reset, or until the shell finds the tenant
+within its quota again (an operator's reset): the precheck, which runs before the shell has
+looked, then judges the tenant's requests in the band they will run in, so that what it refuses
+of them (a retry past its deadline, say) counts against that band, not the tenant's own.
 """
 
 from __future__ import annotations
@@ -31,6 +36,30 @@ def refusal(over: OverQuota, ttl_s: float) -> Refusal:
 def demoted(t: Tenant, over: OverQuota) -> Tenant:
     """`t` in its over-quota band (never a higher one than its own)."""
     return t if over.band >= t.priority else t.model_copy(update={"priority": over.band})
+
+
+class Demotions:
+    """Tenants demoted past their quota, until when, and into which band."""
+
+    def __init__(self) -> None:
+        self._until: dict[str, tuple[float, OverQuota]] = {}
+
+    def note(self, tenant: str, over: OverQuota | None, now: float) -> None:
+        """What the shell found of a request of `tenant` (None: within its quota, or no quota)."""
+        if over is not None and over.action == "demote":
+            self._until[tenant] = (now + over.resets_in_s, over)
+        elif self._until:
+            self._until.pop(tenant, None)
+
+    def applied(self, t: Tenant, now: float) -> Tenant:
+        """`t` as demoted now, if it is."""
+        found = self._until.get(t.name) if self._until else None
+        if found is None:
+            return t
+        if now >= found[0]:
+            del self._until[t.name]
+            return t
+        return demoted(t, found[1])
 
 
 def _duration(seconds: float) -> str:

@@ -4,7 +4,8 @@
   it (`identify`);
 - each tenant's circuit breaker, kept across reloads that leave its settings alone;
 - each tenant's output lengths as learned per model (`feedback.expected_output` reads them);
-- its rate limits, configured in the rate-limit store (which keeps their levels).
+- its rate limits, configured in the rate-limit store (which keeps their levels);
+- whether it is demoted past its quota, until when (`intake.quota.Demotions`).
 
 The dicts are shared by reference with the parts that read them (the finaliser reads the
 breakers, placement the tenants): a reload refills them in place.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 from bouncer.config import BouncerConfig, Tenant
 from bouncer.core.intake.breaker import CircuitBreaker
+from bouncer.core.intake.quota import Demotions
 from bouncer.core.intake.rate_limit import RateLimitStore
 from bouncer.core.learning.output_length import OutputLengthModel
 
@@ -26,6 +28,7 @@ class TenantBook:
         self._by_key: dict[str, Tenant] = {}
         self._default: Tenant | None = None
         self._rate_limits = rate_limits
+        self.demotions = Demotions()  # tenants past their quota, demoted (`intake.quota`)
 
     def reconfigure(self, config: BouncerConfig, now: float) -> None:
         """The config's tenants. A tenant's breaker restarts only when its settings change, its
