@@ -256,3 +256,16 @@ def test_a_demoted_tenants_requests_are_judged_in_its_demoted_band_from_the_prec
     core.offer(_info("p4", "acme-batch", OverQuota("demote", -2, 100, "x")), 200.0)
     core.offer(_info("p5", "acme-batch"), 201.0)  # found within its quota again (an operator's reset)
     assert core.precheck(_info("p6", "acme-batch"), 202.0).priority == batch.priority
+
+
+def test_an_answer_the_gateway_did_not_see_is_charged_its_reservation_one_it_saw_what_it_used():
+    from bouncer.quotas.book import QuotaBook
+
+    book = QuotaBook(parse_config(_config()))
+    at = _at(2026, 12, 5, 10)
+    for rid in ("seen", "unseen"):
+        asked = book.ask("acme-chat", "m", 100, 40, at)
+        assert book.answered(rid, asked, [], at) is None
+    assert [a for _, a, _ in book.used("seen", 100, 25)] == [125.0, 25.0]  # total tokens; the org's completion
+    assert [a for _, a, _ in book.used("unseen", 100, None)] == [140.0, 40.0]  # as reserved: prompt + predicted
+    assert book.used("seen", 100, 25) is None and not book.held  # settled once, nothing left held

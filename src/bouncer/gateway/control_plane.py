@@ -427,12 +427,15 @@ class ControlPlane:
 
     def _settle_quota(self, rid: str, out: Outcome, line: dict[str, Any]) -> None:
         """Its reservation replaced by what it used: its prompt, where the engine computed it (its
-        answer began), and the completion tokens it reported or streamed."""
+        answer began), and the completion tokens it reported or streamed; an answer the front
+        did not see (completion_tokens None, behind an endpoint picker) is charged what it
+        reserved."""
         if self.quotas is None:
             return
-        began = out.terminal is Terminal.COMPLETED or out.first_token_at is not None
-        self.quotas.settle(rid, line.get("prompt_tokens", 0) if began else 0, out.completion_tokens or 0,
-                           line.get("overflow"))
+        if out.terminal is Terminal.COMPLETED or out.first_token_at is not None:  # its answer began
+            self.quotas.settle(rid, line.get("prompt_tokens", 0), out.completion_tokens, line.get("overflow"))
+        else:  # it never ran, or failed before its answer began: nothing used
+            self.quotas.settle(rid, 0, 0)
 
     async def _claim(self, d: Dispatch) -> int | None:
         """Claim the nearly full replica `d` goes to (`bouncer.core.sharing.claims`); the permit is this

@@ -82,8 +82,10 @@ class QuotaKeeper:
         self._recovered()
         return self.book.answered(rid, asked, full, at)
 
-    def settle(self, rid: str, prompt_tokens: int, completion_tokens: int, overflow_target: str | None = None) -> None:
-        """It ended having used these (0 and 0: it never ran); written in the background."""
+    def settle(self, rid: str, prompt_tokens: int, completion_tokens: int | None,
+               overflow_target: str | None = None) -> None:
+        """It ended having used these (0 and 0: it never ran; completion None: its answer was
+        not seen, charged what it reserved); written in the background."""
         used = self.book.used(rid, prompt_tokens, completion_tokens, overflow_target)
         if used is None:
             return

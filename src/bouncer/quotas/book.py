@@ -65,13 +65,17 @@ class QuotaBook:
         """Admitted without a reservation (the store away, fail-open): its spend is still settled."""
         self.held[rid] = Held(asked.model, asked.charges, reserved=False)
 
-    def used(self, rid: str, prompt_tokens: int, completion_tokens: int,
+    def used(self, rid: str, prompt_tokens: int, completion_tokens: int | None,
              overflow_target: str | None = None) -> list[tuple[str, float, float]] | None:
         """What `rid` used on each of its lines, (key, amount, expire_at), at the price of whoever
-        served it; None where it holds nothing to settle. It leaves the book."""
+        served it; None where it holds nothing to settle. It leaves the book. `completion_tokens`
+        None: its answer was not seen (an endpoint picker let it pass), and what it reserved
+        (prompt and predicted output) is what it is charged."""
         held = self.held.pop(rid, None)
         if held is None:
             return None
+        if completion_tokens is None:
+            return [(c.key, c.amount, c.window.end + KEPT_AFTER_WINDOW_S) for c in held.charges]
         price = self.plan.price(held.model, overflow_target)
         used = [(c.key, self.plan.charges([c.line], prompt_tokens, completion_tokens, price, c.window.start)[0].amount,
                  c.window.end + KEPT_AFTER_WINDOW_S) for c in held.charges]
