@@ -21,6 +21,7 @@ flood of refusals and the retries they bring back, shows there.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import pickle
@@ -54,7 +55,7 @@ def record(path: str, scenario: str = "surge", load: float = 2.0, duration_s: fl
             call = getattr(core, entry)
 
             def wrapper(*a, _call=call, _entry=entry, **k):
-                calls.append((_entry, a if _entry != "renew" else (list(a[0]), *a[1:]), k))
+                calls.append((_entry, _portable(a if _entry != "renew" else (list(a[0]), *a[1:])), k))
                 return _call(*a, **k)
             setattr(core, entry, wrapper)  # this run's core only: an instrument, not a change
 
@@ -67,6 +68,24 @@ def record(path: str, scenario: str = "surge", load: float = 2.0, duration_s: fl
         pickle.dump({"config": configs[-1], "calls": calls, "scenario": scenario, "load": load,
                      "duration_s": duration_s, "replicas": replicas, "seed": seed, "trace": trace}, f)
     return len(calls)
+
+
+def _portable(args: tuple) -> tuple:
+    """A call's arguments, each `RequestInfo` as its fields: a recording replays on a tree whose
+    RequestInfo has gained or lost fields (`scripts/bench_core_cost.sh`'s other revision)."""
+    from bouncer.core.requests import RequestInfo
+
+    return tuple(("RequestInfo", {f.name: getattr(a, f.name) for f in dataclasses.fields(a)})
+                 if isinstance(a, RequestInfo) else a for a in args)
+
+
+def _restored(args: tuple) -> tuple:
+    """`_portable`'s arguments back, with the fields this tree's RequestInfo has."""
+    from bouncer.core.requests import RequestInfo
+
+    known = {f.name for f in dataclasses.fields(RequestInfo)}
+    return tuple(RequestInfo(**{k: v for k, v in a[1].items() if k in known})
+                 if isinstance(a, tuple) and len(a) == 2 and a[0] == "RequestInfo" else a for a in args)
 
 
 def replay(path: str) -> dict:
@@ -89,6 +108,7 @@ def replay(path: str) -> dict:
     decisions = hashlib.sha256()
     for entry, args, kwargs in recorded["calls"]:
         call = getattr(core, entry)
+        args = _restored(args)
         if entry in BY_QUEUE:  # outside the timed span
             depth = core.view.queued
             now = args[1] if entry == "offer" else args[0]
