@@ -363,7 +363,7 @@ class AdmissionCore:
         """Count a refusal the shell made before the core could see the request (a body too
         large or not JSON), so every offered request is accounted in one place."""
         self.stats.arrive(tenant)
-        return self.finaliser.refuse_unadmitted(request_id, tenant, None, refusal)  # type: ignore[return-value]
+        return self.finaliser.refuse_unadmitted(request_id, tenant, None, refusal)
 
     def snapshot(self, now: float) -> dict:
         return self.view.snapshot(now)

@@ -86,7 +86,7 @@ class Arrivals:
         if refusal is not None and not c.finaliser.overflow.may_take(info, t.name, refusal.reason):
             # as offer remembers what the gate or the door refuses
             first_arrival(c.finaliser.retries, t.name, info, now)
-            return c.finaliser.refuse_unadmitted(info.request_id, t.name, t.priority, refusal, info.model,  # type: ignore[return-value]
+            return c.finaliser.refuse_unadmitted(info.request_id, t.name, t.priority, refusal, info.model,
                                                  now), None
         # (a refusal an overflow target may take instead is left to `offer`: it tokenizes first)
         return t, view
@@ -156,7 +156,7 @@ class Arrivals:
         return self._enter_waiting_room(ms, adm, view, ttft_left, best_ttft, now)  # layers 4 and 5
 
     def _refuse_new(self, info: RequestInfo, tenant: str, band: int | None, refusal: Refusal) -> Reject:
-        return self.core.finaliser.refuse_unadmitted(info.request_id, tenant, band, refusal)  # type: ignore[return-value]
+        return self.core.finaliser.refuse_unadmitted(info.request_id, tenant, band, refusal)
 
     def _over_quota(self, info: RequestInfo, t: Tenant, now: float) -> Tenant | Reject | Divert:
         """Its tenant's quota is spent: the tenant as demoted, or the refusal, or the divert."""
@@ -168,7 +168,7 @@ class Arrivals:
         ttl = min(t.queue_ttl_s or c.policy.default_ttl_s, info.ttl_s or float("inf"))
         refusal = quota.refusal(over, ttl)
         if over.action == "divert":
-            return c.finaliser.refuse_unadmitted(info.request_id, t.name, t.priority, refusal, info.model, now, info)
+            return c.finaliser.divert_unadmitted(info, t.name, t.priority, refusal, now)
         return self._refuse_new(info, t.name, t.priority, refusal)
 
     def _enter_waiting_room(self, ms: ModelState, adm: Admission, view: PoolView, ttft_left: float | None,

@@ -93,19 +93,21 @@ class Finaliser:
 
     # -- before the request was admitted to a layer that takes anything ------------------------
     def refuse_unadmitted(self, request_id: str, tenant: str, band: int | None, refusal: Refusal,
-                          model: str | None = None, now: float | None = None,
-                          divertible: RequestInfo | None = None) -> Reject | Divert:
+                          model: str | None = None, now: float | None = None) -> Reject:
         """Refused before any layer took anything for it (who it is, validation, context, the
-        gate refusing; `model` and `now` where it may have been refused as late: the precheck);
-        `divertible`: the request, where an overflow target may take it instead (a spent quota's
-        `divert`)."""
+        gate refusing; `model` and `now` where it may have been refused as late: the precheck)."""
         if model is not None and now is not None and band is not None:
             self._missed(model, band, refusal.reason, now)
-            divert = self._divert(divertible, tenant, band, refusal, now) if divertible is not None else None
-            if divert is not None:
-                return divert
         self._count(Terminal.REFUSED, refusal.layer, refusal.reason, tenant, band)
         return Reject(request_id, refusal, Terminal.REFUSED, tenant, band)
+
+    def divert_unadmitted(self, info: RequestInfo, tenant: str, band: int, refusal: Refusal,
+                          now: float) -> Reject | Divert:
+        """`refuse_unadmitted`, for a request an overflow target may take instead (a spent
+        quota's `divert`)."""
+        divert = self._divert(info, tenant, band, refusal, now)
+        return divert if divert is not None else self.refuse_unadmitted(info.request_id, tenant, band, refusal,
+                                                                         info.model, now)
 
     def _divert(self, info: RequestInfo, tenant: str, band: int | None, refusal: Refusal,
                 now: float) -> Divert | None:
