@@ -45,7 +45,8 @@ class Picked:
 
     def __init__(self, tmp: pathlib.Path, tenants: list[dict], engines: int = 1, failure_mode: str = "close",
                  body_mode: str = "buffered", pickers: int = 1, shared_state: dict | None = None,
-                 extra: dict | None = None, subset: list[int] | None = None) -> None:
+                 extra: dict | None = None, subset: list[int] | None = None,
+                 answers_read_whole: int | None = None) -> None:
         self.tmp = tmp
         self.engines = [EngineProcess("--model", "demo-llm") for _ in range(engines)]
         self.envoy_port = free_port()
@@ -62,7 +63,8 @@ class Picked:
         for i, (http_port, grpc_port) in enumerate(self.ports):
             (tmp / f"bouncer-{i}.yaml").write_text(yaml.safe_dump({
                 **self.config, "listen": {"host": "127.0.0.1", "port": http_port},
-                "picker": {"host": "127.0.0.1", "port": grpc_port}}))
+                "picker": {"host": "127.0.0.1", "port": grpc_port,
+                           **({} if answers_read_whole is None else {"answers_read_whole": answers_read_whole})}}))
         self.http_port = self.ports[0][0]
         out = subprocess.run([sys.executable, "-m", "bouncer", "envoy-config", "--config", str(tmp / "bouncer-0.yaml"),
                               "--listen", f"127.0.0.1:{self.envoy_port}", "--failure-mode", failure_mode,
@@ -142,8 +144,8 @@ class Picked:
 
 @pytest.fixture(params=["buffered", "duplex"])
 def picked(tmp_path, request):
-    """Both Envoy setups: `bouncer envoy-config`'s own (buffered request, watched answer) and the
-    one GIE's gateways use (full duplex)."""
+    """Both Envoy setups: `bouncer envoy-config`'s own (buffered request, the answer to its first
+    chunk, ends from Envoy's access log) and the one GIE's gateways use (full duplex)."""
     fleet = Picked(tmp_path, [_tenant("alice", 10), _tenant("bob", 0, rate_limit={"requests_per_s": 0.2,
                                                                                    "request_burst": 1}),
                               {"name": "gate", "api_keys_sha256": [key_digest("unused")], "priority": 3,
@@ -277,6 +279,57 @@ def test_an_engine_killed_mid_stream_frees_its_permit(picked):
     poll_until(picked.idle, timeout=10, what="the permit back")
 
 
+def _unseen(fleet: Picked) -> float:
+    return _metric(fleet, 0, "bouncer_picker_ends_unseen_total")
+
+
+def test_answers_not_read_whole_end_as_envoy_logs_them(tmp_path):
+    """Buffered, no answer read whole: the picker closes its stream at the first chunk, and each
+    end comes from Envoy's access log: a completed answer, a client that left mid-stream (told
+    apart by the log's flags), and an engine's error status."""
+    fleet = Picked(tmp_path, [_tenant("alice", 10)], answers_read_whole=0)
+    try:
+        client = fleet.client()
+        chunks = list(client.completions.create(model="demo-llm", prompt="x", max_tokens=6, stream=True))
+        assert len(chunks) >= 6
+        assert client.completions.create(model="demo-llm", prompt="y", max_tokens=3).usage.completion_tokens == 3
+        poll_until(fleet.idle, timeout=10, what="both ends logged")
+        assert fleet.decisions()[("completed", "-")] == 2
+        assert _metric(fleet, 0, 'bouncer_ttft_seconds_count{tenant="alice"}') == 2  # the first chunks were seen
+        with _long_stream(fleet) as resp:
+            for _ in range(6):
+                resp.readline()
+            assert fleet.state()["inflight"] == 1
+        poll_until(fleet.idle, timeout=10, what="the permit back")
+        assert fleet.decisions()[("cancelled", "client_disconnected")] == 1
+        with pytest.raises(openai.BadRequestError):  # the engine's own 400 (a parameter only it checks)
+            client.completions.create(model="demo-llm", prompt="z", max_tokens=2, extra_body={"eos_after": "soon"})
+        poll_until(fleet.idle, timeout=10, what="the failure logged")
+        assert fleet.decisions()[("failed", "upstream_rejected")] == 1
+        assert _unseen(fleet) == 0
+    finally:
+        fleet.close()
+
+
+def test_an_envoy_killed_with_answers_in_flight_gives_their_permits_back(tmp_path):
+    """The access log is how the buffered setup learns each end: an Envoy that dies takes its
+    log with it, and the picker ends what that Envoy was serving once its log stays closed."""
+    fleet = Picked(tmp_path, [_tenant("alice", 10)], answers_read_whole=0)
+    try:
+        assert fleet.client().completions.create(model="demo-llm", prompt="x", max_tokens=2)  # its log opens
+        streams = [_long_stream(fleet) for _ in range(3)]
+        for resp in streams:
+            resp.readline()
+        assert fleet.state()["inflight"] == 3
+        fleet.envoy.kill()
+        fleet.envoy.wait(10)
+        poll_until(fleet.idle, timeout=10, what="the permits back")
+        assert _unseen(fleet) == 3
+        assert fleet.decisions()[("cancelled", "client_disconnected")] == 3
+    finally:
+        fleet.close()
+
+
 def test_the_picker_killed_fails_closed_then_serves_again_once_restarted(picked):
     client = picked.client()
     picked.picker.send_signal(signal.SIGKILL)
@@ -357,8 +410,8 @@ def test_the_subset_hint_keeps_requests_to_the_endpoints_it_names(tmp_path, body
 
 def test_two_pickers_active_active_keep_one_rate_limit_and_each_sees_its_answers(tmp_path):
     """Envoy spreads its streams over two pickers; the tenant's limit (a burst of 3) holds for
-    both together, through the Redis they share; and each answer's watcher stream reaches the
-    picker that routed it (its first token counted there)."""
+    both together, through the Redis they share; and each request's first token and end (its
+    access log entry) reach the picker that routed it."""
     redis = RedisServer()
     fleet = None
     try:

@@ -691,10 +691,14 @@ class PickerFront(_Strict):
                                                         "service answers there too")
     advertise: str | None = Field(None, description="HOST:PORT at which Envoy reaches this picker (default: host:port; "
                                                    "with several pickers, the address `bouncer envoy-config --picker` "
-                                                   "names it by, so each answer's watcher stream comes back here)")
+                                                   "names it by, so each request's access log entry comes back here)")
     answers_read_whole: int = Field(4, ge=0, description="answers read to their end at once, for their usage (output "
                                                          "lengths, TPOT); every other answer is read to its first "
-                                                         "chunk only")
+                                                         "chunk only (Envoy's buffered setup; full duplex reads all)")
+    end_unseen_after_s: float = Field(3600.0, gt=0, description="a routed request whose end Envoy's access log never "
+                                                                "reported (an Envoy that died with it in flight) is "
+                                                                "given up on after this many seconds: its permit goes "
+                                                                "back, counted in bouncer_picker_ends_unseen_total")
 
 
 def _digests(keys: list[str]) -> list[str]:

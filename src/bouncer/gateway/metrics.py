@@ -337,6 +337,10 @@ class GatewayMetrics:
         self.registry.register(_DiscoveryCollector(finders))
         self.internal_errors = Counter("bouncer_internal_errors", "Requests answered 500: a bug in the gateway.",
                                        registry=self.registry)
+        self.picker_ends_unseen = Counter(
+            "bouncer_picker_ends_unseen", "Requests the endpoint picker routed whose end Envoy's access log never "
+            "reported within picker.end_unseen_after_s (an Envoy that died with them in flight); their permits went "
+            "back unmeasured.", registry=self.registry)
         self.queue_wait = Histogram("bouncer_queue_wait_seconds", "Time from arrival to dispatch.",
                                     ["tenant", "band"], buckets=LATENCY_BUCKETS, registry=self.registry)
         self.ttft = Histogram("bouncer_ttft_seconds", "Time to first token seen by the gateway, from arrival.",

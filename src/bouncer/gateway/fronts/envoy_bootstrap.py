@@ -1,25 +1,29 @@
 """`bouncer envoy-config`: an Envoy bootstrap that puts Bouncer's picker front in the request path.
 
-The listener runs four HTTP filters, in order:
+The listener runs three HTTP filters, in order:
 1. `header_mutation` drops `x-gateway-destination-endpoint`, `x-bouncer-request-id` and
    `x-bouncer-picker` from what clients send: only the picker names where a request goes, even
    when it is down and Envoy fails open.
 2. the picker (`ext_proc`): request headers and the whole request body; it answers the body once
-   the core dispatches the request (holding is answering late).
+   the core dispatches the request (holding is answering late). Then the answer's body, STREAMED:
+   the picker answers the first chunk (the first token) and closes its stream, so Envoy carries
+   the rest alone (a sample of answers is read to the end, for their usage).
    `message_timeout` is the longest a request may be held plus a margin, so Envoy never cuts a
    hold short; `failure_mode_allow` is the fail-open/fail-close choice.
-3. the watcher (`ext_proc` in `observability_mode`): the response headers and body, sent without
-   waiting; the picker reads the status and the first chunk (the first token) and closes it, or
-   reads it whole for a sample.
-   With several pickers, a route per picker (matched on the `x-bouncer-picker` header the picker
-   sets) sends the watcher's stream to the picker that routed the request.
-4. the router. A request the picker routed carries `x-gateway-destination-endpoint` and goes to
+3. the router. A request the picker routed carries `x-gateway-destination-endpoint` and goes to
    the ORIGINAL_DST cluster keyed on it; one without (the picker down) goes, failing open, to a
    round-robin cluster of the config's backends, or, failing closed, gets 503.
 
+Each request the picker routed ends in Envoy's gRPC access log, sent to the picker in batches
+(every `ACCESS_LOG_FLUSH_S` at most): its status and response flags (a client that left, a
+replica that failed). With several pickers, one access log per picker, filtered on the
+`x-bouncer-picker` header the picker sets, sends each request's end to the picker that holds its
+permit.
+
 `--body-mode duplex` writes the setup GIE's gateways and llm-d use instead: one ext_proc filter
-that gets every body chunk both ways (FULL_DUPLEX_STREAMED, trailers sent), no watcher. In full
-duplex `message_timeout` does not run; the idle timeouts below bound a hold.
+that gets every body chunk both ways (FULL_DUPLEX_STREAMED, trailers sent), no access log (the
+stream's end is the request's). In full duplex `message_timeout` does not run; the idle timeouts
+below bound a hold.
 
 The HCM's `stream_idle_timeout` and the route's `idle_timeout` are at least the longest hold too
 (Envoy's defaults, 5 min and 15 s unless set, would end a long hold or a slow stream).
@@ -40,13 +44,12 @@ IDLE_FLOOR_S = 300.0  # never below Envoy's own stream idle default
 T = "type.googleapis.com/"
 
 
-# the picker: the request buffered whole, nothing of the answer; the watcher: the answer's headers
-# and body, sent without waiting (a round trip fewer per request on the picker's stream); GIE's
-# gateways: every body chunk both ways through the one filter
+ACCESS_LOG_FLUSH_S = 0.02  # a request's permit comes back at most this long after its end
+
+# the picker: the request buffered whole, the answer's body until the picker closes its stream
+# (at the first chunk); GIE's gateways: every body chunk both ways through the one filter
 BUFFERED = {"request_header_mode": "SEND", "request_body_mode": "BUFFERED", "response_header_mode": "SKIP",
-            "response_body_mode": "NONE", "request_trailer_mode": "SKIP", "response_trailer_mode": "SKIP"}
-WATCHER = {"request_header_mode": "SEND", "request_body_mode": "NONE", "response_header_mode": "SEND",
-           "response_body_mode": "STREAMED", "request_trailer_mode": "SKIP", "response_trailer_mode": "SKIP"}
+            "response_body_mode": "STREAMED", "request_trailer_mode": "SKIP", "response_trailer_mode": "SKIP"}
 DUPLEX = {"request_header_mode": "SEND", "request_body_mode": "FULL_DUPLEX_STREAMED", "response_header_mode": "SEND",
           "response_body_mode": "FULL_DUPLEX_STREAMED", "request_trailer_mode": "SEND",
           "response_trailer_mode": "SEND"}
@@ -80,6 +83,22 @@ def _static_cluster(name: str, hosts: list[tuple[str, int]], http2: bool = False
     return cluster
 
 
+def _access_logs(pickers: list[str]) -> list[dict[str, Any]]:
+    """The requests' ends, to the picker that routed each (one picker: the routed ones)."""
+    def log(cluster: str, header: dict[str, Any]) -> dict[str, Any]:
+        return {"name": "envoy.access_loggers.http_grpc", "filter": {"header_filter": {"header": header}},
+                "typed_config": {
+                    "@type": T + "envoy.extensions.access_loggers.grpc.v3.HttpGrpcAccessLogConfig",
+                    "common_config": {"log_name": "bouncer", "transport_api_version": "V3",
+                                      "grpc_service": {"envoy_grpc": {"cluster_name": cluster}},
+                                      "buffer_flush_interval": _seconds(ACCESS_LOG_FLUSH_S)},
+                    "additional_request_headers_to_log": [REQUEST_ID]}}
+    if len(pickers) == 1:
+        return [log("bouncer-picker", {"name": REQUEST_ID, "present_match": True})]
+    return [log(f"bouncer-picker-{i}", {"name": PICKED_BY, "string_match": {"exact": addr}})
+            for i, addr in enumerate(pickers)]
+
+
 def bootstrap(config: BouncerConfig, *, listen_host: str = "127.0.0.1", listen_port: int = 10000,
               pickers: list[str] | None = None, fail_open: bool = False, admin_port: int | None = 9901,
               duplex: bool = False) -> dict[str, Any]:
@@ -87,7 +106,7 @@ def bootstrap(config: BouncerConfig, *, listen_host: str = "127.0.0.1", listen_p
     reaches it (default: `picker.host:picker.port` of the config); several share the state in
     Redis (`shared_state`) and Envoy spreads its streams over them. `duplex`: the setup GIE's
     gateways and llm-d use instead, every body chunk both ways through the picker
-    (FULL_DUPLEX_STREAMED, trailers sent, no watcher)."""
+    (FULL_DUPLEX_STREAMED, trailers sent, no access log)."""
     hold = longest_hold_s(config) + HOLD_MARGIN_S
     idle = max(IDLE_FLOOR_S, hold)
     pickers = pickers or [config.picker.advertise or f"{config.picker.host}:{config.picker.port}"]
@@ -106,18 +125,8 @@ def bootstrap(config: BouncerConfig, *, listen_host: str = "127.0.0.1", listen_p
             backends.append((d.dns.name, d.dns.port))  # STRICT_DNS: every address the name has
     picked = {"cluster": "bouncer-picked", "timeout": "0s", "idle_timeout": _seconds(idle)}
     has_destination = {"name": DESTINATION, "present_match": True}
-    routes: list[dict[str, Any]] = []
-    if len(pickers) > 1 and not duplex:
-        # an answer's watcher stream must reach the picker that routed it (which holds its
-        # permit): one route per picker, matched on the header it sets, overriding the
-        # watcher's cluster with that picker alone
-        for i, addr in enumerate(pickers):
-            routes.append({"name": f"picked-by-{i}", "match": {"prefix": "/", "headers": [
-                has_destination, {"name": PICKED_BY, "string_match": {"exact": addr}}]}, "route": picked,
-                "typed_per_filter_config": {"bouncer.watcher": {
-                    "@type": T + "envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute",
-                    "overrides": {"grpc_service": {"envoy_grpc": {"cluster_name": f"bouncer-picker-{i}"}}}}}})
-    routes.append({"name": "picked", "match": {"prefix": "/", "headers": [has_destination]}, "route": picked})
+    routes: list[dict[str, Any]] = [
+        {"name": "picked", "match": {"prefix": "/", "headers": [has_destination]}, "route": picked}]
     if fail_open:
         routes.append({"name": "picker-down", "match": {"prefix": "/"},
                        "route": {"cluster": "bouncer-backends", "timeout": "0s", "idle_timeout": _seconds(idle)}})
@@ -135,8 +144,6 @@ def bootstrap(config: BouncerConfig, *, listen_host: str = "127.0.0.1", listen_p
             # the picker's `envoy.lb` metadata comes back; a gateway's subset hint goes to it
             metadata_options={"receiving_namespaces": {"untyped": ["envoy.lb"]},
                               "forwarding_namespaces": {"untyped": [SUBSET_NAMESPACE]}})},
-        *([] if duplex else [{"name": "bouncer.watcher", "typed_config": _ext_proc(
-            "bouncer-picker", WATCHER, observability_mode=True, failure_mode_allow=True)}]),
         {"name": "envoy.filters.http.router",
          "typed_config": {"@type": T + "envoy.extensions.filters.http.router.v3.Router"}},
     ]
@@ -149,7 +156,8 @@ def bootstrap(config: BouncerConfig, *, listen_host: str = "127.0.0.1", listen_p
             "stat_prefix": "bouncer", "stream_idle_timeout": _seconds(idle),
             "route_config": {"name": "bouncer", "virtual_hosts": [{"name": "all", "domains": ["*"],
                                                                   "routes": routes}]},
-            "http_filters": http_filters}}]}],
+            "http_filters": http_filters,
+            "access_log": [] if duplex else _access_logs(pickers)}}]}],
     }
     clusters = [
         {"name": "bouncer-picked", "type": "ORIGINAL_DST", "lb_policy": "CLUSTER_PROVIDED", "connect_timeout": "5s",

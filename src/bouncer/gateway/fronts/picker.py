@@ -2,29 +2,30 @@
 Inference Extension's endpoint-picker protocol has it. Clients talk to Envoy; Envoy asks this
 front where each request goes, and carries the bytes itself.
 
-`bouncer envoy-config` runs two ext_proc filters against this one gRPC service, and the first
-message of each stream says which one it is:
+`bouncer envoy-config`'s setup (buffered) runs one ext_proc filter and Envoy's gRPC access log
+against this one gRPC server:
 
-- **the picker** (request headers, the request body BUFFERED): the body is checked and offered to
-  the control plane. A refusal is answered as an ImmediateResponse (the proxy's status, OpenAI
-  error body and headers). A held request is answered late: its body message is answered when the
-  core dispatches it, with the chosen replica in `x-gateway-destination-endpoint` (overwriting
-  whatever the client sent) and in the `envoy.lb` metadata; a client that leaves meanwhile makes
-  Envoy cancel the stream, which cancels the request in the queue. Envoy half-closes the stream
-  when the request is over, completed or abandoned alike: that returns the permit.
-- **the watcher** (`observability_mode`: Envoy sends and never waits; request headers, the
-  response headers and body, STREAMED): the answer's status, and its first chunk, the first
-  token. It then closes its stream, so Envoy sends it nothing more, except for at most
-  `picker.answers_read_whole` answers at once, read to their end for their usage (the output
-  lengths and TPOT the core learns from).
+- **the ext_proc stream** (request headers, the request body BUFFERED, the answer's body
+  STREAMED): the body is checked and offered to the control plane. A refusal is answered as an
+  ImmediateResponse (the proxy's status, OpenAI error body and headers). A held request is
+  answered late: its body message is answered when the core dispatches it, with the chosen
+  replica in `x-gateway-destination-endpoint` (overwriting whatever the client sent) and in the
+  `envoy.lb` metadata; a client that leaves meanwhile makes Envoy cancel the stream, which
+  cancels the request in the queue. The answer's first chunk is its first token; the picker
+  answers it and closes the stream, so Envoy carries the rest alone. At most
+  `picker.answers_read_whole` answers at once are read to their end instead, for their usage
+  (the output lengths and TPOT the core learns from).
+- **the access log** (`StreamAccessLogs`, batched): each request's end, with the status Envoy
+  sent and the flags that say whether its client left or its replica failed. That returns the
+  permit. An end that never comes (an Envoy that died with requests in flight) is given up on
+  after `picker.end_unseen_after_s`, and counted.
 
 GIE's gateways set ext_proc up in full duplex instead (one filter, every body chunk both ways,
 `protocol_config` says so): the picker then answers the request's headers and body once the core
-dispatches it, passes each chunk of the answer back unchanged, and reads every answer whole.
+dispatches it, passes each chunk of the answer back unchanged, reads every answer whole, and
+the stream's end is the request's.
 
-So the picker sees every request's first token and end, and answers whole where it reads them;
-it cannot tell a client that left mid-stream from a completed answer it did not read whole
-(docs/operations/endpoint-picker.md says what each setup sees and costs). The routes Bouncer
+docs/operations/endpoint-picker.md says what each setup sees and costs. The routes Bouncer
 serves itself (`/v1/models`, unknown paths) are answered here as the proxy answers them.
 """
 
@@ -35,12 +36,14 @@ import dataclasses
 import ipaddress
 import logging
 import socket
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
 from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
+from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
 from google.protobuf import struct_pb2
@@ -52,6 +55,7 @@ from bouncer.core.outcomes import Dispatch, Layer, Reason, Refusal, Terminal
 from bouncer.gateway import logs
 from bouncer.gateway.control_plane import ControlPlane, serve_http
 from bouncer.gateway.exchange import Outcome, Parsed
+from bouncer.gateway.fronts.access_log_wire import ends_of, peer_host, status_outcome
 from bouncer.gateway.fronts.ext_proc_wire import (
     header_of,
     headers_of,
@@ -64,31 +68,33 @@ from bouncer.gateway.fronts.ext_proc_wire import (
     subset_hint,
     usage_of,
 )
-from bouncer.gateway.relay import REFUSAL_STATUSES
 from bouncer.openai_wire import dumps, models_list
 
 log = logging.getLogger("bouncer.gateway")
 
 DESTINATION = "x-gateway-destination-endpoint"  # the protocol's: Envoy's ORIGINAL_DST cluster reads it
-REQUEST_ID = "x-bouncer-request-id"  # set on the request by the picker: how the watcher's stream finds it
-PICKED_BY = "x-bouncer-picker"  # the picker that routed it: Envoy sends its watcher stream to that one
+REQUEST_ID = "x-bouncer-request-id"  # set on the request by the picker: how its access log entry finds it
+PICKED_BY = "x-bouncer-picker"  # the picker that routed it: Envoy sends its access log entry to that one
 GENERATION = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
 SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 HEALTH_SERVICES = ("", "liveness", "readiness", SERVICE)
-WATCHER_WAIT_S = 0.2  # the watcher's messages and the picker's end travel on two streams
 USAGE_TAIL_BYTES = 8192  # of a stream read whole, kept for its usage event
 READY_EVERY_S = 1.0
+SWEEP_EVERY_S = 10.0  # how often ends that never came are looked for
+ENVOY_GONE_AFTER_S = 1.0  # an Envoy whose access log closed and did not reopen within this is gone
 
 
 @dataclass(slots=True)
 class _Served:
-    """A dispatched request Envoy is serving: what the picker and the watcher share of it."""
+    """A dispatched request Envoy is serving: what the picker knows of it until its end."""
 
     dispatch: Dispatch
     streaming: bool
+    duplex: bool  # every chunk passes through the picker, and the stream's end is the request's
     read_whole: bool  # its answer is read to its end (for its usage)
-    sampled: bool  # one of the `answers_read_whole` (the buffered setup reads only those whole)
+    envoy: str  # the host of the Envoy that asked (`peer_host`): its access log says when the request ends
     line: dict[str, Any]  # its access log line
+    began: float  # when the picker got it (for its access line's duration)
     out: Outcome = field(default_factory=lambda: Outcome(Terminal.COMPLETED, None, None))
     tail: bytearray = field(default_factory=bytearray)  # the answer's last bytes (a whole one's, not streamed)
     read_to_end: bool = False  # the answer was read to its end
@@ -102,8 +108,9 @@ class Picker(ext_proc_grpc.ExternalProcessorServicer):
         self.plane = plane
         self.clock = plane.clock
         self._served: dict[str, _Served] = {}
-        self._reading_whole = 0  # answers being read to their end now
+        self._reading_whole = 0  # answers being read to their end now (the buffered setup's sample)
         self._endpoints: dict[str, str] = {}  # a replica's base URL -> its ip:port
+        self._logs_open: Counter[str] = Counter()  # Envoy host -> its access log streams open now
         cfg = plane.config.picker
         self._advertised = cfg.advertise or f"{cfg.host}:{cfg.port}"
 
@@ -111,13 +118,10 @@ class Picker(ext_proc_grpc.ExternalProcessorServicer):
         # a coroutine that reads and writes the stream itself, not an async generator: a client
         # that leaves cancels exactly the await it is in, and every `finally` runs then
         first = await context.read()
-        if first is grpc.aio.EOF or not first.HasField("request_headers"):
+        if first is grpc.aio.EOF or not first.HasField("request_headers") or first.observability_mode:
             return
         try:
-            if first.observability_mode:
-                await self._watch(first, context)
-            else:
-                await self._pick(first, context)
+            await self._pick(first, context)
         except (asyncio.CancelledError, grpc.aio.AbortError):
             raise
         except Exception:  # a bug: Envoy then fails the request as its failure mode says
@@ -125,12 +129,10 @@ class Picker(ext_proc_grpc.ExternalProcessorServicer):
             log.exception("internal error in the picker", extra={"event": "internal_error"})
             raise
 
-    # -- the picker filter -------------------------------------------------------------------------
     async def _pick(self, first: ext_proc.ProcessingRequest, context: grpc.aio.ServicerContext) -> None:
         plane = self.plane
         # GIE's gateways stream bodies both ways (FULL_DUPLEX_STREAMED): every chunk passes
-        # through here; `bouncer envoy-config`'s setup buffers the request and leaves the answer
-        # to the watcher
+        # through here; `bouncer envoy-config`'s setup buffers the request
         duplex = first.protocol_config.request_body_mode == ProcessingMode.FULL_DUPLEX_STREAMED
         headers = headers_of(first.request_headers)
         path = headers.get(":path", "").partition("?")[0]
@@ -142,6 +144,7 @@ class Picker(ext_proc_grpc.ExternalProcessorServicer):
         line: dict[str, Any] = {"rid": rid, "path": path, "tenant": "-", "outcome": Terminal.CANCELLED.value,
                                 "front": "picker"}
         t0 = self.clock()
+        served = False
         try:
             if first.request_headers.end_of_stream:
                 refusal = plane.refuse_early(rid, Refusal(Layer.VALIDATION, Reason.INVALID_REQUEST,
@@ -159,9 +162,10 @@ class Picker(ext_proc_grpc.ExternalProcessorServicer):
                 line["status"] = decision.status
                 await context.write(refused(decision))
                 return
-            await self._serve(*decision, context, line, duplex)
+            served = True
+            await self._serve(*decision, context, line, duplex, t0)
         finally:
-            if plane.config.logging.access_log and not line.get("pending"):
+            if not served and plane.config.logging.access_log:  # a served one's line is written at its end
                 line.setdefault("status", None)
                 line["duration_s"] = round(self.clock() - t0, 4)
                 logs.access(line)
@@ -187,29 +191,35 @@ class Picker(ext_proc_grpc.ExternalProcessorServicer):
         return decision if isinstance(decision, Refusal) else (parsed, decision)
 
     async def _serve(self, parsed: Parsed, d: Dispatch, context: grpc.aio.ServicerContext, line: dict[str, Any],
-                     duplex: bool) -> None:
-        """Send the dispatched request where the core chose, then follow it to its end. Owns its
-        permit: whatever happens here, the control plane hears how it ended (`_ended`)."""
+                     duplex: bool, began: float) -> None:
+        """Send the dispatched request where the core chose, and read its answer's first chunk
+        (or, where it is read whole, every chunk). The request is `_served` until its end: the
+        stream's in full duplex, the access log's otherwise (or its answer read to the end)."""
         rid = d.request_id
         streaming = bool(parsed.body.get("stream"))
-        sampled = not duplex and self._reading_whole < self.plane.config.picker.answers_read_whole
-        served = self._served[rid] = _Served(d, streaming, duplex or sampled, sampled, line)
-        if sampled:
+        read_whole = duplex or self._reading_whole < self.plane.config.picker.answers_read_whole
+        served = self._served[rid] = _Served(d, streaming, duplex, read_whole, peer_host(context.peer()), line,
+                                             began)
+        if read_whole and not duplex:
             self._reading_whole += 1
         cut = False
         try:
             endpoint = await self._endpoint(self.plane.core.view.replica(d.replica).url)
-            for response in self._route(parsed, d, endpoint, served.read_whole, duplex):
+            for response in self._route(parsed, d, endpoint, read_whole, duplex):
                 await context.write(response)
             while (msg := await context.read()) is not grpc.aio.EOF:
                 which = msg.WhichOneof("request")
-                if which == "response_headers":
-                    line["status"] = self._answered(served, msg.response_headers)
-                    await context.write(ext_proc.ProcessingResponse(response_headers=ext_proc.HeadersResponse()))
-                elif which == "response_body":  # full duplex: each chunk passes back through here
+                if which == "response_body":
                     chunk = msg.response_body
                     self._chunk(served, chunk.body, chunk.end_of_stream)
-                    await context.write(passed_back(chunk.body, chunk.end_of_stream))
+                    await context.write(passed_back(chunk.body, chunk.end_of_stream) if duplex else
+                                        ext_proc.ProcessingResponse(response_body=ext_proc.BodyResponse()))
+                    if not read_whole:
+                        return  # closed: Envoy carries the rest of the answer alone
+                elif which == "response_headers":  # full duplex
+                    line["status"] = status = int(header_of(msg.response_headers, ":status") or "0") or None
+                    served.out.terminal, served.out.reason = status_outcome(status)
+                    await context.write(ext_proc.ProcessingResponse(response_headers=ext_proc.HeadersResponse()))
                 elif which == "response_trailers":
                     await context.write(ext_proc.ProcessingResponse(response_trailers=ext_proc.TrailersResponse()))
                 elif which == "request_trailers":
@@ -219,68 +229,113 @@ class Picker(ext_proc_grpc.ExternalProcessorServicer):
             raise
         except OSError as exc:  # the replica's address would not resolve
             served.out.terminal, served.out.reason = Terminal.FAILED, Reason.UPSTREAM_ERROR
+            line["status"] = 502
+            self._ended(served)
             await context.write(refused(Refusal(Layer.UPSTREAM, Reason.UPSTREAM_ERROR,
                                                  f"backend address unknown: {exc}", 1.0)))
         finally:
-            # Over: completed, or its client left (unless read whole, the picker cannot tell which
-            # once the replica answered). Envoy ends a stream by half-closing and resetting it at
-            # once, so a reset after the replica answered is the request's end like the
-            # half-close; one before, its client leaving. In the buffered setup the status and the
-            # last chunk come on the watcher's stream, which may still be on its way: wait for them.
-            waits = (cut and not duplex and "status" not in line) or \
-                (served.sampled and served.out.terminal is Terminal.COMPLETED and not served.read_to_end)
-            if waits:
-                line["pending"] = True
-                asyncio.get_running_loop().call_later(WATCHER_WAIT_S, self._settle, served, cut)
-            else:
-                self._settle(served, cut)
-
-    def _settle(self, served: _Served, cut: bool) -> None:
-        if cut and "status" not in served.line:  # cut before the replica answered: its client left
-            served.out.terminal, served.out.reason = Terminal.CANCELLED, Reason.CLIENT_DISCONNECTED
-        self._ended(served)
+            if duplex:
+                # Envoy ends a stream by half-closing and resetting it at once: a reset after the
+                # replica answered is the request's end like the half-close; one before, its
+                # client leaving
+                if cut and "status" not in line:
+                    served.out.terminal, served.out.reason = Terminal.CANCELLED, Reason.CLIENT_DISCONNECTED
+                self._ended(served)
 
     def _chunk(self, served: _Served, body: bytes, end: bool) -> None:
-        """A chunk of the answer (the watcher's or, in full duplex, the picker's own)."""
+        """A chunk of the answer: the first is its first token (a stream's) or says its prefill is
+        over (a whole answer's); an answer read whole ends at its usage."""
         if body and served.out.first_token_at is None:
-            now = self.clock()
-            served.out.first_token_at = now
-            # a stream's first chunk is its first token; a whole answer only says its prefill is over
-            self.plane.core.started(served.dispatch.request_id, now, measured=served.streaming)
+            # an error instead of a stream (a replica's JSON refusal) is no token
+            token = body.startswith(b"data:") if served.streaming else True
+            if token:
+                now = self.clock()
+                served.out.first_token_at = now
+                self.plane.core.started(served.dispatch.request_id, now, measured=served.streaming)
         if not served.read_whole:
             return
         served.tail += body
         if served.streaming and len(served.tail) > USAGE_TAIL_BYTES:  # the usage is in the last event
             del served.tail[:-USAGE_TAIL_BYTES]
-        if served.read_to_end:
-            return
         # a stream is over at its [DONE] event: its client may hang up before the body's end reaches here
-        if end or (served.streaming and b"data: [DONE]" in served.tail):
-            served.out.completion_tokens = usage_of(served.tail, served.streaming)
+        if not served.read_to_end and (end or (served.streaming and b"data: [DONE]" in served.tail)):
             served.read_to_end = True
-            if served.line.get("pending"):  # the picker's end came first and waits for this
+            served.out.completion_tokens = n = usage_of(served.tail, served.streaming)
+            if n is not None and not served.duplex:  # a usage is a completed answer's: no need to wait
+                served.line["status"] = 200
                 self._ended(served)
 
+    def ended(self, rid: str, status: int | None, terminal: Terminal, reason: Reason | None) -> None:
+        """The access log's word on how a request ended (the buffered setup)."""
+        served = self._served.get(rid)
+        if served is None or served.done:
+            return  # ended already (read whole), or not this picker's
+        served.line["status"] = status
+        served.out.terminal, served.out.reason = terminal, reason
+        if terminal is not Terminal.COMPLETED or not served.read_to_end:
+            served.out.completion_tokens = None  # its length is known only where it was read to its end
+        self._ended(served)
+
+    def log_opened(self, envoy: str) -> None:
+        self._logs_open[envoy] += 1
+
+    def log_closed(self, envoy: str) -> None:
+        """An Envoy's access log stream closed: where none of its streams comes back within
+        `ENVOY_GONE_AFTER_S`, that Envoy is gone, and so are the requests it was serving."""
+        self._logs_open[envoy] -= 1
+        if self._logs_open[envoy] <= 0:
+            del self._logs_open[envoy]
+            asyncio.get_running_loop().call_later(ENVOY_GONE_AFTER_S, self._envoy_gone, envoy)
+
+    def _envoy_gone(self, envoy: str) -> None:
+        if envoy in self._logs_open:
+            return  # it (or another Envoy on that host) is back: its log will tell
+        gone = [s for s in self._served.values() if s.envoy == envoy and not s.duplex]
+        for served in gone:
+            served.out.terminal, served.out.reason = Terminal.CANCELLED, Reason.CLIENT_DISCONNECTED
+            self._unseen(served)
+        if gone:
+            self.plane.metrics.picker_ends_unseen.inc(len(gone))
+            log.warning("the Envoy serving these requests went away; their permits go back",
+                        extra={"event": "picker_envoy_gone", "envoy": envoy, "requests": len(gone)})
+
+    def _unseen(self, served: _Served) -> None:
+        served.line["end_unseen"] = True
+        served.out.completion_tokens = None
+        self._ended(served)
+
+    def give_up(self, older_than_s: float) -> int:
+        """End the requests whose end should have come long ago (an Envoy that died with them in
+        flight): completed, length unknown. Returns how many."""
+        now = self.clock()
+        stale = [s for s in self._served.values() if now - s.dispatch.dispatched_at > older_than_s]
+        for served in stale:
+            log.warning("no end came for a request the picker routed; its permit goes back",
+                        extra={"event": "picker_end_unseen", "rid": served.dispatch.request_id})
+            self._unseen(served)
+        return len(stale)
+
     def _ended(self, served: _Served) -> None:
-        """The permit goes back, once (the picker's end and the watcher's last chunk may each
-        come first)."""
+        """The permit goes back, once."""
         if served.done:
             return
         served.done = True
         d = served.dispatch
         rid = d.request_id
         self._served.pop(rid, None)
-        if served.sampled:
+        if served.read_whole and not served.duplex:
             self._reading_whole -= 1
-        if served.read_whole and not served.read_to_end and served.out.terminal is Terminal.COMPLETED:
-            # read whole, and its end never came: its client left (or its replica cut it)
-            served.out.terminal, served.out.reason = Terminal.CANCELLED, Reason.CLIENT_DISCONNECTED
-        if served.out.first_token_at is None and served.out.terminal is Terminal.COMPLETED:
-            # an answer that came whole (or whose first chunk the watcher missed): its prefill is over
+        out = served.out
+        if served.duplex and not served.read_to_end and out.terminal is Terminal.COMPLETED:
+            # its stream ended before its answer did: its client left (or its replica cut it)
+            out.terminal, out.reason = Terminal.CANCELLED, Reason.CLIENT_DISCONNECTED
+        if out.first_token_at is None and out.terminal is Terminal.COMPLETED:
+            # an answer that came whole (or whose first chunk was missed): its prefill is over
             self.plane.core.started(rid, self.clock(), measured=False)
         line = served.line
-        self.plane.finish(d, served.out, served.streaming, line)
-        if line.pop("pending", False) and self.plane.config.logging.access_log:
+        self.plane.finish(d, out, served.streaming, line)
+        if self.plane.config.logging.access_log:
+            line["duration_s"] = round(self.clock() - served.began, 4)
             logs.access(line)
 
     def _route(self, parsed: Parsed, d: Dispatch, endpoint: str, read_whole: bool,
@@ -314,20 +369,6 @@ class Picker(ext_proc_grpc.ExternalProcessorServicer):
             where.header_mutation.set_headers.append(set_header("content-length", str(len(new))))
         return [ext_proc.ProcessingResponse(request_body=ext_proc.BodyResponse(response=where),
                                             dynamic_metadata=metadata)]
-
-    def _answered(self, served: _Served, headers: ext_proc.HttpHeaders) -> int | None:
-        """The replica's response headers: anything but 200 is its failure, which the client gets
-        as the replica sent it (Envoy carries the bytes: unlike the proxy, the picker cannot hold
-        a request the replica refused and send it again)."""
-        try:
-            status = int(header_of(headers, ":status") or "0")
-        except ValueError:
-            status = 0
-        if status != 200:
-            served.out.terminal = Terminal.FAILED
-            served.out.reason = Reason.UPSTREAM_REFUSED if status in REFUSAL_STATUSES else \
-                Reason.UPSTREAM_REJECTED if 400 <= status < 500 else Reason.UPSTREAM_ERROR
-        return status or None
 
     async def _endpoint(self, url: str) -> str:
         """A replica's `ip:port` (Envoy's ORIGINAL_DST cluster takes no names), resolved once."""
@@ -367,20 +408,23 @@ class Picker(ext_proc_grpc.ExternalProcessorServicer):
             return immediate(200, {}, dumps(models_list(names)), "models")
         return plain_error(404, f"{headers.get(':method', '')} {path}: Not Found", "invalid_request_error", "not_found")
 
-    # -- the watcher filter ------------------------------------------------------------------------
-    async def _watch(self, first: ext_proc.ProcessingRequest, context: grpc.aio.ServicerContext) -> None:
-        """The first response chunk is the first token; an answer read whole gives its usage.
-        Returning closes the stream: Envoy sends it nothing more."""
-        served = self._served.get(header_of(first.request_headers, REQUEST_ID))
-        if served is None:
-            return  # not a request the picker routed (Envoy's own reply, or a path Bouncer answered)
-        while (msg := await context.read()) is not grpc.aio.EOF:
-            if msg.HasField("response_headers"):
-                served.line["status"] = self._answered(served, msg.response_headers)
-            elif msg.HasField("response_body"):
-                self._chunk(served, msg.response_body.body, msg.response_body.end_of_stream)
-                if not served.read_whole or served.read_to_end or served.done:
-                    return
+
+class AccessLog(als_pb2_grpc.AccessLogServiceServicer):
+    """Envoy's gRPC access log: each routed request's end, for the picker."""
+
+    def __init__(self, picker: Picker) -> None:
+        self.picker = picker
+
+    async def StreamAccessLogs(self, request_iterator, context: grpc.aio.ServicerContext):  # noqa: N802 (gRPC's name)
+        envoy = peer_host(context.peer())
+        self.picker.log_opened(envoy)
+        try:
+            async for message in request_iterator:
+                for e in ends_of(message, REQUEST_ID):
+                    self.picker.ended(e.request_id, e.status, e.terminal, e.reason)
+        finally:
+            self.picker.log_closed(envoy)
+        return als_pb2.StreamAccessLogsResponse()
 
 
 async def _keep_ready(plane: ControlPlane, servicer: health.aio.HealthServicer) -> None:
@@ -393,13 +437,23 @@ async def _keep_ready(plane: ControlPlane, servicer: health.aio.HealthServicer) 
         await asyncio.sleep(READY_EVERY_S)
 
 
+async def _sweep(plane: ControlPlane, picker: Picker) -> None:
+    """Give up on ends that never came, and count them."""
+    while True:
+        await asyncio.sleep(SWEEP_EVERY_S)
+        if n := picker.give_up(plane.config.picker.end_unseen_after_s):
+            plane.metrics.picker_ends_unseen.inc(n)
+
+
 async def serve_picker(plane: ControlPlane, host: str, port: int, ready: asyncio.Event | None = None,
                        on_listening: Callable[[], None] | None = None) -> None:
-    """The picker's gRPC server (ext_proc and the standard health service) on
+    """The picker's gRPC server (ext_proc, Envoy's access log and the standard health service) on
     `plane.config.picker`, and the control plane's endpoints on the HTTP `host:port`, until
     cancelled."""
     server = grpc.aio.server()
-    ext_proc_grpc.add_ExternalProcessorServicer_to_server(Picker(plane), server)
+    picker = Picker(plane)
+    ext_proc_grpc.add_ExternalProcessorServicer_to_server(picker, server)
+    als_pb2_grpc.add_AccessLogServiceServicer_to_server(AccessLog(picker), server)
     servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
     cfg = plane.config.picker
@@ -408,9 +462,11 @@ async def serve_picker(plane: ControlPlane, host: str, port: int, ready: asyncio
     await server.start()
     for name in HEALTH_SERVICES:
         await servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    keep_ready = asyncio.get_running_loop().create_task(_keep_ready(plane, servicer))
+    loop = asyncio.get_running_loop()
+    tasks = [loop.create_task(_keep_ready(plane, servicer)), loop.create_task(_sweep(plane, picker))]
     try:
         await serve_http(plane, plane.http_app(), host, port, ready, on_listening)
     finally:
-        keep_ready.cancel()
+        for task in tasks:
+            task.cancel()
         await server.stop(grace=1.0)

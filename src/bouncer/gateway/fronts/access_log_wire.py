@@ -1,0 +1,81 @@
+"""Envoy's gRPC access log (`envoy.service.accesslog.v3`, the generated protos of `xds-protos`)
+as the picker reads it: how each request Envoy served ended.
+
+In the buffered setup the picker's own ext_proc stream closes at an answer's first chunk, so the
+end of the answer reaches the picker here instead, in batches: the status Envoy sent and its
+response flags, which tell a completed answer from a client that left (`DC`, a downstream reset)
+and from a replica that failed (`UC`, `UF`, `UR`, `UT`...)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from urllib.parse import unquote
+
+from envoy.data.accesslog.v3 import accesslog_pb2
+from envoy.service.accesslog.v3 import als_pb2
+
+from bouncer.core.outcomes import Reason, Terminal
+from bouncer.gateway.relay import REFUSAL_STATUSES
+
+# the response flags that say the replica, or Envoy's way to it, failed the answer
+_UPSTREAM_FAILED = ("upstream_connection_failure", "upstream_connection_termination", "upstream_remote_reset",
+                    "no_healthy_upstream", "upstream_overflow", "upstream_protocol_error",
+                    "upstream_retry_limit_exceeded", "no_cluster_found", "dns_resolution_failure", "local_reset")
+_UPSTREAM_TIMED_OUT = ("upstream_request_timeout", "stream_idle_timeout", "upstream_max_stream_duration_reached",
+                       "duration_timeout")
+_CLIENT_LEFT = ("downstream_connection_termination", "downstream_remote_reset")
+
+
+@dataclass(frozen=True, slots=True)
+class Ended:
+    """One request's end as Envoy logged it."""
+
+    request_id: str
+    status: int | None  # what Envoy sent the client; None where it sent nothing
+    terminal: Terminal
+    reason: Reason | None
+
+
+def status_outcome(status: int | None) -> tuple[Terminal, Reason | None]:
+    """An answer by its status alone: anything but 200 is the replica's failure."""
+    if status == 200:
+        return Terminal.COMPLETED, None
+    if status in REFUSAL_STATUSES:
+        return Terminal.FAILED, Reason.UPSTREAM_REFUSED
+    if status is not None and 400 <= status < 500:
+        return Terminal.FAILED, Reason.UPSTREAM_REJECTED
+    return Terminal.FAILED, Reason.UPSTREAM_ERROR
+
+
+def ended(entry: accesslog_pb2.HTTPAccessLogEntry, id_header: str) -> Ended | None:
+    """How the request of one log entry ended; None for an entry that names no request of the
+    picker's (Envoy's own replies, routes the picker answered itself) or is not a stream's end."""
+    rid = entry.request.request_headers.get(id_header)
+    common = entry.common_properties
+    if not rid or common.intermediate_log_entry:
+        return None
+    status = entry.response.response_code.value if entry.response.HasField("response_code") else None
+    status = status or None
+    flags = common.response_flags
+    if any(getattr(flags, f) for f in _CLIENT_LEFT):
+        return Ended(rid, status, Terminal.CANCELLED, Reason.CLIENT_DISCONNECTED)
+    if any(getattr(flags, f) for f in _UPSTREAM_TIMED_OUT):
+        return Ended(rid, status, Terminal.FAILED, Reason.UPSTREAM_TIMEOUT)
+    if any(getattr(flags, f) for f in _UPSTREAM_FAILED):
+        return Ended(rid, status, Terminal.FAILED, Reason.UPSTREAM_ERROR)
+    return Ended(rid, status, *status_outcome(status))
+
+
+def ends_of(message: als_pb2.StreamAccessLogsMessage, id_header: str) -> Iterator[Ended]:
+    for entry in message.http_logs.log_entry:
+        if (e := ended(entry, id_header)) is not None:
+            yield e
+
+
+def peer_host(peer: str) -> str:
+    """The host of a gRPC peer (`ipv4:10.0.0.7:51234`, `ipv6:[::1]:51234`): which Envoy asked."""
+    kind, _, rest = peer.partition(":")
+    if kind not in ("ipv4", "ipv6"):
+        return peer
+    return unquote(rest).rpartition(":")[0].strip("[]")  # newer gRPC escapes IPv6 brackets
