@@ -1,19 +1,18 @@
 """Where the floor is under the endpoint picker's cost per request: Envoy with the picker's
-ext_proc filter (request headers and the buffered body, as `bouncer envoy-config` sets it up) in
-front of the overhead benchmark's fast upstream, and behind it
+ext_proc filter (as `bouncer envoy-config` sets it up) in front of the overhead benchmark's fast
+upstream, and behind it
 
-- `trivial`: a grpc.aio servicer that only answers each message and names the upstream as the
-  destination (none of Bouncer's work), on uvloop as Bouncer runs;
-- `trivial + watcher`: the same with the watcher filter too (observability mode; the servicer
-  closes its stream at the answer's first chunk), as Bouncer's setup has it;
-- `trivial + first chunk`: no watcher; the picker's own filter gets the answer's body STREAMED
-  and the servicer closes its stream after answering the first chunk (what a picker that took the
-  first token on its own stream, and each request's end from elsewhere, would pay);
-- `bouncer`: Bouncer's picker (`bouncer serve --mode epp`) in the full setup (its watcher too).
+- `trivial: the request only`: a grpc.aio servicer that only answers each message and names the
+  upstream as the destination (none of Bouncer's work), on uvloop as Bouncer runs; the filter
+  sends nothing of the answer and there is no access log (the least any picker pays);
+- `trivial: as Bouncer's setup`: the same servicer in `bouncer envoy-config`'s setup: it answers
+  the answer's first chunk and closes its stream, and reads Envoy's access log (each request's
+  end) without acting on it;
+- `bouncer`: Bouncer's picker (`bouncer serve --mode epp`) in that setup.
 
 Measured alike (`bouncer bench overhead`'s setup: the upstream and wrk on one core, Envoy and the
-picker on the other): requests/s at concurrency 16 and the CPU per request of the picker and of
-Envoy.
+picker on the other): requests/s and p50 at concurrency 16 and 1, and the CPU per request of the
+picker and of Envoy at concurrency 16.
 
     python scripts/ext_proc_floor.py [--seconds 6] [--out floor.json]
 """
@@ -40,6 +39,7 @@ TRIVIAL = '''
 import asyncio, sys
 import grpc, uvloop
 from envoy.config.core.v3 import base_pb2
+from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb, external_processor_pb2_grpc as pbg
 
 DEST = base_pb2.HeaderValueOption(
@@ -50,10 +50,6 @@ DEST = base_pb2.HeaderValueOption(
 class Trivial(pbg.ExternalProcessorServicer):
     async def Process(self, _requests, context):
         while (msg := await context.read()) is not grpc.aio.EOF:
-            if msg.observability_mode:  # the watcher: closed at the first chunk
-                if msg.HasField("response_body"):
-                    return
-                continue
             kind = msg.WhichOneof("request")
             if kind == "request_headers":
                 r = pb.ProcessingResponse(request_headers=pb.HeadersResponse())
@@ -66,14 +62,23 @@ class Trivial(pbg.ExternalProcessorServicer):
                 r.request_body.response.header_mutation.set_headers.append(DEST)
                 r.request_body.response.clear_route_cache = True
                 await context.write(r)
-            elif kind == "response_body":  # the first chunk on the picker's own stream, then done
+            elif kind == "response_body":  # the first chunk, then done
                 await context.write(pb.ProcessingResponse(response_body=pb.BodyResponse()))
                 return
+
+
+class Log(als_pb2_grpc.AccessLogServiceServicer):
+    async def StreamAccessLogs(self, request_iterator, context):
+        async for message in request_iterator:
+            for entry in message.http_logs.log_entry:
+                entry.request.request_headers.get("x-bouncer-request-id")
+        return als_pb2.StreamAccessLogsResponse()
 
 
 async def main():
     server = grpc.aio.server()
     pbg.add_ExternalProcessorServicer_to_server(Trivial(), server)
+    als_pb2_grpc.add_AccessLogServiceServicer_to_server(Log(), server)
     server.add_insecure_port(f"127.0.0.1:{sys.argv[1]}")
     await server.start()
     await server.wait_for_termination()
@@ -82,6 +87,8 @@ uvloop.install()
 asyncio.run(main())
 '''
 
+CASES = ("trivial: the request only", "trivial: as Bouncer's setup", "bouncer")
+
 
 def _measure(url: str, picker: int, envoy: int, seconds: int, work: pathlib.Path) -> dict:
     _wrk(url, False, 16, 1, work)  # warm-up
@@ -89,8 +96,9 @@ def _measure(url: str, picker: int, envoy: int, seconds: int, work: pathlib.Path
     rps, p50, _p99, errors, total = _wrk(url, False, 16, seconds, work)
     picker_us = (cpu_seconds(picker) - before[0]) / max(1, total) * 1e6
     envoy_us = (cpu_seconds(envoy) - before[1]) / max(1, total) * 1e6
-    return {"rps": round(rps), "p50_ms": p50, "errors": errors, "picker_cpu_us_per_request": round(picker_us),
-            "envoy_cpu_us_per_request": round(envoy_us)}
+    _rps1, p50_c1, _p99_1, errors_c1, _total1 = _wrk(url, False, 1, seconds, work)
+    return {"rps": round(rps), "p50_ms": p50, "errors": errors + errors_c1, "p50_ms_c1": p50_c1,
+            "picker_cpu_us_per_request": round(picker_us), "envoy_cpu_us_per_request": round(envoy_us)}
 
 
 def main() -> None:
@@ -109,7 +117,7 @@ def main() -> None:
                                      str(up_port)])
         try:
             wait_ok(f"http://127.0.0.1:{up_port}/metrics")
-            for name in ("trivial", "trivial + watcher", "trivial + first chunk", "bouncer"):
+            for name in CASES:
                 cfg = json.loads(_gateway_config_for(up_port, str(default_tokenizer_path()), free_port()))
                 cfg["picker"] = {"host": "127.0.0.1", "port": free_port()}
                 (work / "bouncer.json").write_text(json.dumps(cfg))
@@ -119,11 +127,10 @@ def main() -> None:
                     hcm = envoy_cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0][
                         "typed_config"]
                     assert hcm["http_filters"][1]["typed_config"]["processing_mode"] == BUFFERED
-                    if name != "trivial + watcher":
-                        hcm["http_filters"] = [f for f in hcm["http_filters"] if f["name"] != "bouncer.watcher"]
-                    if name == "trivial + first chunk":
+                    if name == CASES[0]:
                         hcm["http_filters"][1]["typed_config"]["processing_mode"] = {
-                            **BUFFERED, "response_body_mode": "STREAMED"}
+                            **BUFFERED, "response_body_mode": "NONE"}
+                        hcm["access_log"] = []
                     (work / "trivial.py").write_text(TRIVIAL)
                     cmd = [sys.executable, str(work / "trivial.py"), str(cfg["picker"]["port"]),
                            f"127.0.0.1:{up_port}"]
@@ -144,11 +151,12 @@ def main() -> None:
                     stop(procs)
         finally:
             stop([upstream])
-    print("| picker | req/s at concurrency 16 | p50 ms | picker CPU us/req | Envoy CPU us/req |")
-    print("|---|---|---|---|---|")
+    print("| picker | req/s at concurrency 16 | p50 ms | p50 ms at concurrency 1 | picker CPU us/req | "
+          "Envoy CPU us/req |")
+    print("|---|---|---|---|---|---|")
     for name, r in results.items():
-        print(f"| {name} | {r['rps']:,} | {r['p50_ms']:.2f} | {r['picker_cpu_us_per_request']:,} | "
-              f"{r['envoy_cpu_us_per_request']:,} |")
+        print(f"| {name} | {r['rps']:,} | {r['p50_ms']:.2f} | {r['p50_ms_c1']:.2f} | "
+              f"{r['picker_cpu_us_per_request']:,} | {r['envoy_cpu_us_per_request']:,} |")
     if args.out:
         pathlib.Path(args.out).write_text(json.dumps(results, indent=2))
         print(f"saved {args.out}")

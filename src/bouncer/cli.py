@@ -286,7 +286,8 @@ def cmd_bench_overhead(args) -> None:
     from bouncer.tokenizer import default_tokenizer_path
 
     overhead(args.seconds, args.out, None if args.no_tokenizer else str(default_tokenizer_path()),
-             paced_seconds=args.paced_seconds, paced_only=args.paced_only, paced=not args.no_paced)
+             paced_seconds=args.paced_seconds, paced_only=args.paced_only, paced=not args.no_paced,
+             paced_tokens=args.paced_tokens)
 
 
 def cmd_bench_flood(args) -> None:
@@ -786,6 +787,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="estimate prompt tokens instead of running the bundled tokenizer")
     p.add_argument("--paced-seconds", type=float, default=8.0, help="per paced-stream measurement")
     p.add_argument("--paced-only", action="store_true", help="only the paced stream case (no wrk runs)")
+    p.add_argument("--paced-tokens", type=int, default=64, help="each paced answer's length in tokens (the picker "
+                                                                "pays per request, so longer answers dilute it)")
     p.add_argument("--no-paced", action="store_true", help="only the wrk runs (no paced stream case)")
     p.set_defaults(func=cmd_bench_overhead)
     return parser

@@ -692,9 +692,10 @@ class PickerFront(_Strict):
     advertise: str | None = Field(None, description="HOST:PORT at which Envoy reaches this picker (default: host:port; "
                                                    "with several pickers, the address `bouncer envoy-config --picker` "
                                                    "names it by, so each request's access log entry comes back here)")
-    answers_read_whole: int = Field(4, ge=0, description="answers read to their end at once, for their usage (output "
+    answers_read_whole: int = Field(1, ge=0, description="answers read to their end at once, for their usage (output "
                                                          "lengths, TPOT); every other answer is read to its first "
-                                                         "chunk only (Envoy's buffered setup; full duplex reads all)")
+                                                         "chunk only (Envoy's buffered setup; full duplex reads all). "
+                                                         "Each chunk of one read whole costs a gRPC round trip")
     end_unseen_after_s: float = Field(3600.0, gt=0, description="a routed request whose end Envoy's access log never "
                                                                 "reported (an Envoy that died with it in flight) is "
                                                                 "given up on after this many seconds: its permit goes "

@@ -113,7 +113,7 @@ def _gateway_config_for(upstream_port: int, tokenizer: str | None, port: int = 0
 
 
 def run_paced(seconds: float = 8.0, stream_counts: tuple[int, ...] = (64, 256),
-              tokenizer: str | None = None) -> tuple[list[PacedRun], dict[str, str]]:
+              tokenizer: str | None = None, tokens: int = PACED_TOKENS) -> tuple[list[PacedRun], dict[str, str]]:
     """The paced stream case (`bouncer.bench.paced_streams`): a paced upstream and the client on
     core 0; Bouncer's proxy, Envoy alone, Envoy + Bouncer's picker (both setups), nginx and
     vllm-router on core 1, each run at each stream count."""
@@ -126,7 +126,7 @@ def run_paced(seconds: float = 8.0, stream_counts: tuple[int, ...] = (64, 256),
         try:
             procs.append(subprocess.Popen([*pinned(0), sys.executable, "-m", "bouncer.bench.fast_upstream", "--port",
                                            str(up_port), "--pace-ms", str(PACE_MS), "--paced-tokens",
-                                           str(PACED_TOKENS)]))
+                                           str(tokens)]))
             procs.append(subprocess.Popen([*pinned(1), sys.executable, "-m", "bouncer", "serve", "--config",
                                            str(work / "gateway.json"), "--log-level", "warning"],
                                           stdout=subprocess.DEVNULL))
@@ -143,9 +143,9 @@ def run_paced(seconds: float = 8.0, stream_counts: tuple[int, ...] = (64, 256),
             for streams in stream_counts:
                 for name, url, pids in targets:
                     measure(name, url + "/v1/completions", pids, BENCH_KEY, min(streams, 16), 1.0, 0, pinned,
-                            cpu_seconds)  # warm-up
+                            cpu_seconds, tokens)  # warm-up
                     runs.append(measure(name, url + "/v1/completions", pids, BENCH_KEY, streams, seconds, 0, pinned,
-                                        cpu_seconds))
+                                        cpu_seconds, tokens))
             return runs, missing
         finally:
             stop(procs)
@@ -310,7 +310,7 @@ def peers_report(runs: list[Run], missing: dict[str, str]) -> str:
 
 
 def main(seconds: int, out: str | None, tokenizer: str | None, paced_seconds: float = 8.0,
-         paced_only: bool = False, paced: bool = True) -> None:
+         paced_only: bool = False, paced: bool = True, paced_tokens: int = PACED_TOKENS) -> None:
     runs: list[Run] = []
     recorder: dict = {}
     missing: dict[str, str] = {}
@@ -320,12 +320,14 @@ def main(seconds: int, out: str | None, tokenizer: str | None, paced_seconds: fl
         print()
         print(peers_report(runs, missing))
         print()
-    paced_runs, paced_missing = run_paced(paced_seconds, tokenizer=tokenizer) if paced else ([], {})
+    paced_runs, paced_missing = run_paced(paced_seconds, tokenizer=tokenizer, tokens=paced_tokens) \
+        if paced else ([], {})
     if paced:
-        print(f"Paced streams ({PACED_TOKENS} tokens each, one write every {PACE_MS:g} ms):")
+        print(f"Paced streams ({paced_tokens} tokens each, one write every {PACE_MS:g} ms):")
         print(paced_report(paced_runs))
     if out:
         pathlib.Path(out).write_text(json.dumps({"runs": [asdict(r) for r in runs], "recorder": recorder,
                                                  "missing_peers": {**missing, **paced_missing},
+                                                 "paced_tokens": paced_tokens,
                                                  "paced": [asdict(r) for r in paced_runs]}, indent=2))
         print(f"saved {out}")

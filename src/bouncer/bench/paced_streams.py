@@ -46,10 +46,10 @@ def _percentile(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-async def _drive(url: str, key: str, streams: int, seconds: float) -> dict:
+async def _drive(url: str, key: str, streams: int, seconds: float, tokens: int = PACED_TOKENS) -> dict:
     import aiohttp
 
-    body = json.dumps({"model": "fast", "prompt": "paced", "max_tokens": PACED_TOKENS, "stream": True})
+    body = json.dumps({"model": "fast", "prompt": "paced", "max_tokens": tokens, "stream": True})
     headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
     deadline = time.monotonic() + seconds
     ttfbs: list[float] = []
@@ -82,13 +82,14 @@ async def _drive(url: str, key: str, streams: int, seconds: float) -> dict:
 
 
 def measure(target: str, url: str, pids: list[int], key: str, streams: int, seconds: float, client_cpu: int,
-            pinned, cpu_seconds) -> PacedRun:
+            pinned, cpu_seconds, tokens: int = PACED_TOKENS) -> PacedRun:
     """One run of the client (its own process on `client_cpu`) against `url`, the CPU of `pids`
     counted over it."""
     cpu0 = sum(cpu_seconds(p, children=True) for p in pids)
     t0 = time.monotonic()
     out = subprocess.run([*pinned(client_cpu), sys.executable, "-m", "bouncer.bench.paced_streams", "--url", url,
-                          "--key", key, "--streams", str(streams), "--seconds", str(seconds)],
+                          "--key", key, "--streams", str(streams), "--seconds", str(seconds),
+                          "--tokens", str(tokens)],
                          capture_output=True, text=True, timeout=seconds + 180)
     elapsed = time.monotonic() - t0
     cpu = sum(cpu_seconds(p, children=True) for p in pids) - cpu0
@@ -119,13 +120,14 @@ def main() -> None:
     ap.add_argument("--key", default="bench-key")
     ap.add_argument("--streams", type=int, default=64)
     ap.add_argument("--seconds", type=float, default=8.0)
+    ap.add_argument("--tokens", type=int, default=PACED_TOKENS, help="each answer's length (the upstream's too)")
     args = ap.parse_args()
     try:
         import uvloop
         uvloop.install()
     except ImportError:
         pass
-    print(json.dumps(asyncio.run(_drive(args.url, args.key, args.streams, args.seconds))))
+    print(json.dumps(asyncio.run(_drive(args.url, args.key, args.streams, args.seconds, args.tokens))))
 
 
 if __name__ == "__main__":

@@ -214,7 +214,7 @@ class Picker(ext_proc_grpc.ExternalProcessorServicer):
                     self._chunk(served, chunk.body, chunk.end_of_stream)
                     await context.write(passed_back(chunk.body, chunk.end_of_stream) if duplex else
                                         ext_proc.ProcessingResponse(response_body=ext_proc.BodyResponse()))
-                    if not read_whole:
+                    if not read_whole and (chunk.body or chunk.end_of_stream):
                         return  # closed: Envoy carries the rest of the answer alone
                 elif which == "response_headers":  # full duplex
                     line["status"] = status = int(header_of(msg.response_headers, ":status") or "0") or None
