@@ -110,6 +110,44 @@ def test_kv_full_replica_holds_then_dispatches_on_finish():
     assert dispatched(ev)
 
 
+def _banded_core(**policy):
+    """One replica of 1,000 blocks (each request here holds 13), a top band with a TTFT SLO
+    above band 0, marked busy at 0.9 and usable again under 0.5."""
+    return make_core(replicas=1, kv_blocks=1000,
+                     tenants=[tenant("top", priority=10, slo={"ttft_s": 5.0}), tenant("low"),
+                              tenant("mid", priority=5)],
+                     policy={"kv_busy_threshold": 0.9, "kv_resume_threshold": 0.5,
+                             "saturation": {"kv_threshold": 1.0}, "default_ttl_s": 60, **policy})
+
+
+def test_the_top_band_fills_a_replica_past_its_busy_mark_and_lower_bands_stop_at_it():
+    core = _banded_core()  # top_band_kv_threshold: 0.97 by default
+    core.observe("m/0", Telemetry(at=0.0, kv_usage=0.91, running=10, waiting=0), 0.0)
+    assert core.offer(info("low"), 0.0) == []  # busy: band 0 waits
+    # the top band goes past the mark, to 0.97: 0.91 + 4 x 0.013 = 0.962, a fifth would pass it
+    top = [d for _ in range(6) for d in dispatched(core.offer(info("top"), 0.0))]
+    assert len(top) == 4 and {d.tenant for d in top} == {"top"}
+    assert core.view.queued == 3  # the low request and two of the top band's
+    # a band above 0 is held at the mark while a higher band sends, and goes past it once that
+    # band has been quiet for longer than BAND_ACTIVE_S (10 s)
+    fresh = _banded_core()
+    fresh.observe("m/0", Telemetry(at=0.0, kv_usage=0.91, running=10, waiting=0), 0.0)
+    assert dispatched(fresh.offer(info("top"), 0.0))
+    assert fresh.offer(info("mid"), 0.0) == []
+    fresh.observe("m/0", Telemetry(at=11.0, kv_usage=0.91, running=10, waiting=0), 11.0)
+    assert [d.tenant for d in dispatched(fresh.offer(info("mid"), 11.0))] == ["mid"]
+
+
+def test_a_top_band_kv_threshold_at_the_busy_mark_holds_the_top_band_there_too():
+    core = _banded_core(top_band_kv_threshold=0.9)
+    core.observe("m/0", Telemetry(at=0.0, kv_usage=0.91, running=10, waiting=0), 0.0)
+    assert core.offer(info("top"), 0.0) == []
+    # below kv_busy_threshold it means kv_busy_threshold
+    core = _banded_core(top_band_kv_threshold=0.5)
+    core.observe("m/0", Telemetry(at=0.0, kv_usage=0.85, running=10, waiting=0), 0.0)
+    assert len(dispatched(core.offer(info("top"), 0.0))) == 1  # 0.85 + 0.013, under 0.9
+
+
 def test_scraped_usage_counts_even_when_own_accounting_is_low():
     core = make_core(replicas=1, kv_blocks=1000)
     core.observe("m/0", Telemetry(at=0.0, kv_usage=0.95, running=10, waiting=0), 0.0)

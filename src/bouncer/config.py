@@ -503,6 +503,12 @@ class Policy(_Strict):
                                                                    "blocks) that marks a replica busy")
     kv_resume_threshold: float = Field(0.85, gt=0, le=1, description="a busy replica is usable again once its "
                                                                      "projected KV usage (fraction) is below this")
+    top_band_kv_threshold: float = Field(0.97, gt=0, le=1, description="projected KV usage the highest band that "
+                                                                       "sends, above band 0, may fill a replica "
+                                                                       "to, past its busy mark: the others stop "
+                                                                       "at kv_busy_threshold, leaving it headroom "
+                                                                       "their long answers cannot take (below "
+                                                                       "kv_busy_threshold: kv_busy_threshold)")
     prefill_busy_tokens: int = Field(8192, ge=1, description="queued prefill tokens that mark a replica full for "
                                                                "now: about one engine step (vLLM's default budget), "
                                                                "so backlogs wait in the gateway, where they are "
@@ -1190,6 +1196,7 @@ policy:
   kv_reservation: overcommit   # overcommit: reserve the learned expected output; reserve: max_tokens
   kv_busy_threshold: 0.92      # projected KV usage that marks a replica busy...
   kv_resume_threshold: 0.85    # ...until it falls below this (hysteresis)
+  top_band_kv_threshold: 0.97  # the highest band that sends (above 0) fills past the busy mark to this
   prefill_busy_tokens: 8192    # queued prefill that makes a replica full for now (about one engine step)
   fairness: wdrr               # wdrr (tokens) | round-robin
   fair_hold_s: 5               # a tenant's turn whose head finds no room holds it that long from smaller requests

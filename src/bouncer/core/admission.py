@@ -135,8 +135,9 @@ class AdmissionCore:
         return self.arrivals.offer(info, now, checked)
 
     def _grant(self, adm: Admission, replica: ReplicaState, cached: dict[str, int], now: float,
-               usage: float) -> Dispatch:
-        """`usage`: the replica's KV usage before it, as placement saw it."""
+               usage: float, kv_limit: float) -> Dispatch:
+        """`usage`: the replica's KV usage before it, as placement saw it; `kv_limit`: what its
+        band may fill the replica to."""
         if not self.shares.enabled:
             return grant(adm, replica, cached, self.models[adm.info.model], self.finaliser, self.permits, self.policy,
                          self.stats, now)
@@ -144,7 +145,7 @@ class AdmissionCore:
                            adm.cost_tokens / self.tenants.weight(adm.tenant), now)
         d = grant(adm, replica, cached, self.models[adm.info.model], self.finaliser, self.permits, self.policy,
                   self.stats, now, self.sent_prefixes)
-        claim = claims.claim_for(adm, replica, cached[replica.name], usage, self.policy.kv_busy_threshold)
+        claim = claims.claim_for(adm, replica, cached[replica.name], usage, kv_limit)
         return d if claim is None else d._replace(claim=claim)
 
     # -- lifecycle of admitted requests -------------------------------------------------------

@@ -17,7 +17,7 @@ from bouncer.config import Policy
 from bouncer.core.agents.gate import AgentGate, WindowGate
 from bouncer.core.fleet.blocks import num_blocks
 from bouncer.core.fleet.permits import PermitStore
-from bouncer.core.fleet.placement import Held, HeldForRoom, Late, Placement
+from bouncer.core.fleet.placement import Held, HeldForRoom, Late, Placement, kv_limit
 from bouncer.core.fleet.pool import PoolView
 from bouncer.core.fleet.replica import ReplicaState
 from bouncer.core.flow.queues import FlowQueues, TenantQueue
@@ -39,10 +39,11 @@ Placed = tuple[ReplicaState, dict[str, int]] | Late | Held
 
 class Dispatcher:
     """Runs one model's dispatch loop; `grant` and `on_late` are the core's (they settle
-    permits and ends), so that this module only decides the order."""
+    permits and ends), so that this module only decides the order. `grant` is given the
+    replica's KV usage before the request and the usage its band may fill it to (`kv_limit`)."""
 
     def __init__(self, placement: Placement, saturation: SaturationDetector,
-                 grant: Callable[[Admission, ReplicaState, dict[str, int], float, float], Dispatch],
+                 grant: Callable[[Admission, ReplicaState, dict[str, int], float, float, float], Dispatch],
                  on_late: Callable[[Admission, float, float], list[Event]],
                  acts_on_late: Callable[[Admission], bool], shares: FleetShares) -> None:
         self.placement = placement
@@ -70,6 +71,7 @@ class Dispatcher:
                 continue
             limit = ceiling(self.placement.policy, band.priority)
             protected = ms.band_slos.protected(band.priority, now)  # the same for every request of the band
+            kv = kv_limit(self.placement.policy, band.priority, protected)
             skip: set[str] = set()
             held_for_room = HeldForRoom()
             hold = False  # a tenant whose turn it was waits for room for its head (`_holds_room`)
@@ -109,7 +111,7 @@ class Dispatcher:
                     continue
                 flow.fairness.charge(band, q, adm)
                 replica, cached = placed
-                events.append(self.grant(adm, replica, cached, now, view.usage(replica)))
+                events.append(self.grant(adm, replica, cached, now, view.usage(replica), kv))
                 view.granted(replica)
             if band.count:
                 break

@@ -32,7 +32,7 @@ CLAIM_BELOW = 0.25  # of a replica's KV blocks: a dispatch leaving less free tha
 def claim_for(adm: Admission, replica: ReplicaState, cached: int, usage: float, threshold: float) -> Claim | None:
     """The claim a dispatch of `adm` to `replica` makes (None: none needed), `cached` of its
     prompt tokens held there and `usage` its KV usage before it, in this gateway's view, whose
-    placement fills a replica to `threshold` (`policy.kv_busy_threshold`) at most."""
+    placement fills a replica to `threshold` (its band's `placement.kv_limit`) at most."""
     cap = replica.capacity_blocks
     if not cap:
         return None  # no KV size known: the placement did not count blocks either
