@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from bouncer.core.fleet.replica import Telemetry
 from bouncer.core.flow.comebacks import MAX_FOLLOWED, WINDOW_S, Comebacks
 from bouncer.core.outcomes import Terminal
-from core_helpers import dispatched, info, make_core, rejected
+from core_helpers import dispatched, info, make_core, rejected, tenant
 
 
 def test_no_estimate_until_enough_of_its_refusals_were_answered():
@@ -77,3 +78,24 @@ def test_the_core_tells_a_refused_tenant_how_long_its_last_refusals_took_to_be_a
     assert not core.offer(info(), 5.0)
     [r] = rejected(core.offer(info(), 5.1))
     assert r.refusal.retry_after == pytest.approx((4.0 + 3.9 + 3.8) / 3)
+
+
+def test_sheddable_traffic_refused_as_saturated_is_told_no_sooner_than_the_backlog_above_turns_over():
+    """Its own refusals lately answered in 0.3 s say nothing of how long the pool stays saturated:
+    it gets in once the 20 requests queued above it have left, at 10 a second."""
+    core = make_core(replicas=1, tenants=[tenant("a"), tenant("free", priority=-1)])
+    core.observe("m/0", Telemetry(at=0.0, kv_usage=0.99, running=50, waiting=0), 0.0)  # saturated
+    for _ in range(20):
+        assert not core.offer(info("a"), 0.0)  # band 0 waits, ahead of the free tier
+    backlog = core.models["m"].backlog
+    for t in (0.1, 0.2, 0.3):
+        backlog.comebacks.refused("free", t)
+    backlog.comebacks.dispatched("free", sent_at=0.35, now=0.5)  # answered 0.3 s on, on average
+    for i in range(10):
+        backlog.store.note_departure("m", 0.5 + i * 0.01)  # the room turns over at 10 a second
+    [r] = rejected(core.offer(info("free"), 0.9))
+    assert r.refusal.reason == "saturated"
+    assert r.refusal.retry_after == pytest.approx(20 / 10)
+    # a refusal of its own (not the pool's saturation) is told its refusals' lag
+    # (lags 0.4, 0.3 and 0.2, and the refusal at 0.9, waiting 0.05 s so far)
+    assert backlog.retry_after(-1, 0.95, "free") == pytest.approx((0.4 + 0.3 + 0.2 + 0.05) / 4)

@@ -58,8 +58,9 @@ def door_shut(ms: ModelState, tenant: str, band: int, view: PoolView, saturation
 
 def _refused(ms: ModelState, band: int, tenant: str, now: float, layer: Layer, reason: Reason,
              message: str) -> Refusal:
-    """A door's refusal, with when to come back: once the backlog ahead has turned over."""
-    return Refusal(layer, reason, message, ms.backlog.retry_after(band, now, tenant))
+    """A door's refusal, with when to come back (`Backlog.retry_after`)."""
+    return Refusal(layer, reason, message, ms.backlog.retry_after(band, now, tenant,
+                                                                  behind_backlog=reason is Reason.SATURATED))
 
 
 def door(ms: ModelState, adm: Admission, view: PoolView, saturation: SaturationDetector,
