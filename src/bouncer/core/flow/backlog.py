@@ -87,10 +87,12 @@ class LocalBacklog:
         return _rate(self._times(self._completions, model), now, SERVICE_RATE_WINDOW_S, MIN_COMPLETIONS_FOR_RATE)
 
 
-def ahead(flow: FlowQueues, priority: int, tenant: str | None) -> float:
+def ahead(flow: FlowQueues, priority: int, tenant: str | None, unqueued: int = 0) -> float:
     """Queued requests a newcomer waits behind: all of the higher bands, and in its own band
     its tenant's queue, which under fair queueing drains at the tenant's weighted share of
-    the band (so a tenant flooding its band waits long while a light one does not)."""
+    the band (so a tenant flooding its band waits long while a light one does not).
+    `unqueued`: requests of `tenant` counted in its queue, which holds some already, that are
+    not in it (a newcomer judged before it is queued: `Arrivals._enter_waiting_room`)."""
     n: float = flow.count_ahead(priority + 1)
     band = flow.bands.get(priority)
     if band is not None and band.count:
@@ -103,7 +105,7 @@ def ahead(flow: FlowQueues, priority: int, tenant: str | None) -> float:
             queues, active = band.queues, 0.0
             for name in band.active:
                 active += queues[name].weight
-            n += q.count * active / q.weight
+            n += (q.count + unqueued) * active / q.weight
     return n
 
 
@@ -142,10 +144,11 @@ class Backlog:
         self.peers = peers  # with several gateways: their queues and rates count too
         self.comebacks = Comebacks()  # each tenant's refusals at this gateway, until answered
 
-    def _ahead(self, priority: int, tenant: str | None) -> float:
+    def _ahead(self, priority: int, tenant: str | None, unqueued: int = 0) -> float:
         peers = self.peers
         if peers is None or not peers.enabled:
-            return ahead(self.flow, priority, tenant)
+            return ahead(self.flow, priority, tenant, unqueued)
+        assert not unqueued, "judged before it is queued only where gateways share nothing"
         return fleet_ahead(self.flow, priority, tenant, peers)
 
     def _rate(self, own: float | None, which: int) -> float | None:
@@ -156,7 +159,7 @@ class Backlog:
         total = (own or 0.0) + peers.rates_elsewhere(self.model)[which]
         return total or None
 
-    def queue_wait(self, priority: int, now: float, tenant: str) -> float | None:
+    def queue_wait(self, priority: int, now: float, tenant: str, unqueued: int = 0) -> float | None:
         """How long a newcomer would wait in the gateway's queue before its dispatch: the
         backlog ahead of it over the rate the queue has been dispatching.
 
@@ -166,7 +169,7 @@ class Backlog:
         then expire after waiting out their budget, instead of being refused at once: measured,
         goodput in `surge` at load 3 fell from 41.4 to 34.7 req/s."""
         rate = self._rate(self.store.dispatch_rate(self.model, now), 0)
-        return None if rate is None else self._ahead(priority, tenant) / rate
+        return None if rate is None else self._ahead(priority, tenant, unqueued) / rate
 
     def turnover_wait(self, priority: int, now: float, tenant: str | None) -> float | None:
         """How long until the backlog ahead of a newcomer has left the waiting room, by any way:
@@ -175,7 +178,7 @@ class Backlog:
         rate = self._rate(self.store.departure_rate(self.model, now), 1)
         return None if rate is None else self._ahead(priority, tenant) / rate
 
-    def estimated_wait(self, priority: int, now: float, tenant: str | None = None) -> float | None:
+    def estimated_wait(self, priority: int, now: float, tenant: str | None = None, unqueued: int = 0) -> float | None:
         """How long a new request of this priority would wait to start, over the rate the
         model's replicas have been completing requests (None until there is a rate). Ahead of
         it: the gateway's backlog, and what was dispatched but has not started in its band and
@@ -184,7 +187,7 @@ class Backlog:
         if rate is None:
             return None
         unstarted = sum(r.unstarted_at_or_above(priority) for r in self.replicas.values())
-        return (self._ahead(priority, tenant) + unstarted) / rate
+        return (self._ahead(priority, tenant, unqueued) + unstarted) / rate
 
     def retry_after(self, priority: int, now: float, tenant: str | None = None, late: float = 0.0,
                     behind_backlog: bool = False) -> float:

@@ -84,18 +84,20 @@ def queue_budget(adm: Admission, ttft_left: float, best_ttft: float | None, ms: 
 
 
 def late_by(ms: ModelState, adm: Admission, ttft_left: float, best_ttft: float | None, policy: Policy,
-            now: float) -> float | None:
+            now: float, queued: bool = True) -> float | None:
     """How far past its TTFT deadline (`ttft_left` from now, as planned: `planned_left`) a
     queued newcomer is predicted to start (None: in time, or no estimate): the wait in the
     gateway's queue, then the best predicted TTFT, from the prefill work on the replica, x its
     band's margin (or ttft_safety_factor, as in queue_budget). Without a step-time model: the
-    wait (to its first token) against slo_queue_fraction of what is left."""
+    wait (to its first token) against slo_queue_fraction of what is left. `queued=False`: it is
+    judged as if queued behind its tenant's queued requests, before it is."""
     left = planned_left(ms, adm.priority, adm.tenant, ttft_left, policy, now)
+    unqueued = 0 if queued else 1
     if best_ttft is None:
-        wait = ms.backlog.estimated_wait(adm.priority, now, adm.tenant)
+        wait = ms.backlog.estimated_wait(adm.priority, now, adm.tenant, unqueued)
         budget = left * policy.slo_queue_fraction
         return wait - budget if wait is not None and wait > budget else None
-    wait = ms.backlog.queue_wait(adm.priority, now, adm.tenant) or 0.0
+    wait = ms.backlog.queue_wait(adm.priority, now, adm.tenant, unqueued) or 0.0
     late = wait + (ms.ttft_margins.margin(adm.priority) or policy.ttft_safety_factor) * best_ttft - left
     return late if late > 0 else None
 

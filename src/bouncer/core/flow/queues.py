@@ -48,6 +48,10 @@ class TenantQueue:
             heapq.heappop(heap)
         return heap[0][1] if heap else None
 
+    def would_lead(self, adm: Admission) -> bool:
+        """Whether `adm`, pushed now, would be the head (keys are unique: they end in `seq`)."""
+        return self.head() is None or self.ordering.key(adm) < self._heap[0][0]
+
     def remove(self, adm: Admission) -> None:
         self._live.discard(adm.request_id)
         self.count -= 1
