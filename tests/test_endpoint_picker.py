@@ -46,7 +46,7 @@ class Picked:
     def __init__(self, tmp: pathlib.Path, tenants: list[dict], engines: int = 1, failure_mode: str = "close",
                  body_mode: str = "buffered", pickers: int = 1, shared_state: dict | None = None,
                  extra: dict | None = None, subset: list[int] | None = None,
-                 answers_read_whole: int | None = None) -> None:
+                 answers_read_whole: int | None = None, access_log: bool = True) -> None:
         self.tmp = tmp
         self.engines = [EngineProcess("--model", "demo-llm") for _ in range(engines)]
         self.envoy_port = free_port()
@@ -72,6 +72,9 @@ class Picked:
                               *(arg for _, g in self.ports for arg in ("--picker", f"127.0.0.1:{g}"))],
                              check=True, capture_output=True, text=True)
         envoy_config = yaml.safe_load(out.stdout)
+        if not access_log:  # a bootstrap from before the access log, or written without it
+            hcm = envoy_config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+            del hcm["access_log"]
         if subset is not None:  # as a Gateway API gateway does: the engines this request may go to
             hcm = envoy_config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
             hcm["http_filters"].insert(0, {"name": "subset", "typed_config": {
@@ -307,6 +310,25 @@ def test_answers_not_read_whole_end_as_envoy_logs_them(tmp_path):
         poll_until(fleet.idle, timeout=10, what="the failure logged")
         assert fleet.decisions()[("failed", "upstream_rejected")] == 1
         assert _unseen(fleet) == 0
+    finally:
+        fleet.close()
+
+
+def test_an_envoy_without_the_access_log_is_warned_of(tmp_path):
+    """An Envoy run on a bootstrap without the access log (an older `bouncer envoy-config`'s)
+    routes requests whose ends the picker never learns, unless it reads their answers whole:
+    once one answer was read whole and no access log opened, the picker says so, in its log and
+    in `bouncer_picker_envoys_without_access_log`."""
+    fleet = Picked(tmp_path, [_tenant("alice", 10)], answers_read_whole=1, access_log=False)
+    try:
+        assert fleet.client().completions.create(model="demo-llm", prompt="x", max_tokens=2)  # read whole
+        poll_until(fleet.idle, timeout=10, what="its end, from its usage")
+        # the picker looks every 10 s (SWEEP_EVERY_S), at answers read whole 5 s ago or more
+        poll_until(lambda: _metric(fleet, 0, "bouncer_picker_envoys_without_access_log") == 1, timeout=30,
+                   what="the Envoy without an access log counted")
+        warned = [line for line in (tmp_path / "picker-0.log").read_text().splitlines()
+                  if "event=picker_no_access_log" in line]
+        assert len(warned) == 1 and "envoy=127.0.0.1" in warned[0], warned
     finally:
         fleet.close()
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from bouncer.core.admission import AdmissionCore
@@ -341,6 +341,11 @@ class GatewayMetrics:
             "bouncer_picker_ends_unseen", "Requests the endpoint picker routed whose end Envoy's access log never "
             "reported within picker.end_unseen_after_s (an Envoy that died with them in flight); their permits went "
             "back unmeasured.", registry=self.registry)
+        self.picker_envoys_without_access_log = Gauge(
+            "bouncer_picker_envoys_without_access_log", "Envoys that route requests through this endpoint picker "
+            "and have not opened its access log (a bootstrap without it): the picker learns their requests' ends "
+            "only where it reads their answers whole, and gives the others' permits back after "
+            "picker.end_unseen_after_s.", registry=self.registry)
         self.queue_wait = Histogram("bouncer_queue_wait_seconds", "Time from arrival to dispatch.",
                                     ["tenant", "band"], buckets=LATENCY_BUCKETS, registry=self.registry)
         self.ttft = Histogram("bouncer_ttft_seconds", "Time to first token seen by the gateway, from arrival.",

@@ -82,6 +82,10 @@ USAGE_TAIL_BYTES = 8192  # of a stream read whole, kept for its usage event
 READY_EVERY_S = 1.0
 SWEEP_EVERY_S = 10.0  # how often ends that never came are looked for
 ENVOY_GONE_AFTER_S = 1.0  # an Envoy whose access log closed and did not reopen within this is gone
+# An answer read to its end: Envoy logs its request within its flush interval (20 ms in
+# `bouncer envoy-config`'s bootstrap), opening its access log stream if none is open. One whose
+# log has not opened this long after has none (`Picker.envoys_without_log`).
+ACCESS_LOG_DUE_S = 5.0
 
 
 @dataclass(slots=True)
@@ -111,6 +115,9 @@ class Picker(ext_proc_grpc.ExternalProcessorServicer):
         self._reading_whole = 0  # answers being read to their end now (the buffered setup's sample)
         self._endpoints: dict[str, str] = {}  # a replica's base URL -> its ip:port
         self._logs_open: Counter[str] = Counter()  # Envoy host -> its access log streams open now
+        self._logs_seen: set[str] = set()  # Envoy hosts whose access log ever opened
+        self._read_to_end_at: dict[str, float] = {}  # Envoy host -> when an answer it carried was first read to its end
+        self._warned: set[str] = set()  # hosts warned of as having no access log
         cfg = plane.config.picker
         self._advertised = cfg.advertise or f"{cfg.host}:{cfg.port}"
 
@@ -263,6 +270,7 @@ class Picker(ext_proc_grpc.ExternalProcessorServicer):
             served.out.completion_tokens = n = usage_of(served.tail, served.streaming)
             if n is not None and not served.duplex:  # a usage is a completed answer's: no need to wait
                 served.line["status"] = 200
+                self._read_to_end_at.setdefault(served.envoy, self.clock())
                 self._ended(served)
 
     def ended(self, rid: str, status: int | None, terminal: Terminal, reason: Reason | None) -> None:
@@ -278,6 +286,24 @@ class Picker(ext_proc_grpc.ExternalProcessorServicer):
 
     def log_opened(self, envoy: str) -> None:
         self._logs_open[envoy] += 1
+        self._logs_seen.add(envoy)
+
+    def envoys_without_log(self) -> list[str]:
+        """The Envoy hosts that carried an answer the picker read to its end `ACCESS_LOG_DUE_S`
+        ago or more, and never opened the access log that would have logged it: a bootstrap
+        without Bouncer's access log (an older `bouncer envoy-config`'s, or one written by
+        hand). Their requests' ends never come; each new one is warned of once."""
+        now = self.clock()
+        missing = [e for e, at in self._read_to_end_at.items()
+                   if now - at >= ACCESS_LOG_DUE_S and e not in self._logs_seen]
+        for envoy in missing:
+            if envoy not in self._warned:
+                self._warned.add(envoy)
+                log.warning("an Envoy routes requests through this picker but never opened its access log: "
+                            "their ends are not seen, and their permits go back only after "
+                            "picker.end_unseen_after_s; give it the access log `bouncer envoy-config` writes",
+                            extra={"event": "picker_no_access_log", "envoy": envoy})
+        return missing
 
     def log_closed(self, envoy: str) -> None:
         """An Envoy's access log stream closed: where none of its streams comes back within
@@ -438,11 +464,12 @@ async def _keep_ready(plane: ControlPlane, servicer: health.aio.HealthServicer) 
 
 
 async def _sweep(plane: ControlPlane, picker: Picker) -> None:
-    """Give up on ends that never came, and count them."""
+    """Give up on ends that never came, and count them; and say which Envoys send none."""
     while True:
         await asyncio.sleep(SWEEP_EVERY_S)
         if n := picker.give_up(plane.config.picker.end_unseen_after_s):
             plane.metrics.picker_ends_unseen.inc(n)
+        plane.metrics.picker_envoys_without_access_log.set(len(picker.envoys_without_log()))
 
 
 async def serve_picker(plane: ControlPlane, host: str, port: int, ready: asyncio.Event | None = None,
