@@ -7,6 +7,7 @@ import pytest
 
 from bouncer.config import AgentWindowConfig
 from bouncer.core.agents.window import AgentWindow
+from bouncer.core.fleet.replica import Telemetry
 from bouncer.core.outcomes import Terminal
 from core_helpers import admission_of, dispatched, info, make_core, observe_idle, rejected, tenant
 
@@ -440,3 +441,23 @@ def test_without_a_separator_a_session_id_is_never_split():
     core = make_core(policy={"agents": {"initial": 2, "max": 2}})
     rid = dispatched(core.offer(info(session_id="conv-1:explore"), 0.0))
     assert rid and admission_of(core, rid[0]).parent_session is None
+
+
+def test_an_active_agents_step_displaces_new_agents_from_its_tenants_full_queue():
+    """Refusing an active agent's step fails its session midway, every step done for it lost; a
+    new agent waiting for a slot has done nothing yet. So where the tenant's queue is full, the
+    step takes the place of the newest new agent's request (529 `evicted`), and a new agent's
+    request is refused as before (`tenant_queue_full`)."""
+    core = make_core(replicas=1, policy={"agents": {"initial": 1, "max": 1, "idle_timeout_s": 60},
+                                         "queues": {"tenant_max_requests": 2}})
+    assert dispatched(core.offer(info(session_id="agent-1"), 0.0))  # it holds the window's slot
+    core.observe("m/0", Telemetry(at=0.05, kv_usage=0.99, running=10, waiting=0), 0.05)  # full: all waits
+    second, third = info(session_id="agent-2"), info(session_id="agent-3")
+    assert core.offer(second, 0.1) == [] and core.offer(third, 0.2) == []  # new agents wait for a slot
+    [r] = rejected(core.offer(info(session_id="agent-4"), 0.3))
+    assert r.refusal.reason == "tenant_queue_full"  # the queue is full, and it ranks no higher
+    [r] = rejected(core.offer(info(session_id="agent-1"), 0.4))  # the active agent's next step
+    assert (r.request_id, r.refusal.reason, r.refusal.status) == (third.request_id, "evicted", 529)
+    queued = sorted(a.session for band in core.models["m"].flow.bands.values()
+                    for q in band.queues.values() for a in q)
+    assert queued == ["agent-1", "agent-2"]

@@ -178,7 +178,7 @@ class Arrivals:
         if isinstance(entry, Refusal):
             return [c.finaliser.refuse(adm, entry, now)]
         events: list[Event] = [leave(c.finaliser, ms, victim, Terminal.EVICTED, Reason.EVICTED,
-                                     "evicted from the queue by higher-priority traffic", now) for victim in entry]
+                                     "evicted from the queue by traffic that goes before it", now) for victim in entry]
         # Queued, it has to wait. If the backlog ahead and the prefill work on the best replica
         # already add up to more than its TTFT SLO, say so now (before any prefill), and when to
         # come back: once enough of it has drained.

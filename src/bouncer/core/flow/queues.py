@@ -48,6 +48,14 @@ class TenantQueue:
             heapq.heappop(heap)
         return heap[0][1] if heap else None
 
+    def last_in_line(self, below_rank: int) -> list[Admission]:
+        """Its requests of a rank below `below_rank` (a larger `Admission.queue_rank`), the lowest
+        rank first and the newest first within a rank: those a request of that rank displaces
+        from a full queue, in turn (O(n log n), only then)."""
+        live = self._live
+        return sorted((a for _, a in self._heap if a.request_id in live and a.queue_rank > below_rank),
+                      key=lambda a: (a.queue_rank, a.seq), reverse=True)
+
     def would_lead(self, adm: Admission) -> bool:
         """Whether `adm`, pushed now, would be the head (keys are unique: they end in `seq`)."""
         return self.head() is None or self.ordering.key(adm) < self._heap[0][0]

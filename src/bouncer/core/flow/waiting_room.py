@@ -24,10 +24,12 @@ if TYPE_CHECKING:
 
 
 def door_shut(ms: ModelState, tenant: str, band: int, view: PoolView, saturation: SaturationDetector,
-              policy: Policy, now: float, min_prompt: int = 0) -> Refusal | None:
+              policy: Policy, now: float, min_prompt: int = 0, own_queue: bool = True) -> Refusal | None:
     """Why no request of `tenant` in `band` may join the waiting room now, whatever its size
     (of at least `min_prompt` tokens): the checks that need no prompt, so that a request they
-    refuse is refused before its prompt is tokenized (`AdmissionCore.precheck`)."""
+    refuse is refused before its prompt is tokenized (`AdmissionCore.precheck`). `own_queue`:
+    its tenant's queue being full counts (not for an agent's step, which may displace a new
+    agent's request from it: `door`)."""
     # (no closure for the refusals: this runs at every arrival, and they are rare)
     flow = ms.flow
     if ms.draining:
@@ -45,10 +47,9 @@ def door_shut(ms: ModelState, tenant: str, band: int, view: PoolView, saturation
             return _refused(ms, band, tenant, now, Layer.FLOW, Reason.SATURATED,
                             "the fleet is saturated; sheddable traffic is refused")
     q = flow.queue_of(tenant, band)
-    if q is not None and (q.count >= policy.queues.tenant_max_requests
-                          or (min_prompt and q.tokens + min_prompt > policy.queues.tenant_max_tokens)):
-        return _refused(ms, band, tenant, now, Layer.QUEUE, Reason.TENANT_QUEUE_FULL,
-                        f"tenant {tenant!r} has too many queued requests")
+    if own_queue and q is not None and (q.count >= policy.queues.tenant_max_requests
+                                        or (min_prompt and q.tokens + min_prompt > policy.queues.tenant_max_tokens)):
+        return _tenant_queue_full(ms, band, tenant, now)
     band_state = flow.bands.get(band)
     if band_state is not None and band_state.count >= policy.queues.band_max_requests:
         # (evicting from the bands below would not make room in this one)
@@ -63,22 +64,38 @@ def _refused(ms: ModelState, band: int, tenant: str, now: float, layer: Layer, r
                                                                   behind_backlog=reason is Reason.SATURATED))
 
 
+def _tenant_queue_full(ms: ModelState, band: int, tenant: str, now: float) -> Refusal:
+    return _refused(ms, band, tenant, now, Layer.QUEUE, Reason.TENANT_QUEUE_FULL,
+                    f"tenant {tenant!r} has too many queued requests")
+
+
 def door(ms: ModelState, adm: Admission, view: PoolView, saturation: SaturationDetector,
          policy: Policy, now: float) -> Refusal | list[Admission]:
-    """Why `adm` may not join the waiting room, or the queued requests it evicts (often none)."""
+    """Why `adm` may not join the waiting room, or the queued requests it evicts (often none).
+    Its tenant's queue full, a request of a higher rank there (an active agent's step over a new
+    agent's: `Admission.queue_rank`) displaces the newest of the lowest rank: refusing the step
+    would fail a session midway, and all the steps done for it; the new agent has none done
+    yet. (In the `agents` scenario at 512 agents on 2 replicas, new agents waiting their turn
+    filled the queue, and all 453 sessions that failed midway failed so.)"""
     flow, band = ms.flow, adm.priority
-    shut = door_shut(ms, adm.tenant, band, view, saturation, policy, now)
+    shut = door_shut(ms, adm.tenant, band, view, saturation, policy, now, own_queue=False)
     if shut is not None:
         return shut
 
     q = flow.tenant_queue(adm)
     qc = policy.queues
     prompt = adm.info.prompt_tokens
-    if q is not None and q.tokens + prompt > qc.tenant_max_tokens:
-        return _refused(ms, band, adm.tenant, now, Layer.QUEUE, Reason.TENANT_QUEUE_FULL,
-                        f"tenant {adm.tenant!r} has too many queued requests")
     victims: list[Admission] = []
-    count, tokens = len(flow), flow.tokens
+    if q is not None and (q.count >= qc.tenant_max_requests or q.tokens + prompt > qc.tenant_max_tokens):
+        n, queued = q.count, q.tokens
+        for last in q.last_in_line(adm.queue_rank):
+            victims.append(last)
+            n, queued = n - 1, queued - last.info.prompt_tokens
+            if n < qc.tenant_max_requests and queued + prompt <= qc.tenant_max_tokens:
+                break
+        else:
+            return _tenant_queue_full(ms, band, adm.tenant, now)
+    count, tokens = len(flow) - len(victims), flow.tokens - sum(v.info.prompt_tokens for v in victims)
     while count >= qc.max_requests or tokens + prompt > qc.max_tokens:
         victim = flow.lowest_sheddable(below=band, excluding=victims)
         if victim is None:
