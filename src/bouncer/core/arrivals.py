@@ -182,21 +182,21 @@ class Arrivals:
         # Queued, it has to wait. If the backlog ahead and the prefill work on the best replica
         # already add up to more than its TTFT SLO, say so now (before any prefill), and when to
         # come back: once enough of it has drained.
-        judge = bool(ttft_left) and not ms.draining and adm.ttft_deadline is not None
+        left = ttft_left if ttft_left and not ms.draining and adm.ttft_deadline is not None else None
         judged = False
-        if judge and not entry and self._waits_behind_its_head(ms, adm, now) and self.acts_on_late(adm):
+        if left is not None and not entry and self._waits_behind_its_head(ms, adm, now) and self.acts_on_late(adm):
             # nothing moves between its queueing and its judgement (the loop does not run for
             # it): judged first, a late one is refused without being queued and taken out again
             # (under overload most arrivals are: ServeGen m-mid at load 3, 186k of 215k)
-            late = deadlines.late_by(ms, adm, ttft_left, best_ttft, c.policy, now, queued=False)  # type: ignore[arg-type]
+            late = deadlines.late_by(ms, adm, left, best_ttft, c.policy, now, queued=False)
             if late is not None:
                 return events + self.late(adm, now, late)
             judged = True
         ms.flow.push(adm, c.tenants.weight(adm.tenant))
         if not judged and self._loop_due(ms, adm, bool(entry), now):
             events.extend(c.dispatcher.run(ms, now, view))
-        if judge and not judged and adm.request_id in ms.flow:
-            late = deadlines.late_by(ms, adm, ttft_left, best_ttft, c.policy, now)  # type: ignore[arg-type]
+        if left is not None and not judged and adm.request_id in ms.flow:
+            late = deadlines.late_by(ms, adm, left, best_ttft, c.policy, now)
             if late is not None:
                 events.extend(self.late(adm, now, late))
         return events
