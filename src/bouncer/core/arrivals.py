@@ -204,10 +204,14 @@ class Arrivals:
     def _waits_behind_its_head(self, ms: ModelState, adm: Admission, now: float) -> bool:
         """Whether `adm`, not queued yet, would wait behind its tenant's head with the loop not
         due (`_loop_due` of it once queued, with no request evicted, False)."""
-        if adm.session is not None or self.core.shares.enabled or now - ms.looped_at >= LOOP_FRESH_S:
+        if self._loop_runs_anyway(ms, adm, now):
             return False
         q = ms.flow.tenant_queue(adm)
         return q is not None and q.count > 0 and not q.would_lead(adm)
+
+    def _loop_runs_anyway(self, ms: ModelState, adm: Admission, now: float) -> bool:
+        """Whether the loop runs for `adm` whatever its place in its tenant's queue (`_loop_due`)."""
+        return adm.session is not None or self.core.shares.enabled or now - ms.looped_at >= LOOP_FRESH_S
 
     def _loop_due(self, ms: ModelState, adm: Admission, evicted: bool, now: float) -> bool:
         """Whether the dispatch loop runs for `adm`, just queued: where it may go now (at the head
@@ -221,8 +225,7 @@ class Arrivals:
         placing anything). Always where gateways share state: there the loop also follows the
         others' service and queues, and skipping it cost three sharing gateways 10% of goodput
         (`surge` at load 2, 92.65 against 102.38 req/s; tests/test_sim_gateways.py)."""
-        return (evicted or adm.session is not None or self.core.shares.enabled
-                or now - ms.looped_at >= LOOP_FRESH_S
+        return (evicted or self._loop_runs_anyway(ms, adm, now)
                 or ms.flow.tenant_queue(adm).head() is adm)  # type: ignore[union-attr]
 
     # -- lateness: at arrival, and for a head the dispatch loop finds late ------------------------
