@@ -99,6 +99,16 @@ def _one_replica_config(**kw) -> dict:
             **kw}
 
 
+def test_request_ids_differ_across_gateways_and_within_one():
+    """Two gateways of one fleet (or two pickers, or one restarted) never hand out the same id:
+    their logs and recordings are read together."""
+    async def scenario():
+        one, two = ControlPlane(parse_config(_one_replica_config())), ControlPlane(parse_config(_one_replica_config()))
+        ids = [one.request_id() for _ in range(3)] + [two.request_id() for _ in range(3)]
+        assert len(set(ids)) == 6 and all(rid.startswith("bq-") for rid in ids)
+    asyncio.run(scenario())
+
+
 def test_1_a_client_leaving_in_the_turn_its_request_is_dispatched_returns_the_permit():
     async def scenario():
         gw = ControlPlane(parse_config(_one_replica_config()))

@@ -21,6 +21,7 @@ import dataclasses
 import gc
 import itertools
 import logging
+import secrets
 import signal
 import time
 from collections.abc import Awaitable, Callable
@@ -102,6 +103,9 @@ class ControlPlane:
         self.recorder = GatewayRecorder(config.recorder, lambda: self.core.view, clock, self._recorded_gauges)
         self.loop_lag_s = 0.0  # the last probe's (`_probe_loop_lag`)
         self.stopping = False  # SIGTERM came: not ready, finishing what it holds (`drain_for_exit`)
+        # a random part per process: ids stay unique across the gateways (or pickers) of one
+        # fleet and across restarts, so their logs, traces and recordings can be read together
+        self._id_prefix = f"bq-{secrets.token_hex(3)}-"
         self._ids = itertools.count()
         self._waiters: dict[str, asyncio.Future] = {}
         self._live: set[str] = set()  # admitted requests being served: their permits' leases are renewed
@@ -266,7 +270,7 @@ class ControlPlane:
 
     # -- what a front hands over ------------------------------------------------------------------
     def request_id(self) -> str:
-        return f"bq-{next(self._ids)}"
+        return f"{self._id_prefix}{next(self._ids)}"
 
     def parse(self, rid: str, kind: str, raw: bytes, headers, line: dict[str, Any]) -> Parsed | Refusal:
         """A generation request's body (already within `limits.max_body_bytes`) and headers,
