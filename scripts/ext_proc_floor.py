@@ -36,7 +36,7 @@ from bouncer.gateway.fronts.envoy_bootstrap import BUFFERED, bootstrap
 from bouncer.tokenizer import default_tokenizer_path
 
 TRIVIAL = '''
-import asyncio, sys
+import asyncio, itertools, sys
 import grpc, uvloop
 from envoy.config.core.v3 import base_pb2
 from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
@@ -45,6 +45,8 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb, external_pro
 DEST = base_pb2.HeaderValueOption(
     header=base_pb2.HeaderValue(key="x-gateway-destination-endpoint", raw_value=sys.argv[2].encode()),
     append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD)
+LOGGED = sys.argv[3] == "logged"
+IDS = itertools.count()
 
 
 class Trivial(pbg.ExternalProcessorServicer):
@@ -60,6 +62,10 @@ class Trivial(pbg.ExternalProcessorServicer):
             elif kind == "request_body":
                 r = pb.ProcessingResponse(request_body=pb.BodyResponse())
                 r.request_body.response.header_mutation.set_headers.append(DEST)
+                if LOGGED:  # as Bouncer's picker: the request id its access log entry is filtered on
+                    r.request_body.response.header_mutation.set_headers.append(base_pb2.HeaderValueOption(
+                        header=base_pb2.HeaderValue(key="x-bouncer-request-id", raw_value=b"bq-%d" % next(IDS)),
+                        append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD))
                 r.request_body.response.clear_route_cache = True
                 await context.write(r)
             elif kind == "response_body":  # the first chunk, then done
@@ -133,7 +139,7 @@ def main() -> None:
                         hcm["access_log"] = []
                     (work / "trivial.py").write_text(TRIVIAL)
                     cmd = [sys.executable, str(work / "trivial.py"), str(cfg["picker"]["port"]),
-                           f"127.0.0.1:{up_port}"]
+                           f"127.0.0.1:{up_port}", "plain" if name == CASES[0] else "logged"]
                 else:
                     cmd = [sys.executable, "-m", "bouncer", "serve", "--mode", "epp", "--config",
                            str(work / "bouncer.json"), "--log-level", "warning"]
