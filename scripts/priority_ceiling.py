@@ -42,6 +42,8 @@ from bouncer.bench.goodput import DEFAULT_PROFILE, engine_profile, fleet_capacit
 from bouncer.sim.scenarios import TRACES, get_scenario
 from bouncer.sim.workloads import make_requests
 
+ORDERS = ("mean_order", "cheapest_first", "shortest_prompt", "most_output")
+
 
 def request_cost(profile, prompt: int, output: int) -> float:
     """Engine seconds a request takes beyond the steps' fixed cost: its prompt's tokens and
@@ -53,27 +55,43 @@ def request_cost(profile, prompt: int, output: int) -> float:
             + profile.c * decode_steps * (prompt + output / 2))
 
 
-def ceiling(costs_by_band: dict[int, list[float]], engine_s: float) -> dict:
-    """Requests served when the bands take engine time from the top down."""
+def ceiling(costs_by_band: dict[int, list[tuple[float, int, int]]], engine_s: float) -> dict:
+    """Requests served, and their output tokens, when the bands take engine time from the top
+    down; each request is (its cost, its output tokens, its prompt tokens). The band that does
+    not fit whole gets the time left: at its mean cost (`mean_order`: any order blind to
+    length), cheapest first (`cheapest_first`: the most requests, an oracle), shortest prompt
+    first (`shortest_prompt`: the one length a gateway knows before the answer), or most output
+    tokens per engine second first (`most_output`: an oracle that knows every answer's length,
+    the most output tokens any order fits, to a request)."""
     left = engine_s
     out: dict = {"bands": {}}
     for band in sorted(costs_by_band, reverse=True):
-        costs = costs_by_band[band]
-        whole = sum(costs)
+        reqs = costs_by_band[band]
+        whole = sum(r[0] for r in reqs)
+        tokens = sum(r[1] for r in reqs)
         if whole <= left:
-            served = {"mean_order": len(costs), "cheapest_first": len(costs)}
+            served = {k: len(reqs) for k in ORDERS}
+            served_tokens = {k: tokens for k in ORDERS}
             left -= whole
         else:
-            fit, spent = 0, 0.0
-            for c in sorted(costs):
-                if spent + c > left:
-                    break
-                spent, fit = spent + c, fit + 1
-            served = {"mean_order": int(left / (whole / len(costs))), "cheapest_first": fit}
+            share = left / whole
+            served = {"mean_order": int(share * len(reqs))}
+            served_tokens = {"mean_order": int(share * tokens)}
+            for order, key in (("cheapest_first", lambda r: r[0]), ("shortest_prompt", lambda r: r[2]),
+                               ("most_output", lambda r: -r[1] / r[0])):
+                fit = fit_tokens = 0
+                spent = 0.0
+                for c, o, _ in sorted(reqs, key=key):
+                    if spent + c > left:
+                        break
+                    spent, fit, fit_tokens = spent + c, fit + 1, fit_tokens + o
+                served[order], served_tokens[order] = fit, fit_tokens
             left = 0.0
-        out["bands"][band] = {"offered": len(costs), **served}
-    for key in ("mean_order", "cheapest_first"):
+        out["bands"][band] = {"offered": len(reqs), **served,
+                              "output_tokens": {"offered": tokens, **served_tokens}}
+    for key in ORDERS:
         out[key] = sum(b[key] for b in out["bands"].values())
+        out.setdefault("output_tokens", {})[key] = sum(b["output_tokens"][key] for b in out["bands"].values())
     return out
 
 
@@ -105,19 +123,24 @@ def main() -> None:
     rows = []
     for load in (float(x) for x in args.loads.split(",")):
         requests = make_requests(scenario.tenants, traces, load * capacity, args.duration, args.seed)
-        costs: dict[int, list[float]] = {}
+        costs: dict[int, list[tuple[float, int, int]]] = {}
         for r in requests:
             if t0 <= r.arrival < t1:
-                costs.setdefault(r.priority, []).append(request_cost(profile, r.prompt_len, r.output_len))
-        row = {"load": load, "offered_rps": sum(map(len, costs.values())) / span, "ceiling_rps": {}, "measured_rps": {}}
+                costs.setdefault(r.priority, []).append((request_cost(profile, r.prompt_len, r.output_len),
+                                                         r.output_len, r.prompt_len))
+        row = {"load": load, "offered_rps": sum(map(len, costs.values())) / span, "ceiling_rps": {}, "measured_rps": {},
+               "ceiling_output_tokens_per_s": {}, "measured_output_tokens_per_s": {}}
         for steps, share in usable.items():
             c = ceiling(costs, args.replicas * span * share)
             row["ceiling_rps"][steps] = {"mean_order": c["mean_order"] / span,
                                          "cheapest_first": c["cheapest_first"] / span, "bands": c["bands"]}
+            row["ceiling_output_tokens_per_s"][steps] = {k: v / span for k, v in c["output_tokens"].items()}
         for policy in args.policies.split(","):
             _, _, done, _ = simulate(args.scenario, policy, load, args.seed, args.replicas, args.duration, args.trace,
                                      profile)
-            row["measured_rps"][policy] = sum(t0 <= r.arrival < t1 and within_slo(r) for r in done) / span
+            good = [r for r in done if t0 <= r.arrival < t1 and within_slo(r)]
+            row["measured_rps"][policy] = len(good) / span
+            row["measured_output_tokens_per_s"][policy] = sum(r.output_len for r in good) / span
         rows.append(row)
     trace = os.path.relpath(args.trace)
     print(f"{args.scenario} on {trace}, {args.replicas} replicas, arrivals {t0:g}-{t1:g} s of {args.duration:g}, "
@@ -132,6 +155,16 @@ def main() -> None:
               f"{tpot['mean_order']:.1f} / {tpot['cheapest_first']:.1f} | "
               f"{budget['mean_order']:.1f} / {budget['cheapest_first']:.1f} | "
               + " | ".join(f"{g:.1f}" for g in row["measured_rps"].values()) + " |")
+    print("\nThe same in output tokens/s within SLO; the ceilings: mean order / cheapest first / shortest prompt first "
+          "/ most output tokens first (an oracle that knows each answer's length), steps within the TPOT SLO:")
+    print("| load | offered | ceiling | " + " | ".join(args.policies.split(",")) + " |")
+    print("|---|---|---|" + "---|" * len(args.policies.split(",")))
+    for row in rows:
+        c = row["ceiling_output_tokens_per_s"]["tpot"]
+        offered = sum(b["output_tokens"]["offered"] for b in row["ceiling_rps"]["tpot"]["bands"].values()) / span
+        print(f"| {row['load']:g} | {offered:,.0f} | {c['mean_order']:,.0f} / {c['cheapest_first']:,.0f} / "
+              f"{c['shortest_prompt']:,.0f} / {c['most_output']:,.0f} | "
+              + " | ".join(f"{g:,.0f}" for g in row["measured_output_tokens_per_s"].values()) + " |")
     if args.out:
         pathlib.Path(args.out).write_text(json.dumps(
             {"scenario": args.scenario, "trace": trace, "replicas": args.replicas, "duration_s": args.duration,
