@@ -148,6 +148,49 @@ def test_a_top_band_kv_threshold_at_the_busy_mark_holds_the_top_band_there_too()
     assert len(dispatched(core.offer(info("top"), 0.0))) == 1  # 0.85 + 0.013, under 0.9
 
 
+def _rising(core, until: float, start: float = 0.2, per_s: float = 0.05) -> float:
+    """The replica's KV scraped every half second, rising `per_s` a second: the usage at `until`."""
+    t = 0.0
+    while t <= until:
+        core.observe("m/0", Telemetry(at=t, kv_usage=start + per_s * t, running=10, waiting=0), t)
+        t += 0.5
+    return start + per_s * until
+
+
+def test_a_lower_band_leaves_the_top_band_the_kv_that_what_runs_there_is_growing_into():
+    """While the top band sends, a lower band's request waits where the KV, rising as it has
+    lately, would pass the top band's limit before its own answer is done; it goes once the
+    KV holds still. The top band is not held so, nor a band with none above it sending."""
+    slow = {"step_time": {"a": 0.1, "b": 0.0, "c": 0.0, "max_batched_tokens": 8192}}  # 0.1 s a token
+
+    def banded():
+        core = make_core(replicas=1, kv_blocks=1000, model=slow, fresh=False,
+                         tenants=[tenant("top", priority=10, slo={"ttft_s": 5.0}), tenant("low")],
+                         policy={"kv_busy_threshold": 0.9, "kv_resume_threshold": 0.5,
+                                 "saturation": {"kv_threshold": 1.0}, "default_ttl_s": 60})
+        core.observe("m/0", Telemetry(at=0.0, kv_usage=0.2, running=10, waiting=0), 0.0)
+        assert dispatched(core.offer(info("low", max_tokens=2000), 0.0))  # something of ours runs there
+        return core
+
+    core = banded()
+    usage = _rising(core, 8.0)  # 0.6, rising 0.05 a second
+    assert [d.tenant for d in dispatched(core.offer(info("top", max_tokens=2000), 8.0))] == ["top"]
+    # its answer: 256 tokens expected (the default) at 0.1 s each, 25.6 s; at the KV's recent
+    # rise (0.043 a second, smoothed) it would pass the top band's 0.97 well before that
+    assert core.offer(info("low", max_tokens=2000), 8.0) == []
+    assert usage < 0.9 and core.view.queued == 1
+    # the KV holds still: its trend fades, and the request goes
+    sent = []
+    for t in range(9, 31):
+        sent += dispatched(core.observe("m/0", Telemetry(at=t, kv_usage=usage, running=10, waiting=0), t))
+    assert [d.tenant for d in sent] == ["low"]
+
+    # with no band above it sending, the same rise holds nothing back
+    alone = banded()
+    _rising(alone, 8.0)
+    assert [d.tenant for d in dispatched(alone.offer(info("low", max_tokens=2000), 8.0))] == ["low"]
+
+
 def test_scraped_usage_counts_even_when_own_accounting_is_low():
     core = make_core(replicas=1, kv_blocks=1000)
     core.observe("m/0", Telemetry(at=0.0, kv_usage=0.95, running=10, waiting=0), 0.0)

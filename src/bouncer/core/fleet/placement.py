@@ -136,13 +136,14 @@ def room(r: ReplicaState, adm: Admission, cached: int, usage: float, protected: 
         return Room.NO
     if inflight >= r.concurrency_limit and not warm:
         return Room.NO
+    tpot = None  # the TPOT of the batch it would join, where something asks for it
     if p.tpot_hold and inflight and lat is not None and r.role != "prefill":
         # the batch it would join must stay within the strictest TPOT promised there, and
         # while a higher band sends, leave room in it for that band's next requests
         limit = min(min(r.tpot_slos, default=INF), adm.tpot_slo or INF) * p.tpot_guard_margin
         if protected_tpot < INF:
             limit = min(limit, protected_tpot * p.tpot_guard_margin * (1 - p.tpot_reserve_fraction))
-        if limit < INF and r.predict_tpot(adm, now) > limit:  # type: ignore[operator]
+        if limit < INF and (tpot := r.predict_tpot(adm, now)) > limit:  # type: ignore[operator]
             return Room.SMALLER
     uncached = adm.info.prompt_tokens - cached
     if lat is not None and p.ttft_reserve_fraction > 0 and protected_ttft < INF:
@@ -160,6 +161,19 @@ def room(r: ReplicaState, adm: Admission, cached: int, usage: float, protected: 
     need = num_blocks(adm.info.prompt_tokens - cached + output, r.block_size) / cap if cap else 0.0
     if (inflight or past_mark) and usage + need > kv:
         return Room.LATER
+    # While a higher band sends, a lower band also leaves it the KV that what runs here is still
+    # growing into: the usage, rising as it has lately (`kv_growth`), must not pass the top
+    # band's limit (the headroom past the busy mark is the top band's, `kv_limit`) before this
+    # request's own answer is done. Answers grow their KV a token a step and nothing is
+    # preempted, so a replica filled from cold with long answers passes its busy mark only after
+    # they were let in: on DeepSeek-R1 at load 3 its KV reached 1.0, the engine queued the top
+    # band's requests, and the top band had 85.7% within SLO against 95.7% alone. In a steady
+    # state the usage holds still (answers end as fast as new ones grow) and this holds nothing.
+    if inflight and r.kv_growth > 0 and lat is not None and (protected_ttft < INF or protected_tpot < INF):
+        if tpot is None:
+            tpot = r.predict_tpot(adm, now)
+        if usage + need + r.kv_growth * output * tpot > max(kv, p.top_band_kv_threshold):  # type: ignore[operator]
+            return Room.LATER
     # its prefill queue is full (what it holds cached adds no prefill work there): about one
     # engine step, or less where the TPOT guard found steps too long for short answers
     # (`feedback.adapt_limits`). Sheddable work queued there does not make others wait: it was

@@ -7,6 +7,7 @@ keeps both, and every load figure the policies read takes the worse of the two.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass
 
@@ -17,6 +18,10 @@ from bouncer.core.sharing.peers import NO_LOAD, ReplicaLoad
 
 DEFAULT_INDEX_BLOCKS = 100_000  # prefix-index bound while a replica's KV size is not known yet
 IN_TRANSIT_S = 1.0  # a request sent this shortly before a scrape may not have reached the engine yet
+# `kv_growth` follows the scraped KV usage's rate of change smoothed over about this long: a few
+# seconds, so that one long prompt let in (a step up, once) or one scrape's noise is not a trend,
+# while a replica filling from cold with long answers (tens of seconds) is
+KV_TREND_S = 4.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +64,7 @@ class ReplicaState:
         self.streamed_at: float | None = None  # last first token or completed answer from it: it was serving
         self.removed = False  # dropped by a config reload: finishes in-flight work, gets no new
         self.busy = False  # hysteresis state
+        self.kv_growth = 0.0  # its KV usage's recent rate of change, per second (`observe`)
         self.cooldown_until: float | None = None  # rested after refusing a request
         self.idle_refusals = 0  # refusals in a row (none started here since) while it ran nothing of ours
         self.refusals_cut_limit = False  # concurrency_limit was cut by a refusal: completions grow it back
@@ -175,6 +181,9 @@ class ReplicaState:
         previous = self.telemetry
         self.telemetry = telemetry
         self.sync_capacity()
+        if previous is not None and telemetry.at > previous.at:
+            rate = (telemetry.kv_usage - previous.kv_usage) / (telemetry.at - previous.at)
+            self.kv_growth += (1.0 - math.exp((previous.at - telemetry.at) / KV_TREND_S)) * (rate - self.kv_growth)
         # what we sent after this sample was taken is not in its figures yet
         since = self._since_sample
         if previous is not None and telemetry.at < previous.at:  # an older sample, late: count afresh
