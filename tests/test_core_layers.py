@@ -163,11 +163,11 @@ def test_a_lower_band_leaves_the_top_band_the_kv_that_what_runs_there_is_growing
     KV holds still. The top band is not held so, nor a band with none above it sending."""
     slow = {"step_time": {"a": 0.1, "b": 0.0, "c": 0.0, "max_batched_tokens": 8192}}  # 0.1 s a token
 
-    def banded():
+    def banded(**policy):
         core = make_core(replicas=1, kv_blocks=1000, model=slow, fresh=False,
                          tenants=[tenant("top", priority=10, slo={"ttft_s": 5.0}), tenant("low")],
                          policy={"kv_busy_threshold": 0.9, "kv_resume_threshold": 0.5,
-                                 "saturation": {"kv_threshold": 1.0}, "default_ttl_s": 60})
+                                 "saturation": {"kv_threshold": 1.0}, "default_ttl_s": 60, **policy})
         core.observe("m/0", Telemetry(at=0.0, kv_usage=0.2, running=10, waiting=0), 0.0)
         assert dispatched(core.offer(info("low", max_tokens=2000), 0.0))  # something of ours runs there
         return core
@@ -189,6 +189,13 @@ def test_a_lower_band_leaves_the_top_band_the_kv_that_what_runs_there_is_growing
     alone = banded()
     _rising(alone, 8.0)
     assert [d.tenant for d in dispatched(alone.offer(info("low", max_tokens=2000), 8.0))] == ["low"]
+
+    # nor a trend read from scrapes that stopped coming (where a stale replica is still used)
+    stale = banded(telemetry={"on_stale": "fail-open"})
+    _rising(stale, 8.0)
+    later = 8.0 + stale.config.policy.telemetry.staleness_s + 0.1
+    assert dispatched(stale.offer(info("top", max_tokens=2000), later))
+    assert [d.tenant for d in dispatched(stale.offer(info("low", max_tokens=2000), later))] == ["low"]
 
 
 def test_scraped_usage_counts_even_when_own_accounting_is_low():

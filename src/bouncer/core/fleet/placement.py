@@ -169,7 +169,9 @@ def room(r: ReplicaState, adm: Admission, cached: int, usage: float, protected: 
     # they were let in: on DeepSeek-R1 at load 3 its KV reached 1.0, the engine queued the top
     # band's requests, and the top band had 85.7% within SLO against 95.7% alone. In a steady
     # state the usage holds still (answers end as fast as new ones grow) and this holds nothing.
-    if inflight and r.kv_growth > 0 and lat is not None and (protected_ttft < INF or protected_tpot < INF):
+    # A trend read from scrapes that stopped coming says nothing of now.
+    if inflight and r.kv_growth > 0 and lat is not None and (protected_ttft < INF or protected_tpot < INF) \
+            and now - r.telemetry.heard_at <= p.telemetry.staleness_s:  # type: ignore[union-attr]
         if tpot is None:
             tpot = r.predict_tpot(adm, now)
         if usage + need + r.kv_growth * output * tpot > max(kv, p.top_band_kv_threshold):  # type: ignore[operator]
