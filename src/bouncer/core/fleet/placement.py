@@ -161,21 +161,10 @@ def room(r: ReplicaState, adm: Admission, cached: int, usage: float, protected: 
     need = num_blocks(adm.info.prompt_tokens - cached + output, r.block_size) / cap if cap else 0.0
     if (inflight or past_mark) and usage + need > kv:
         return Room.LATER
-    # While a higher band sends, a lower band also leaves it the KV that what runs here is still
-    # growing into: the usage, rising as it has lately (`kv_growth`), must not pass the top
-    # band's limit (the headroom past the busy mark is the top band's, `kv_limit`) before this
-    # request's own answer is done. Answers grow their KV a token a step and nothing is
-    # preempted, so a replica filled from cold with long answers passes its busy mark only after
-    # they were let in: on DeepSeek-R1 at load 3 its KV reached 1.0, the engine queued the top
-    # band's requests, and the top band had 85.7% within SLO against 95.7% alone. In a steady
-    # state the usage holds still (answers end as fast as new ones grow) and this holds nothing.
-    # A trend read from scrapes that stopped coming says nothing of now.
-    if inflight and r.kv_growth > 0 and lat is not None and (protected_ttft < INF or protected_tpot < INF) \
-            and now - r.telemetry.heard_at <= p.telemetry.staleness_s:  # type: ignore[union-attr]
-        if tpot is None:
-            tpot = r.predict_tpot(adm, now)
-        if usage + need + r.kv_growth * output * tpot > max(kv, p.top_band_kv_threshold):  # type: ignore[operator]
-            return Room.LATER
+    # while a higher band sends, leave it the KV that what runs here is still growing into
+    if inflight and lat is not None and (protected_ttft < INF or protected_tpot < INF) \
+            and outgrows(r, adm, usage + need, output, kv, tpot, p, now):
+        return Room.LATER
     # its prefill queue is full (what it holds cached adds no prefill work there): about one
     # engine step, or less where the TPOT guard found steps too long for short answers
     # (`feedback.adapt_limits`). Sheddable work queued there does not make others wait: it was
@@ -186,6 +175,24 @@ def room(r: ReplicaState, adm: Admission, cached: int, usage: float, protected: 
             and (adm.priority < 0 or r.unstarted_at_or_above(0)):
         return Room.LATER
     return Room.YES
+
+
+def outgrows(r: ReplicaState, adm: Admission, usage: float, output: int, kv: float, tpot: float | None,
+             policy: Policy, now: float) -> bool:
+    """Whether `r`'s KV usage, `usage` with `adm` in, rising as it has lately (`kv_growth`) would
+    pass the top band's limit (the headroom past the busy mark is the top band's, `kv_limit`)
+    before `adm`'s answer, `output` tokens at the batch's TPOT (`tpot`, predicted here if not
+    given), is done. Answers grow their KV a token a step and nothing is preempted, so a replica
+    that lower bands filled from cold with long answers passes its busy mark only after they
+    were let in: on DeepSeek-R1 at load 3 its KV reached 1.0, the engine queued the top band's
+    requests, and the top band had 85.7% within SLO against 95.7% alone. In a steady state the
+    usage holds still (answers end as fast as new ones grow) and this holds nothing back; nor
+    does a trend read from scrapes that stopped coming."""
+    if r.kv_growth <= 0 or now - r.telemetry.heard_at > policy.telemetry.staleness_s:  # type: ignore[union-attr]
+        return False
+    if tpot is None:
+        tpot = r.predict_tpot(adm, now)
+    return usage + r.kv_growth * output * tpot > max(kv, policy.top_band_kv_threshold)  # type: ignore[operator]
 
 
 def rest(r: ReplicaState, policy: Policy, now: float, retry_after: float | None) -> None:
