@@ -1,7 +1,8 @@
-"""The most requests a policy that serves higher bands first can complete within SLO, on a
-benchmark's own arrivals: an upper bound from the engine model, to set against the goodput the
-policies measured (issue #18: on ServeGen's m-mid pool, does any policy that keeps the light
-band's priority beat the queue cap counted in requests?).
+"""The most requests, and output tokens, a policy that serves higher bands first can complete
+within SLO, on a benchmark's own arrivals: an upper bound from the engine model, to set against
+the goodput the policies measured (issue #18: on ServeGen's m-mid pool, does any policy that
+keeps the light band's priority beat the queue cap counted in requests? Issue 51: in output
+tokens?).
 
 Each request costs its replica engine time whatever the schedule (`bouncer.sim.profiles`):
 `b` per prompt token and per decode step, `d` per attention pair of its prompt, and `c` per
@@ -20,10 +21,12 @@ was admitted before it, which a bound on arrivals cannot hold.) The policies are
 same arrivals, and their goodput is counted over the same window.
 
 The bands are filled from the top: each band whole if the engine time left allows, else as many of
-its requests as fit, either at the band's mean cost (an order blind to length, as arrival order
-and earliest deadline are; one that refuses long prompts as late more often than short ones serves
-a slightly cheaper mix) or cheapest first (an oracle's shortest-job-first, the most any
-order can fit). Timing within the window is ignored (every request is assumed to fit around the
+its requests as fit, at the band's mean cost (an order blind to length, as arrival order and
+earliest deadline are; one that refuses long prompts as late more often than short ones serves a
+slightly cheaper mix), cheapest first (an oracle's shortest-job-first, the most requests any
+order can fit), shortest prompt first (the one length a gateway knows before the answer), or
+most output tokens per engine second first (an oracle that knows each answer's length, the most
+output tokens any order can fit). Timing within the window is ignored (every request is assumed to fit around the
 others), which can only raise the bound, and prefix caching is not counted, so it is a bound only
 for traces without reuse (m-mid has none: prefix hit rate 0.0 in every saved run).
 
