@@ -35,7 +35,7 @@ def cheap_refusal(ms: ModelState, tenant: Tenant, info: RequestInfo, gate: Tenan
     to miss their deadline are refused (not only flagged); `view`: `ms`'s pool at `now`;
     `first_at`: when its first attempt came, for a retry whose first attempt is remembered."""
     # (an agent's step may displace a new agent's request from its tenant's full queue: `offer` judges it)
-    agent = ms.agents.enabled and (info.session_id or info.parent_session_id or info.user) is not None
+    agent = ms.agents.names_a_session(info)
     shut = gate.closed(tenant, breaker, now) or door_shut(ms, tenant.name, tenant.priority, view, saturation,
                                                           policy, now, info.min_prompt_tokens, own_queue=not agent)
     if shut is not None:

@@ -18,7 +18,7 @@ from bouncer.core.agents.window import AgentWindow
 from bouncer.core.fleet.blocks import num_blocks
 from bouncer.core.fleet.pool import PoolView
 from bouncer.core.fleet.replica import ReplicaState
-from bouncer.core.requests import STEP_ACTIVE, STEP_OTHER, STEP_RETURNING, Admission
+from bouncer.core.requests import STEP_ACTIVE, STEP_OTHER, STEP_RETURNING, Admission, RequestInfo
 
 
 class Where(NamedTuple):
@@ -35,6 +35,9 @@ class NoAgents:
 
     def classify(self, adm: Admission) -> None:
         pass
+
+    def names_a_session(self, info: RequestInfo) -> bool:
+        return False
 
     def expire(self, now: float, waiting: Container[str]) -> None:
         pass
@@ -66,7 +69,7 @@ class WindowGate:
         tenant's queue: an active agent's step first (a subagent's whose parent is active too),
         then a returning agent's, then the rest."""
         info = adm.info
-        adm.session = info.session_id or (info.user if self.session_from_user else None)
+        adm.session = self._own_session(info)
         parent = info.parent_session_id
         if parent is None and adm.session is not None and self.subagent_separator is not None:
             root, sep, _ = adm.session.partition(self.subagent_separator)
@@ -80,6 +83,14 @@ class WindowGate:
             w, family = self.window, adm.parent_session or adm.session
             adm.queue_rank = (STEP_ACTIVE if w.is_active(family) else
                               STEP_RETURNING if w.is_returning(family) else STEP_OTHER)
+
+    def names_a_session(self, info: RequestInfo) -> bool:
+        """Whether `classify` would give a request with these headers a session: an agent's
+        step (its own session, or its parent's)."""
+        return self._own_session(info) is not None or info.parent_session_id is not None
+
+    def _own_session(self, info: RequestInfo) -> str | None:
+        return info.session_id or (info.user if self.session_from_user else None)
 
     def is_newcomer(self, adm: Admission) -> bool:
         """Its step would take a slot: its agent (its parent, for a subagent's) holds none."""
