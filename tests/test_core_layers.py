@@ -198,6 +198,30 @@ def test_a_lower_band_leaves_the_top_band_the_kv_that_what_runs_there_is_growing
     assert [d.tenant for d in dispatched(stale.offer(info("low", max_tokens=2000), later))] == ["low"]
 
 
+def test_the_top_band_is_squeezed_for_context_from_its_own_kv_limit():
+    """Long requests wait while the pool is under pressure (`context_pressure_start`); the band
+    let past the busy mark counts its pressure from as far under its own limit, so a long prompt
+    of the top band goes into a pool at 0.88 where one of a lower band waits."""
+    core = make_core(replicas=1, kv_blocks=10000, fresh=False,
+                     tenants=[tenant("top", priority=10, slo={"ttft_s": 5.0}), tenant("low")],
+                     policy={"kv_busy_threshold": 0.92, "top_band_kv_threshold": 0.97, "kv_reservation": "reserve",
+                             "saturation": {"kv_threshold": 1.0}, "default_ttl_s": 600})
+    core.observe("m/0", Telemetry(at=0.0, kv_usage=0.0, running=0, waiting=0), 0.0)
+
+    def sent(events):  # dispatched, and decoding at once (no prefill left queued)
+        out = dispatched(events)
+        for d in out:
+            core.started(d.request_id, 0.0)
+        return out
+
+    filler = [d for _ in range(88) for d in sent(core.offer(info("low", prompt=1500, max_tokens=100), 0.0))]
+    assert len(filler) == 88 and core.replicas["m/0"].inflight_blocks == 8800  # 0.88 of the pool
+    # 5,000 + 1,024 tokens: at 0.88 the squeeze from 0.8 leaves 5,734 of 8,192 (held); from
+    # 0.85 (0.8 plus the top band's 0.05 past the busy mark), 7,270
+    assert [d.tenant for d in sent(core.offer(info("top", prompt=5000, max_tokens=1024), 0.0))] == ["top"]
+    assert sent(core.offer(info("low", prompt=5000, max_tokens=1024), 0.0)) == []
+
+
 def test_scraped_usage_counts_even_when_own_accounting_is_low():
     core = make_core(replicas=1, kv_blocks=1000)
     core.observe("m/0", Telemetry(at=0.0, kv_usage=0.95, running=10, waiting=0), 0.0)

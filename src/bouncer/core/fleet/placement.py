@@ -246,16 +246,17 @@ class Placement:
         return min(ttfts) if ttfts else None
 
     def place(self, model: ModelConfig, replicas: dict[str, ReplicaState], adm: Admission, view: PoolView,
-              protected: tuple[float, float], agents: AgentGate, acts_on_late: bool,
+              protected: tuple[float, float], kv: float, agents: AgentGate, acts_on_late: bool,
               held_for_room: HeldForRoom | None = None) -> tuple[ReplicaState, dict[str, int]] | Late | Held:
         """A replica for `adm` (with the prompt tokens each replica holds), Late when none would
         start it in time (waiting would not help: the deadline nears as fast as the work ahead
         drains), or Held: hold it, and why. In time: its predicted TTFT there, with what is queued there,
         is within its deadline. (Not times its band's margin, `bouncer.core.learning.ttft_margin`: that
         refused requests with a fair chance, costing up to 10% of goodput in the simulator.)
+        `kv`: what its band may fill a replica to (`kv_limit`, the same for the whole band).
         `held_for_room`: the cold requests of its band this dispatch run held (read and added to)."""
         now = view.now
-        if not self._pool_admits(model, replicas, adm, view):
+        if not self._pool_admits(model, replicas, adm, view, kv):
             return Held.RULE
         subset = adm.info.replicas
         cached = {r.name: cached_tokens(r, adm, now) for r in replicas.values()}
@@ -268,7 +269,6 @@ class Placement:
         backlogged: list[ReplicaState] = []
         sized = False  # some replica lacks room for its size only (`Held.ROOM`)
         policy = self.policy
-        kv = kv_limit(policy, adm.priority, protected)
         for r in replicas.values():
             if not view.usable(r) or r.role == "decode":
                 continue
@@ -336,11 +336,16 @@ class Placement:
                              prefill.block_size, view.now + ttft, self.policy.kv_busy_threshold, view.now)
 
     def _pool_admits(self, model: ModelConfig, replicas: dict[str, ReplicaState], adm: Admission,
-                     view: PoolView) -> bool:
-        """The checks that look at the whole pool: context squeeze under pressure, KV shares."""
+                     view: PoolView, kv: float) -> bool:
+        """The checks that look at the whole pool: context squeeze under pressure, KV shares.
+        `kv`: what its band may fill a replica to (`kv_limit`). A band let past the busy mark
+        is squeezed as the others are below theirs: its pressure counts from as far under its
+        own limit. (Counted from the busy mark, the top band's long prompts on DeepSeek-R1
+        waited in a pool at 0.83 with room to 0.97, until their TTL was spent: all 22 of its
+        misses at load 2 not made alone.)"""
         p = self.policy
         total = adm.info.prompt_tokens + adm.max_tokens
-        pressure = view.pool_usage()
+        pressure = view.pool_usage() - max(0.0, kv - p.kv_busy_threshold)
         if pressure > p.context_pressure_start:
             t = self.tenants[adm.tenant]
             cap = t.context_cap or model.max_model_len

@@ -93,13 +93,13 @@ class Dispatcher:
                 if agent_step:
                     # the head is an agent's step: if the window or its replica holds it, another
                     # agent's may go (agents of one tenant do not wait behind each other)
-                    step = self.next_agent_step(ms, q, agents, view, protected)
+                    step = self.next_agent_step(ms, q, agents, view, protected, kv)
                     if step is None:
                         skip.add(q.tenant)
                         continue
                     adm, placed = step
                 else:
-                    placed = self.placement.place(ms.cfg, ms.replicas, adm, view, protected, agents,
+                    placed = self.placement.place(ms.cfg, ms.replicas, adm, view, protected, kv, agents,
                                                   self.acts_on_late(adm), held_for_room)
                 if isinstance(placed, Late):
                     events.extend(self.on_late(adm, now, placed.by_s))
@@ -128,7 +128,7 @@ class Dispatcher:
         return now - adm.room_wait_since < self.placement.policy.fair_hold_s
 
     def next_agent_step(self, ms: ModelState, q: TenantQueue, agents: WindowGate, view: PoolView,
-                        protected: tuple[float, float]) -> tuple[Admission, Placed] | None:
+                        protected: tuple[float, float], kv: float) -> tuple[Admission, Placed] | None:
         """The first of the tenant's next requests that may go, and where. An active agent's step
         is passed over while the window pauses it, its fan-out is at the cap, or its replica is
         full. Agents waiting for a slot (returning, then new) take one in their order: passing
@@ -143,7 +143,7 @@ class Dispatcher:
             if newcomer and in_line:
                 continue
             if adm.session is None or agents.may_dispatch(adm, view.now, waiting):
-                placed = self.placement.place(ms.cfg, ms.replicas, adm, view, protected, agents,
+                placed = self.placement.place(ms.cfg, ms.replicas, adm, view, protected, kv, agents,
                                               self.acts_on_late(adm))
                 if not isinstance(placed, Held):
                     return adm, placed
