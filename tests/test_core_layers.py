@@ -199,9 +199,10 @@ def test_a_lower_band_leaves_the_top_band_the_kv_that_what_runs_there_is_growing
 
 
 def test_the_top_band_is_squeezed_for_context_from_its_own_kv_limit():
-    """Long requests wait while the pool is under pressure (`context_pressure_start`); the band
-    let past the busy mark counts its pressure from as far under its own limit, so a long prompt
-    of the top band goes into a pool at 0.88 where one of a lower band waits."""
+    """Long requests wait while the pool is under pressure (`context_pressure_start`); under the
+    busy mark, the band let past it counts its pressure from as far under its own limit, so a
+    long prompt of the top band goes into a pool at 0.88 where one of a lower band waits. Past
+    the mark (its own headroom), it is squeezed as every band is."""
     core = make_core(replicas=1, kv_blocks=10000, fresh=False,
                      tenants=[tenant("top", priority=10, slo={"ttft_s": 5.0}), tenant("low")],
                      policy={"kv_busy_threshold": 0.92, "top_band_kv_threshold": 0.97, "kv_reservation": "reserve",
@@ -220,6 +221,12 @@ def test_the_top_band_is_squeezed_for_context_from_its_own_kv_limit():
     # 0.85 (0.8 plus the top band's 0.05 past the busy mark), 7,270
     assert [d.tenant for d in sent(core.offer(info("top", prompt=5000, max_tokens=1024), 0.0))] == ["top"]
     assert sent(core.offer(info("low", prompt=5000, max_tokens=1024), 0.0)) == []
+    # a short request of the top band takes the pool past the busy mark, to 0.93
+    assert sent(core.offer(info("top", prompt=1868, max_tokens=100), 0.0))
+    assert core.replicas["m/0"].inflight_blocks == 9300
+    # 4,000 + 1,000 tokens (it would fit under 0.97): at 0.93 the squeeze leaves 4,198 (counted
+    # from 0.88, 5,734)
+    assert sent(core.offer(info("top", prompt=4000, max_tokens=1000), 0.0)) == []
 
 
 def test_scraped_usage_counts_even_when_own_accounting_is_low():
