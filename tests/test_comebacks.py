@@ -17,16 +17,29 @@ def test_no_estimate_until_enough_of_its_refusals_were_answered():
     assert c.refused("a", 3.0) is None and c.refused("a", 3.1) is None  # one answered: too few
 
 
-def test_retry_after_is_the_mean_lag_of_its_refusals_answered_lately():
+def test_retry_after_is_the_median_lag_of_its_refusals_answered_lately():
     c = Comebacks()
     for t in (0.0, 1.0, 2.0):
         c.refused("a", t)
     c.dispatched("a", sent_at=1.5, now=4.0)  # answers the refusals at 0 and 1: lags 4 and 3
     c.dispatched("a", sent_at=1.9, now=4.5)  # sent before the refusal at 2: answers nothing
     c.dispatched("a", sent_at=2.5, now=5.0)  # answers the one at 2: lag 3
-    assert c.refused("a", 5.0) == pytest.approx((4 + 3 + 3) / 3)
+    assert c.refused("a", 5.0) == pytest.approx(3)  # of 4, 3, 3
     # another tenant's refusals are its own
     assert c.refused("b", 5.0) is None
+
+
+def test_one_long_wait_does_not_set_what_the_others_are_told():
+    """A busy tenant's refusals are mostly answered by its next admission soon after; one that
+    waited through a long stretch without any would put the mean at 2.7 s where most came back
+    within 0.3 s."""
+    c = Comebacks()
+    c.refused("a", 0.0)
+    c.dispatched("a", sent_at=0.1, now=10.0)  # lag 10
+    for t in (10.0, 10.5, 11.0):
+        c.refused("a", t)
+        c.dispatched("a", sent_at=t + 0.1, now=t + 0.2 + (t - 10.0) / 10)  # lags 0.2, 0.25, 0.3
+    assert c.refused("a", 12.0) == pytest.approx((0.25 + 0.3) / 2)  # of 0.2, 0.25, 0.3, 10
 
 
 def test_answers_older_than_the_window_no_longer_count():
@@ -38,15 +51,16 @@ def test_answers_older_than_the_window_no_longer_count():
     assert c.refused("a", 1.0 + WINDOW_S + 0.01) is None
 
 
-def test_refusals_not_answered_yet_count_at_how_long_they_have_waited():
+def test_refusals_not_answered_yet_count_at_twice_how_long_they_have_waited():
     c = Comebacks()
     for t in (0.0, 1.0):
         c.refused("a", t)
     assert c.refused("a", 2.0) is None  # two followed: too few
-    # none answered: a starved tenant is told how long its refusals have waited so far
-    assert c.refused("a", 25.0) == pytest.approx((25 + 24 + 23) / 3)
+    # none answered: a starved tenant is told as long again as its refusals have waited so far
+    assert c.refused("a", 25.0) == pytest.approx(2 * 24)  # waited 25, 24 and 23
     c.dispatched("a", sent_at=2.5, now=26.0)  # answers the first three (lags 26, 25, 24)
-    assert c.refused("a", 27.0) == pytest.approx((26 + 25 + 24 + 2) / 4)  # and the one at 25 waits
+    # and the one at 25 has waited 2: expected to wait 4
+    assert c.refused("a", 27.0) == pytest.approx((24 + 25) / 2)
 
 
 def test_a_tenant_never_refused_is_not_followed():
@@ -61,7 +75,8 @@ def test_refusals_followed_are_bounded_the_oldest_kept():
         c.refused("a", i * 0.02)
     last = (MAX_FOLLOWED + 100) * 0.02
     # the first MAX_FOLLOWED are followed, the oldest from 0: a starved tenant's wait counts from it
-    assert c.refused("a", last) == pytest.approx(last - (MAX_FOLLOWED - 1) * 0.02 / 2)
+    # (twice the wait of the middle one, at (MAX_FOLLOWED - 1) / 2 * 0.02)
+    assert c.refused("a", last) == pytest.approx(2 * (last - (MAX_FOLLOWED - 1) * 0.02 / 2))
 
 
 def test_the_core_tells_a_refused_tenant_how_long_its_last_refusals_took_to_be_answered():
@@ -97,5 +112,5 @@ def test_sheddable_traffic_refused_as_saturated_is_told_no_sooner_than_the_backl
     assert r.refusal.reason == "saturated"
     assert r.refusal.retry_after == pytest.approx(20 / 10)
     # a refusal of its own (not the pool's saturation) is told its refusals' lag
-    # (lags 0.4, 0.3 and 0.2, and the refusal at 0.9, waiting 0.05 s so far)
-    assert backlog.retry_after(-1, 0.95, "free") == pytest.approx((0.4 + 0.3 + 0.2 + 0.05) / 4)
+    # (the median of lags 0.4, 0.3 and 0.2, and of the refusal at 0.9, waiting 0.05 s so far: 0.1)
+    assert backlog.retry_after(-1, 0.95, "free") == pytest.approx((0.2 + 0.3) / 2)
