@@ -339,6 +339,8 @@ def test_an_envoy_killed_with_answers_in_flight_gives_their_permits_back(tmp_pat
     fleet = Picked(tmp_path, [_tenant("alice", 10)], answers_read_whole=0)
     try:
         assert fleet.client().completions.create(model="demo-llm", prompt="x", max_tokens=2)  # its log opens
+        # its end comes through that log (batched, 20 ms): wait for it, so the count below is the streams'
+        poll_until(fleet.idle, timeout=10, what="the first request's end logged")
         streams = [_long_stream(fleet) for _ in range(3)]
         for resp in streams:
             resp.readline()
