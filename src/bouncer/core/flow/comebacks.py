@@ -64,30 +64,25 @@ class _Tenant:
     def median_lag(self, now: float) -> float:
         """The median of the answered lags and of the waiting refusals' expected lags, twice their
         waits so far (`now` less the refusal times: `waiting` read from its newest is them in
-        order)."""
-        n = len(self.lags) + len(self.waiting)
-        if n % 2:
-            return self._kth(n // 2, now)
-        return (self._kth(n // 2 - 1, now) + self._kth(n // 2, now)) / 2
-
-    def _kth(self, k: int, now: float) -> float:
-        """The k-th smallest (from 0) of the two sorted sequences: how many of it come from the
-        answered lags is found by bisection (the usual selection in two sorted arrays)."""
+        order). The usual selection in two sorted sequences: how many of the lower half come
+        from the answered lags is found by bisection."""
         lags, waiting = self.lags, self.waiting
         m = len(waiting)
-
-        def expected(j: int) -> float:  # the j-th smallest expected lag of a waiting refusal
-            return 2 * (now - waiting[m - 1 - j])
-
+        n = len(lags) + m
+        k = (n - 1) // 2  # the lower middle, from 0
         lo, hi = max(0, k + 1 - m), min(k + 1, len(lags))
         while lo < hi:
             i = (lo + hi) // 2  # taking i answered lags and k + 1 - i waiting ones
-            if lags[i] < expected(k - i):
+            if lags[i] < 2 * (now - waiting[m - 1 - (k - i)]):
                 lo = i + 1
             else:
                 hi = i
         i, j = lo, k + 1 - lo
-        return max(lags[i - 1] if i else -INF, expected(j - 1) if j else -INF)
+        lower = max(lags[i - 1] if i else -INF, 2 * (now - waiting[m - j]) if j else -INF)
+        if n % 2:
+            return lower
+        upper = min(lags[i] if i < len(lags) else INF, 2 * (now - waiting[m - 1 - j]) if j < m else INF)
+        return (lower + upper) / 2
 
 
 class Comebacks:
