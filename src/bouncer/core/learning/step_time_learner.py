@@ -137,10 +137,14 @@ class StepTimeLearner:
         if self._since_fit < (REFIT_EVERY if self.model is not None else REFIT_EVERY_WARMING):
             return
         self._since_fit = 0
+        if not warm:
+            # nothing reads the fit before it is published (`_add` weighs outliers only against a
+            # model): a model whose answers never show a decode (all read whole in a blink, or
+            # none read) would otherwise solve every other request for nothing
+            return
         self._phi = self._solve()
-        if warm:
-            a, b, c, d, e = (f * p for f, p in zip(self._phi, self.prior, strict=True))
-            self.model = StepTimeModel(a, b, c, self.max_batched_tokens, d, e)
+        a, b, c, d, e = (f * p for f, p in zip(self._phi, self.prior, strict=True))
+        self.model = StepTimeModel(a, b, c, self.max_batched_tokens, d, e)
 
     def _solve(self) -> list[float]:
         """Ridge least squares towards the prior (phi = 1), with phi >= 0 (a above its floor):
