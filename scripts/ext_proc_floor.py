@@ -8,11 +8,18 @@ upstream, and behind it
 - `trivial: as Bouncer's setup`: the same servicer in `bouncer envoy-config`'s setup: it answers
   the answer's first chunk and closes its stream, and reads Envoy's access log (each request's
   end) without acting on it;
+- `bouncer's process: trivial answers`: Bouncer's picker process (its control plane, scrapers,
+  recorder and HTTP port all running) answering as the trivial servicer does, deciding nothing;
+- `bouncer's process: the decision, trivial answers`: the same, with each request decided as
+  Bouncer decides it (parse, tokenize, the core's offer, its first token and end) but answered
+  as the trivial servicer answers: between the two, what the decision costs in place;
 - `bouncer`: Bouncer's picker (`bouncer serve --mode epp`) in that setup.
 
 Measured alike (`bouncer bench overhead`'s setup: the upstream and wrk on one core, Envoy and the
-picker on the other): requests/s and p50 at concurrency 16 and 1, and the CPU per request of the
-picker and of Envoy at concurrency 16.
+picker on the other): requests/s and p50 at concurrency 16 and 1, the CPU per request of the
+picker and of Envoy at concurrency 16, and the picker's at concurrency 1; and, in this process, the
+decision alone (what the `decision` case adds) made 5,000 times in a row, with no gRPC or Envoy
+between: its CPU per request with everything it touches warm.
 
     python scripts/ext_proc_floor.py [--seconds 6] [--out floor.json]
 
@@ -27,6 +34,7 @@ and the picker's apart, so Envoy's own share with a picker that costs nothing sh
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import pathlib
 import subprocess
@@ -102,7 +110,64 @@ uvloop.install()
 asyncio.run(main())
 '''
 
-CASES = ("trivial: the request only", "trivial: as Bouncer's setup", "bouncer")
+# Bouncer's picker with its `_pick` replaced: the trivial servicer's answers (`bare`), and with
+# `decide` the control plane's decision and end for each request as well
+SPLIT = '''
+import sys
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from bouncer.cli import main
+from bouncer.core.outcomes import Refusal, Terminal
+from bouncer.gateway.exchange import Outcome
+from bouncer.gateway.fronts import picker
+from bouncer.gateway.fronts.ext_proc_wire import header_of, headers_of, refused, request_body, set_header
+
+DECIDE = sys.argv[1] == "decide"
+WHOLE = picker.Picker._pick
+
+
+async def pick(self, first, context):
+    if header_of(first.request_headers, ":method") != "POST":
+        return await WHOLE(self, first, context)  # /v1/models, as Bouncer answers it
+    await context.write(pb.ProcessingResponse(request_headers=pb.HeadersResponse()))
+    raw = await request_body(context)
+    if raw is None:
+        return
+    rid = self.plane.request_id()
+    if DECIDE:
+        line = {}
+        kind = picker.GENERATION.get(header_of(first.request_headers, ":path").partition("?")[0], "chat")
+        decision = await self._admit(rid, kind, raw, headers_of(first.request_headers), line, None)
+        if isinstance(decision, Refusal):
+            await context.write(refused(decision))
+            return
+        _parsed, d = decision
+        url = self.plane.core.view.replica(d.replica).url
+    else:
+        url = self.plane.config.models[0].backends[0].url
+    out = Outcome(Terminal.CANCELLED, None, None)
+    try:
+        r = pb.ProcessingResponse(request_body=pb.BodyResponse())
+        r.request_body.response.header_mutation.set_headers.extend(
+            [set_header(picker.DESTINATION, await self._endpoint(url)), set_header(picker.REQUEST_ID, rid)])
+        r.request_body.response.clear_route_cache = True
+        await context.write(r)
+        await context.read()  # the answer's first chunk
+        await context.write(pb.ProcessingResponse(response_body=pb.BodyResponse()))
+        out = Outcome(Terminal.COMPLETED, None, 16, self.clock())
+        if DECIDE:
+            self.plane.core.started(rid, out.first_token_at)
+    finally:  # its permit goes back however the stream ends
+        if DECIDE:
+            self.plane.finish(d, out, True, line)
+
+
+picker.Picker._pick = pick
+sys.argv = ["bouncer", *sys.argv[2:]]
+main()
+'''
+
+CASES = ("trivial: the request only", "trivial: as Bouncer's setup", "bouncer's process: trivial answers",
+         "bouncer's process: the decision, trivial answers", "bouncer")
 
 
 def _measure(url: str, picker: int, envoy: int, seconds: int, work: pathlib.Path) -> dict:
@@ -111,9 +176,12 @@ def _measure(url: str, picker: int, envoy: int, seconds: int, work: pathlib.Path
     rps, p50, _p99, errors, total = _wrk(url, False, 16, seconds, work)
     picker_us = (cpu_seconds(picker) - before[0]) / max(1, total) * 1e6
     envoy_us = (cpu_seconds(envoy) - before[1]) / max(1, total) * 1e6
-    _rps1, p50_c1, _p99_1, errors_c1, _total1 = _wrk(url, False, 1, seconds, work)
+    before_c1 = cpu_seconds(picker)
+    _rps1, p50_c1, _p99_1, errors_c1, total_c1 = _wrk(url, False, 1, seconds, work)
+    picker_us_c1 = (cpu_seconds(picker) - before_c1) / max(1, total_c1) * 1e6
     return {"rps": round(rps), "p50_ms": p50, "errors": errors + errors_c1, "p50_ms_c1": p50_c1,
-            "picker_cpu_us_per_request": round(picker_us), "envoy_cpu_us_per_request": round(envoy_us)}
+            "picker_cpu_us_per_request": round(picker_us), "envoy_cpu_us_per_request": round(envoy_us),
+            "picker_cpu_us_per_request_c1": round(picker_us_c1)}
 
 
 def _measure_paced(url: str, picker: int | None, envoy: int, streams: int, seconds: int, tokens: int) -> dict:
@@ -150,13 +218,64 @@ def _start_case(name: str, up_port: int, work: pathlib.Path) -> tuple[str, list[
         cmd = [sys.executable, str(work / "trivial.py"), str(cfg["picker"]["port"]), f"127.0.0.1:{up_port}",
                "plain" if name == CASES[0] else "logged"]
     else:
-        cmd = [sys.executable, "-m", "bouncer", "serve", "--mode", "epp", "--config", str(work / "bouncer.json"),
-               "--log-level", "warning"]
+        serve = ["serve", "--mode", "epp", "--config", str(work / "bouncer.json"), "--log-level", "warning"]
+        cmd = [sys.executable, "-m", "bouncer", *serve]
+        if name.startswith("bouncer's process"):
+            (work / "split.py").write_text(SPLIT)
+            cmd = [sys.executable, str(work / "split.py"), "decide" if "decision" in name else "bare", *serve]
     (work / "envoy.yaml").write_text(yaml.safe_dump(envoy_cfg))
     procs = [subprocess.Popen([*pinned(1), *cmd], stdout=subprocess.DEVNULL)]
     procs.append(subprocess.Popen([*pinned(1), binary_or_exit(), "-c", str(work / "envoy.yaml"), "--concurrency",
                                    "1", "--use-dynamic-base-id", "--log-level", "error"], stdout=subprocess.DEVNULL))
     return f"http://127.0.0.1:{port}", procs
+
+
+def hot_loop(up_port: int, n: int) -> float:
+    """The decision the `decision` case makes in place, made `n` times in a row in this process
+    (parse, tokenize, offer, first token, finish; no gRPC, no Envoy): its CPU us per request with
+    everything it touches warm in the caches."""
+    import time
+
+    import uvloop
+    from aiohttp import web
+    from multidict import CIMultiDict
+
+    from bouncer.bench.overhead import BODY
+    from bouncer.core.outcomes import Terminal
+    from bouncer.gateway.control_plane import ControlPlane
+    from bouncer.gateway.exchange import Outcome
+
+    async def run() -> float:
+        cfg = json.loads(_gateway_config_for(up_port, str(default_tokenizer_path()), free_port()))
+        plane = ControlPlane(parse_config(cfg))
+        runner = web.AppRunner(plane.http_app())
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", cfg["listen"]["port"]).start()
+        try:
+            while not all(plane.readiness().values()):  # its replica scraped
+                await asyncio.sleep(0.05)
+            raw = json.dumps(BODY).encode()
+            headers = CIMultiDict({":method": "POST", ":path": "/v1/chat/completions",
+                                   "authorization": f"Bearer {BENCH_KEY}", "content-type": "application/json"})
+
+            async def one() -> None:
+                rid, line = plane.request_id(), {}
+                d = await plane.admit(plane.parse(rid, "chat", raw, headers, line), line)
+                now = plane.clock()
+                plane.core.started(rid, now)
+                plane.finish(d, Outcome(Terminal.COMPLETED, None, 16, now), True, line)
+
+            for _ in range(500):
+                await one()
+            t0 = time.process_time()
+            for _ in range(n):
+                await one()
+            return (time.process_time() - t0) / n * 1e6
+        finally:
+            await runner.cleanup()
+
+    uvloop.install()
+    return asyncio.run(run())
 
 
 def binary_or_exit() -> str:
@@ -188,6 +307,8 @@ def main() -> None:
         upstream = subprocess.Popen(upstream_cmd)
         try:
             wait_ok(f"http://127.0.0.1:{up_port}/metrics")
+            if not args.paced:
+                results["decision in a hot loop"] = {"picker_cpu_us_per_request": round(hot_loop(up_port, 5000))}
             for name in names:
                 if name == "vllm-router":
                     router = start_vllm_router(up_port)
@@ -225,11 +346,16 @@ def main() -> None:
                   f"{both:.1f} | {ratio} | {r['ttfb_p50_ms']:.1f} |")
     else:
         print("| picker | req/s at concurrency 16 | p50 ms | p50 ms at concurrency 1 | picker CPU us/req | "
-              "Envoy CPU us/req |")
-        print("|---|---|---|---|---|---|")
+              "Envoy CPU us/req | picker CPU us/req at concurrency 1 |")
+        print("|---|---|---|---|---|---|---|")
+        hot = results.pop("decision in a hot loop")
         for name, r in results.items():
             print(f"| {name} | {r['rps']:,} | {r['p50_ms']:.2f} | {r['p50_ms_c1']:.2f} | "
-                  f"{r['picker_cpu_us_per_request']:,} | {r['envoy_cpu_us_per_request']:,} |")
+                  f"{r['picker_cpu_us_per_request']:,} | {r['envoy_cpu_us_per_request']:,} | "
+                  f"{r['picker_cpu_us_per_request_c1']:,} |")
+        print(f"the decision alone, in a hot loop in one process: {hot['picker_cpu_us_per_request']} us of CPU "
+              "a request")
+        results["decision in a hot loop"] = hot
     if args.out:
         pathlib.Path(args.out).write_text(json.dumps(results, indent=2))
         print(f"saved {args.out}")
