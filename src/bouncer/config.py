@@ -701,7 +701,8 @@ class PickerFront(_Strict):
     answers_read_whole: int = Field(1, ge=0, description="answers read to their end at once, for their usage (output "
                                                          "lengths, TPOT); every other answer is read to its first "
                                                          "chunk only (Envoy's buffered setup; full duplex reads all). "
-                                                         "Each chunk of one read whole costs a gRPC round trip")
+                                                         "Each chunk of one read whole costs a gRPC round trip, in "
+                                                         "its client's way: a new one begins at most every 0.1 s")
     end_unseen_after_s: float = Field(3600.0, gt=0, description="a routed request whose end Envoy's access log never "
                                                                 "reported (an Envoy that died with it in flight) is "
                                                                 "given up on after this many seconds: its permit goes "

@@ -13,8 +13,8 @@ against this one gRPC server:
   `envoy.lb` metadata; a client that leaves meanwhile makes Envoy cancel the stream, which
   cancels the request in the queue. The answer's first chunk is its first token; the picker
   answers it and closes the stream, so Envoy carries the rest alone. At most
-  `picker.answers_read_whole` answers at once are read to their end instead, for their usage
-  (the output lengths and TPOT the core learns from).
+  `picker.answers_read_whole` answers at once, begun at least `READ_WHOLE_EVERY_S` apart, are
+  read to their end instead, for their usage (the output lengths and TPOT the core learns from).
 - **the access log** (`StreamAccessLogs`, batched): each request's end, with the status Envoy
   sent and the flags that say whether its client left or its replica failed. That returns the
   permit. An end that never comes (an Envoy that died with requests in flight) is given up on
@@ -86,6 +86,11 @@ ENVOY_GONE_AFTER_S = 1.0  # an Envoy whose access log closed and did not reopen 
 # `bouncer envoy-config`'s bootstrap), opening its access log stream if none is open. One whose
 # log has not opened this long after has none (`Picker.envoys_without_log`).
 ACCESS_LOG_DUE_S = 5.0
+# An answer read whole holds its every chunk (its end included) until the picker answers it: a
+# round trip in its client's way (0.3 ms of the median unloaded, `scripts/ext_proc_floor.py`).
+# Unloaded, one at a time would be every answer; a new one begins at most this often, which
+# leaves tens a second for what they teach (output lengths, TPOT) and most answers unheld.
+READ_WHOLE_EVERY_S = 0.1
 
 
 @dataclass(slots=True)
@@ -113,6 +118,7 @@ class Picker(ext_proc_grpc.ExternalProcessorServicer):
         self.clock = plane.clock
         self._served: dict[str, _Served] = {}
         self._reading_whole = 0  # answers being read to their end now (the buffered setup's sample)
+        self._read_whole_at = float("-inf")  # when the last of them began
         self._endpoints: dict[str, str] = {}  # a replica's base URL -> its ip:port
         self._logs_open: Counter[str] = Counter()  # Envoy host -> its access log streams open now
         self._logs_seen: set[str] = set()  # Envoy hosts whose access log ever opened
@@ -204,11 +210,14 @@ class Picker(ext_proc_grpc.ExternalProcessorServicer):
         stream's in full duplex, the access log's otherwise (or its answer read to the end)."""
         rid = d.request_id
         streaming = bool(parsed.body.get("stream"))
-        read_whole = duplex or self._reading_whole < self.plane.config.picker.answers_read_whole
+        now = self.clock()
+        read_whole = duplex or (self._reading_whole < self.plane.config.picker.answers_read_whole
+                                and now - self._read_whole_at >= READ_WHOLE_EVERY_S)
         served = self._served[rid] = _Served(d, streaming, duplex, read_whole, peer_host(context.peer()), line,
                                              began)
         if read_whole and not duplex:
             self._reading_whole += 1
+            self._read_whole_at = now
         cut = False
         try:
             endpoint = await self._endpoint(self.plane.core.view.replica(d.replica).url)
@@ -218,9 +227,12 @@ class Picker(ext_proc_grpc.ExternalProcessorServicer):
                 which = msg.WhichOneof("request")
                 if which == "response_body":
                     chunk = msg.response_body
-                    self._chunk(served, chunk.body, chunk.end_of_stream)
-                    await context.write(passed_back(chunk.body, chunk.end_of_stream) if duplex else
-                                        ext_proc.ProcessingResponse(response_body=ext_proc.BodyResponse()))
+                    at = self.clock()
+                    try:  # Envoy holds the chunk until it is answered: what is learnt of it waits instead
+                        await context.write(passed_back(chunk.body, chunk.end_of_stream) if duplex else
+                                            ext_proc.ProcessingResponse(response_body=ext_proc.BodyResponse()))
+                    finally:
+                        self._chunk(served, chunk.body, chunk.end_of_stream, at)
                     if not read_whole and (chunk.body or chunk.end_of_stream):
                         return  # closed: Envoy carries the rest of the answer alone
                 elif which == "response_headers":  # full duplex
@@ -249,16 +261,15 @@ class Picker(ext_proc_grpc.ExternalProcessorServicer):
                     served.out.terminal, served.out.reason = Terminal.CANCELLED, Reason.CLIENT_DISCONNECTED
                 self._ended(served)
 
-    def _chunk(self, served: _Served, body: bytes, end: bool) -> None:
-        """A chunk of the answer: the first is its first token (a stream's) or says its prefill is
-        over (a whole answer's); an answer read whole ends at its usage."""
+    def _chunk(self, served: _Served, body: bytes, end: bool, at: float) -> None:
+        """A chunk of the answer, come `at`: the first is its first token (a stream's) or says its
+        prefill is over (a whole answer's); an answer read whole ends at its usage."""
         if body and served.out.first_token_at is None:
             # an error instead of a stream (a replica's JSON refusal) is no token
             token = body.startswith(b"data:") if served.streaming else True
             if token:
-                now = self.clock()
-                served.out.first_token_at = now
-                self.plane.core.started(served.dispatch.request_id, now, measured=served.streaming)
+                served.out.first_token_at = at
+                self.plane.core.started(served.dispatch.request_id, at, measured=served.streaming)
         if not served.read_whole:
             return
         served.tail += body
