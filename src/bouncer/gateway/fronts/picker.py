@@ -89,7 +89,7 @@ ACCESS_LOG_DUE_S = 5.0
 # An answer read whole holds its every chunk (its end included) until the picker answers it: a
 # round trip in its client's way (0.3 ms of the median unloaded, `scripts/ext_proc_floor.py`).
 # Unloaded, one at a time would be every answer; a new one begins at most this often, which
-# leaves tens a second for what they teach (output lengths, TPOT) and most answers unheld.
+# leaves up to ten a second for what they teach (output lengths, TPOT) and most answers unheld.
 READ_WHOLE_EVERY_S = 0.1
 
 
