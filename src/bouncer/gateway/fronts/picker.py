@@ -210,14 +210,9 @@ class Picker(ext_proc_grpc.ExternalProcessorServicer):
         stream's in full duplex, the access log's otherwise (or its answer read to the end)."""
         rid = d.request_id
         streaming = bool(parsed.body.get("stream"))
-        now = self.clock()
-        read_whole = duplex or (self._reading_whole < self.plane.config.picker.answers_read_whole
-                                and now - self._read_whole_at >= READ_WHOLE_EVERY_S)
+        read_whole = duplex or self._reads_whole(self.clock())
         served = self._served[rid] = _Served(d, streaming, duplex, read_whole, peer_host(context.peer()), line,
                                              began)
-        if read_whole and not duplex:
-            self._reading_whole += 1
-            self._read_whole_at = now
         cut = False
         try:
             endpoint = await self._endpoint(self.plane.core.view.replica(d.replica).url)
@@ -260,6 +255,17 @@ class Picker(ext_proc_grpc.ExternalProcessorServicer):
                 if cut and "status" not in line:
                     served.out.terminal, served.out.reason = Terminal.CANCELLED, Reason.CLIENT_DISCONNECTED
                 self._ended(served)
+
+    def _reads_whole(self, now: float) -> bool:
+        """Whether an answer dispatched `now` is read to its end (the buffered setup's sample): at
+        most `picker.answers_read_whole` at once, begun at least `READ_WHOLE_EVERY_S` apart. One
+        that is counts until its `_ended`."""
+        if (self._reading_whole >= self.plane.config.picker.answers_read_whole
+                or now - self._read_whole_at < READ_WHOLE_EVERY_S):
+            return False
+        self._reading_whole += 1
+        self._read_whole_at = now
+        return True
 
     def _chunk(self, served: _Served, body: bytes, end: bool, at: float) -> None:
         """A chunk of the answer, come `at`: the first is its first token (a stream's) or says its
