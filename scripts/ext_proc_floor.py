@@ -6,8 +6,8 @@ upstream, and behind it
   upstream as the destination (none of Bouncer's work), on uvloop as Bouncer runs; the filter
   sends nothing of the answer and there is no access log (the least any picker pays);
 - `trivial: as Bouncer's setup`: the same servicer in `bouncer envoy-config`'s setup: it answers
-  the answer's first chunk and closes its stream, and reads Envoy's access log (each request's
-  end) without acting on it;
+  a streamed answer's first chunk and closes its stream (a whole answer's once it is routed, as
+  Bouncer's picker does), and reads Envoy's access log (each request's end) without acting on it;
 - `bouncer's process: trivial answers`: Bouncer's picker process (its control plane, scrapers,
   recorder and HTTP port all running) answering as the trivial servicer does, deciding nothing;
 - `bouncer's process: the decision, trivial answers`: the same, with each request decided as
@@ -53,7 +53,7 @@ from bouncer.gateway.fronts.envoy_bootstrap import BUFFERED, bootstrap
 from bouncer.tokenizer import default_tokenizer_path
 
 TRIVIAL = '''
-import asyncio, itertools, sys
+import asyncio, itertools, json, sys
 import grpc, uvloop
 from envoy.config.core.v3 import base_pb2
 from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
@@ -85,6 +85,8 @@ class Trivial(pbg.ExternalProcessorServicer):
                         append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD))
                 r.request_body.response.clear_route_cache = True
                 await context.write(r)
+                if LOGGED and not json.loads(msg.request_body.body).get("stream"):
+                    return  # a whole answer: its end comes through the access log
             elif kind == "response_body":  # the first chunk, then done
                 await context.write(pb.ProcessingResponse(response_body=pb.BodyResponse()))
                 return
@@ -113,7 +115,7 @@ asyncio.run(main())
 # Bouncer's picker with its `_pick` replaced: the trivial servicer's answers (`bare`), and with
 # `decide` the control plane's decision and end for each request as well
 SPLIT = '''
-import sys
+import json, sys
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from bouncer.cli import main
 from bouncer.core.outcomes import Refusal, Terminal
@@ -140,10 +142,12 @@ async def pick(self, first, context):
         if isinstance(decision, Refusal):
             await context.write(refused(decision))
             return
-        _parsed, d = decision
+        parsed, d = decision
         url = self.plane.core.view.replica(d.replica).url
+        streamed = parsed.body.get("stream")
     else:
         url = self.plane.config.models[0].backends[0].url
+        streamed = json.loads(raw).get("stream")
     out = Outcome(Terminal.CANCELLED, None, None)
     try:
         r = pb.ProcessingResponse(request_body=pb.BodyResponse())
@@ -151,8 +155,9 @@ async def pick(self, first, context):
             [set_header(picker.DESTINATION, await self._endpoint(url)), set_header(picker.REQUEST_ID, rid)])
         r.request_body.response.clear_route_cache = True
         await context.write(r)
-        await context.read()  # the answer's first chunk
-        await context.write(pb.ProcessingResponse(response_body=pb.BodyResponse()))
+        if streamed:  # a whole answer's stream is closed once routed, as Bouncer's picker does
+            await context.read()  # the answer's first chunk
+            await context.write(pb.ProcessingResponse(response_body=pb.BodyResponse()))
         out = Outcome(Terminal.COMPLETED, None, 16, self.clock())
         if DECIDE:
             self.plane.core.started(rid, out.first_token_at)

@@ -81,15 +81,21 @@ def wait_http_ok(url: str, timeout: float = 20) -> None:
 
 def wait_started(proc: subprocess.Popen, url: str, log: pathlib.Path | None = None, timeout: float = 40) -> None:
     """Until the server `proc` started answers `url` with 200; if it exits first, fail at once
-    with its exit code and the end of its log (a port taken, a config it refused)."""
+    with its exit code and the end of its log (a port taken, a config it refused), and if it
+    never answers, with the end of its log too."""
+    def tail() -> str:
+        return log.read_text(errors="replace")[-3000:] if log is not None and log.exists() else ""
+
     def answers() -> bool:
         if proc.poll() is not None:
-            tail = log.read_text(errors="replace")[-3000:] if log is not None and log.exists() else ""
             raise AssertionError(f"{' '.join(map(str, proc.args))} exited ({proc.returncode}) before "
-                                 f"answering:\n{tail}")
+                                 f"answering:\n{tail()}")
         with urllib.request.urlopen(url, timeout=2) as resp:
             return resp.status == 200
-    wait_answering(answers, timeout, f"{url} did not answer 200")
+    try:
+        wait_answering(answers, timeout, f"{url} did not answer 200")
+    except TimeoutError as exc:
+        raise TimeoutError(f"{exc}; the end of its log:\n{tail()}") from None
 
 
 def poll_until(predicate: Callable[[], bool], timeout: float = 20, what: str = "condition") -> None:

@@ -35,6 +35,16 @@ class Ended:
     status: int | None  # what Envoy sent the client; None where it sent nothing
     terminal: Terminal
     reason: Reason | None
+    # from the request's last byte sent to the replica to the answer's first byte back: for a
+    # whole answer, how long it took to come (its "first token", which the picker did not see)
+    answered_after_s: float | None = None
+
+
+def _answered_after(common: accesslog_pb2.AccessLogCommon) -> float | None:
+    if not (common.HasField("time_to_last_upstream_tx_byte") and common.HasField("time_to_first_upstream_rx_byte")):
+        return None
+    sent, came = common.time_to_last_upstream_tx_byte, common.time_to_first_upstream_rx_byte
+    return max(0.0, came.seconds - sent.seconds + (came.nanos - sent.nanos) / 1e9)
 
 
 def status_outcome(status: int | None) -> tuple[Terminal, Reason | None]:
@@ -64,7 +74,7 @@ def ended(entry: accesslog_pb2.HTTPAccessLogEntry, id_header: str) -> Ended | No
         return Ended(rid, status, Terminal.FAILED, Reason.UPSTREAM_TIMEOUT)
     if any(getattr(flags, f) for f in _UPSTREAM_FAILED):
         return Ended(rid, status, Terminal.FAILED, Reason.UPSTREAM_ERROR)
-    return Ended(rid, status, *status_outcome(status))
+    return Ended(rid, status, *status_outcome(status), _answered_after(common))
 
 
 def ends_of(message: als_pb2.StreamAccessLogsMessage, id_header: str) -> Iterator[Ended]:

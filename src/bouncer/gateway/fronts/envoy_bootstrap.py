@@ -6,8 +6,9 @@ The listener runs three HTTP filters, in order:
    when it is down and Envoy fails open.
 2. the picker (`ext_proc`): request headers and the whole request body; it answers the body once
    the core dispatches the request (holding is answering late). Then the answer's body, STREAMED:
-   the picker answers the first chunk (the first token) and closes its stream, so Envoy carries
-   the rest alone (a sample of answers is read to the end, for their usage).
+   the picker answers a stream's first chunk (the first token) and closes its stream, so Envoy
+   carries the rest alone (a sample of answers is read to the end, for their usage); for a whole
+   answer it closes its stream once the request is routed.
    `message_timeout` is the longest a request may be held plus a margin, so Envoy never cuts a
    hold short; `failure_mode_allow` is the fail-open/fail-close choice.
 3. the router. A request the picker routed carries `x-gateway-destination-endpoint` and goes to

@@ -11,8 +11,9 @@ against this one gRPC server:
   answered late: its body message is answered when the core dispatches it, with the chosen
   replica in `x-gateway-destination-endpoint` (overwriting whatever the client sent) and in the
   `envoy.lb` metadata; a client that leaves meanwhile makes Envoy cancel the stream, which
-  cancels the request in the queue. The answer's first chunk is its first token; the picker
-  answers it and closes the stream, so Envoy carries the rest alone. At most
+  cancels the request in the queue. A streamed answer's first chunk is its first token; the
+  picker answers it and closes the stream, so Envoy carries the rest alone (a whole answer's
+  stream is closed once it is routed: its first chunk would come with its end). At most
   `picker.answers_read_whole` answers at once, begun at least `READ_WHOLE_EVERY_S` apart, are
   read to their end instead, for their usage (the output lengths and TPOT the core learns from).
 - **the access log** (`StreamAccessLogs`, batched): each request's end, with the status Envoy
@@ -218,6 +219,10 @@ class Picker(ext_proc_grpc.ExternalProcessorServicer):
             endpoint = await self._endpoint(self.plane.core.view.replica(d.replica).url)
             for response in self._route(parsed, d, endpoint, read_whole, duplex):
                 await context.write(response)
+            if not (read_whole or streaming):
+                # a whole answer's first chunk comes with its end, which the access log brings
+                # anyway: closing here spares the client the round trip it would wait on
+                return
             while (msg := await context.read()) is not grpc.aio.EOF:
                 which = msg.WhichOneof("request")
                 if which == "response_body":
@@ -290,13 +295,22 @@ class Picker(ext_proc_grpc.ExternalProcessorServicer):
                 self._read_to_end_at.setdefault(served.envoy, self.clock())
                 self._ended(served)
 
-    def ended(self, rid: str, status: int | None, terminal: Terminal, reason: Reason | None) -> None:
-        """The access log's word on how a request ended (the buffered setup)."""
+    def ended(self, rid: str, status: int | None, terminal: Terminal, reason: Reason | None,
+              answered_after_s: float | None = None) -> None:
+        """The access log's word on how a request ended (the buffered setup). A whole answer not
+        read whole was not seen at all: `answered_after_s`, Envoy's time from sending the request
+        to the replica to its answer's first byte, dates that answer on the picker's clock."""
         served = self._served.get(rid)
         if served is None or served.done:
             return  # ended already (read whole), or not this picker's
         served.line["status"] = status
         served.out.terminal, served.out.reason = terminal, reason
+        out = served.out
+        if (out.first_token_at is None and not served.streaming and answered_after_s is not None
+                and terminal is Terminal.COMPLETED):
+            now = self.clock()
+            self.plane.core.started(rid, now, measured=False)  # the core's clock only goes forward
+            out.first_token_at = min(now, served.dispatch.dispatched_at + answered_after_s)
         if terminal is not Terminal.COMPLETED or not served.read_to_end:
             served.out.completion_tokens = None  # its length is known only where it was read to its end
         self._ended(served)
@@ -464,7 +478,7 @@ class AccessLog(als_pb2_grpc.AccessLogServiceServicer):
         try:
             async for message in request_iterator:
                 for e in ends_of(message, REQUEST_ID):
-                    self.picker.ended(e.request_id, e.status, e.terminal, e.reason)
+                    self.picker.ended(e.request_id, e.status, e.terminal, e.reason, e.answered_after_s)
         finally:
             self.picker.log_closed(envoy)
         return als_pb2.StreamAccessLogsResponse()

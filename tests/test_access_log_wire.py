@@ -1,0 +1,42 @@
+"""How the picker reads one of Envoy's gRPC access log entries (the generated protos, as Envoy
+sends them): whose end it is, how it ended, and when its answer came."""
+
+from __future__ import annotations
+
+from envoy.data.accesslog.v3 import accesslog_pb2
+
+from bouncer.core.outcomes import Reason, Terminal
+from bouncer.gateway.fronts.access_log_wire import ended
+
+ID = "x-bouncer-request-id"
+
+
+def _entry(status: int = 200, sent_ms: int | None = 2, came_ms: int | None = 350, **flags: bool):
+    e = accesslog_pb2.HTTPAccessLogEntry()
+    e.request.request_headers[ID] = "r1"
+    e.response.response_code.value = status
+    if sent_ms is not None:
+        e.common_properties.time_to_last_upstream_tx_byte.FromMilliseconds(sent_ms)
+    if came_ms is not None:
+        e.common_properties.time_to_first_upstream_rx_byte.FromMilliseconds(came_ms)
+    for name, on in flags.items():
+        setattr(e.common_properties.response_flags, name, on)
+    return e
+
+
+def test_a_completed_answer_dated_from_the_request_sent_to_its_first_byte():
+    end = ended(_entry(), ID)
+    assert (end.request_id, end.status, end.terminal, end.reason) == ("r1", 200, Terminal.COMPLETED, None)
+    assert abs(end.answered_after_s - 0.348) < 1e-9
+
+
+def test_no_date_where_envoy_never_got_an_answer_byte():
+    end = ended(_entry(status=503, came_ms=None, upstream_connection_failure=True), ID)
+    assert (end.terminal, end.reason, end.answered_after_s) == (Terminal.FAILED, Reason.UPSTREAM_ERROR, None)
+
+
+def test_a_client_that_left_and_an_entry_of_no_request_of_the_pickers():
+    assert ended(_entry(downstream_remote_reset=True), ID).terminal is Terminal.CANCELLED
+    other = _entry()
+    del other.request.request_headers[ID]
+    assert ended(other, ID) is None
