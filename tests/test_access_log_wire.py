@@ -14,6 +14,7 @@ ID = "x-bouncer-request-id"
 def _entry(status: int = 200, sent_ms: int | None = 2, came_ms: int | None = 350, **flags: bool):
     e = accesslog_pb2.HTTPAccessLogEntry()
     e.request.request_headers[ID] = "r1"
+    e.request.request_id = "envoy-1"
     e.response.response_code.value = status
     if sent_ms is not None:
         e.common_properties.time_to_last_upstream_tx_byte.FromMilliseconds(sent_ms)
@@ -26,7 +27,8 @@ def _entry(status: int = 200, sent_ms: int | None = 2, came_ms: int | None = 350
 
 def test_a_completed_answer_dated_from_the_request_sent_to_its_first_byte():
     end = ended(_entry(), ID)
-    assert (end.request_id, end.status, end.terminal, end.reason) == ("r1", 200, Terminal.COMPLETED, None)
+    assert (end.request_id, end.envoy_request_id, end.status, end.terminal, end.reason) == \
+        ("r1", "envoy-1", 200, Terminal.COMPLETED, None)
     assert abs(end.answered_after_s - 0.348) < 1e-9
 
 
@@ -40,3 +42,12 @@ def test_a_client_that_left_and_an_entry_of_no_request_of_the_pickers():
     other = _entry()
     del other.request.request_headers[ID]
     assert ended(other, ID) is None
+
+
+def test_a_client_that_left_before_its_request_got_the_pickers_id_is_named_by_envoys():
+    """It left while Envoy was taking the picker's answer: the picker finds it by `x-request-id`."""
+    left = _entry(status=0, came_ms=None, downstream_connection_termination=True)
+    del left.request.request_headers[ID]
+    end = ended(left, ID)
+    assert (end.request_id, end.envoy_request_id, end.status, end.terminal, end.reason) == \
+        (None, "envoy-1", None, Terminal.CANCELLED, Reason.CLIENT_DISCONNECTED)

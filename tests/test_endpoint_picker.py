@@ -12,6 +12,7 @@ import http.client
 import json
 import os
 import pathlib
+import random
 import signal
 import subprocess
 import sys
@@ -335,6 +336,38 @@ def test_an_envoy_without_the_access_log_is_warned_of(tmp_path):
         warned = [line for line in (tmp_path / "picker-0.log").read_text().splitlines()
                   if "event=picker_no_access_log" in line]
         assert len(warned) == 1 and "envoy=127.0.0.1" in warned[0], warned
+    finally:
+        fleet.close()
+
+
+def test_clients_hanging_up_at_any_moment_leave_no_permit_behind(tmp_path):
+    """Clients that hang up a few milliseconds after sending, so at every stage of the picker's
+    work. Some leave while Envoy is still taking the picker's answer: their request never gets
+    the picker's headers, and its end comes with Envoy's `x-request-id` alone. Every permit comes
+    back at once, none after `picker.end_unseen_after_s`."""
+    fleet = Picked(tmp_path, [_tenant("alice", 10)], answers_read_whole=0)
+    body = json.dumps({"model": "demo-llm", "prompt": "x", "max_tokens": 8}).encode()
+    raw = (f"POST /v1/completions HTTP/1.1\r\nHost: bouncer\r\nAuthorization: Bearer alice\r\n"
+           f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body
+    rng = random.Random(7)
+
+    async def hang_up(gate: asyncio.Semaphore) -> None:
+        async with gate:
+            _, writer = await asyncio.open_connection("127.0.0.1", fleet.envoy_port)
+            writer.write(raw)
+            await writer.drain()
+            await asyncio.sleep(rng.uniform(0, 0.006))
+            writer.transport.abort()  # a reset, as a client that timed out
+
+    async def scenario() -> None:
+        gate = asyncio.Semaphore(16)
+        await asyncio.gather(*(hang_up(gate) for _ in range(400)))
+
+    try:
+        asyncio.run(scenario())
+        poll_until(fleet.idle, timeout=10, what="every permit back")
+        assert _unseen(fleet) == 0
+        assert fleet.decisions().get(("cancelled", "client_disconnected"), 0) > 0
     finally:
         fleet.close()
 

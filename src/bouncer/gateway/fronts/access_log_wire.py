@@ -25,13 +25,17 @@ _UPSTREAM_FAILED = ("upstream_connection_failure", "upstream_connection_terminat
 _UPSTREAM_TIMED_OUT = ("upstream_request_timeout", "stream_idle_timeout", "upstream_max_stream_duration_reached",
                        "duration_timeout")
 _CLIENT_LEFT = ("downstream_connection_termination", "downstream_remote_reset")
+CLIENT_LEFT_FLAGS = ("DC", "DR")  # the same, as Envoy's access log filters name them
 
 
 @dataclass(frozen=True, slots=True)
 class Ended:
     """One request's end as Envoy logged it."""
 
-    request_id: str
+    # the picker's id (`x-bouncer-request-id`), or None where the request never got the
+    # picker's headers: a client that left while Envoy was taking the picker's answer
+    request_id: str | None
+    envoy_request_id: str  # Envoy's own (`x-request-id`), which the picker saw with the headers
     status: int | None  # what Envoy sent the client; None where it sent nothing
     terminal: Terminal
     reason: Reason | None
@@ -59,22 +63,26 @@ def status_outcome(status: int | None) -> tuple[Terminal, Reason | None]:
 
 
 def ended(entry: accesslog_pb2.HTTPAccessLogEntry, id_header: str) -> Ended | None:
-    """How the request of one log entry ended; None for an entry that names no request of the
-    picker's (Envoy's own replies, routes the picker answered itself) or is not a stream's end."""
-    rid = entry.request.request_headers.get(id_header)
+    """How the request of one log entry ended; None for an entry that is not a stream's end, or
+    names no request of the picker's (Envoy's own replies, routes the picker answered itself)
+    and is no client's leaving."""
+    rid = entry.request.request_headers.get(id_header) or None
     common = entry.common_properties
-    if not rid or common.intermediate_log_entry:
+    if common.intermediate_log_entry:
         return None
+    envoy_id = entry.request.request_id
     status = entry.response.response_code.value if entry.response.HasField("response_code") else None
     status = status or None
     flags = common.response_flags
     if any(getattr(flags, f) for f in _CLIENT_LEFT):
-        return Ended(rid, status, Terminal.CANCELLED, Reason.CLIENT_DISCONNECTED)
+        return Ended(rid, envoy_id, status, Terminal.CANCELLED, Reason.CLIENT_DISCONNECTED)
+    if rid is None:
+        return None
     if any(getattr(flags, f) for f in _UPSTREAM_TIMED_OUT):
-        return Ended(rid, status, Terminal.FAILED, Reason.UPSTREAM_TIMEOUT)
+        return Ended(rid, envoy_id, status, Terminal.FAILED, Reason.UPSTREAM_TIMEOUT)
     if any(getattr(flags, f) for f in _UPSTREAM_FAILED):
-        return Ended(rid, status, Terminal.FAILED, Reason.UPSTREAM_ERROR)
-    return Ended(rid, status, *status_outcome(status), _answered_after(common))
+        return Ended(rid, envoy_id, status, Terminal.FAILED, Reason.UPSTREAM_ERROR)
+    return Ended(rid, envoy_id, status, *status_outcome(status), _answered_after(common))
 
 
 def ends_of(message: als_pb2.StreamAccessLogsMessage, id_header: str) -> Iterator[Ended]:

@@ -37,6 +37,7 @@ from typing import Any
 from yarl import URL
 
 from bouncer.config import BouncerConfig
+from bouncer.gateway.fronts.access_log_wire import CLIENT_LEFT_FLAGS
 from bouncer.gateway.fronts.ext_proc_wire import SUBSET_NAMESPACE
 from bouncer.gateway.fronts.picker import DESTINATION, PICKED_BY, REQUEST_ID
 
@@ -85,9 +86,14 @@ def _static_cluster(name: str, hosts: list[tuple[str, int]], http2: bool = False
 
 
 def _access_logs(pickers: list[str]) -> list[dict[str, Any]]:
-    """The requests' ends, to the picker that routed each (one picker: the routed ones)."""
+    """The requests' ends, to the picker that routed each (one picker: the routed ones). A client
+    that left while Envoy was taking the picker's answer leaves a request the picker routed but
+    whose headers never got the picker's: those ends (`DC`, `DR`) go to every picker, which finds
+    its own by Envoy's `x-request-id`."""
     def log(cluster: str, header: dict[str, Any]) -> dict[str, Any]:
-        return {"name": "envoy.access_loggers.http_grpc", "filter": {"header_filter": {"header": header}},
+        left = {"response_flag_filter": {"flags": list(CLIENT_LEFT_FLAGS)}}
+        return {"name": "envoy.access_loggers.http_grpc",
+                "filter": {"or_filter": {"filters": [{"header_filter": {"header": header}}, left]}},
                 "typed_config": {
                     "@type": T + "envoy.extensions.access_loggers.grpc.v3.HttpGrpcAccessLogConfig",
                     "common_config": {"log_name": "bouncer", "transport_api_version": "V3",

@@ -56,7 +56,7 @@ from bouncer.core.outcomes import Dispatch, Layer, Reason, Refusal, Terminal
 from bouncer.gateway import logs
 from bouncer.gateway.control_plane import ControlPlane, serve_http
 from bouncer.gateway.exchange import Outcome, Parsed
-from bouncer.gateway.fronts.access_log_wire import ends_of, peer_host, status_outcome
+from bouncer.gateway.fronts.access_log_wire import Ended, ends_of, peer_host, status_outcome
 from bouncer.gateway.fronts.ext_proc_wire import (
     header_of,
     headers_of,
@@ -103,6 +103,7 @@ class _Served:
     duplex: bool  # every chunk passes through the picker, and the stream's end is the request's
     read_whole: bool  # its answer is read to its end (for its usage)
     envoy: str  # the host of the Envoy that asked (`peer_host`): its access log says when the request ends
+    envoy_id: str | None  # Envoy's `x-request-id` for it: its end where the picker's own header never reached it
     line: dict[str, Any]  # its access log line
     began: float  # when the picker got it (for its access line's duration)
     out: Outcome = field(default_factory=lambda: Outcome(Terminal.COMPLETED, None, None))
@@ -118,6 +119,9 @@ class Picker(ext_proc_grpc.ExternalProcessorServicer):
         self.plane = plane
         self.clock = plane.clock
         self._served: dict[str, _Served] = {}
+        # Envoy's `x-request-id` -> the picker's ids served under it, for the buffered setup's
+        # ends; one a client sent itself may be shared, and then none is found by it
+        self._by_envoy_id: dict[str, set[str]] = {}
         self._reading_whole = 0  # answers being read to their end now (the buffered setup's sample)
         self._read_whole_at = float("-inf")  # when the last of them began
         self._endpoints: dict[str, str] = {}  # a replica's base URL -> its ip:port
@@ -177,7 +181,7 @@ class Picker(ext_proc_grpc.ExternalProcessorServicer):
                 await context.write(refused(decision))
                 return
             served = True
-            await self._serve(*decision, context, line, duplex, t0)
+            await self._serve(*decision, context, line, duplex, t0, headers.get("x-request-id"))
         finally:
             if not served and plane.config.logging.access_log:  # a served one's line is written at its end
                 line.setdefault("status", None)
@@ -205,15 +209,17 @@ class Picker(ext_proc_grpc.ExternalProcessorServicer):
         return decision if isinstance(decision, Refusal) else (parsed, decision)
 
     async def _serve(self, parsed: Parsed, d: Dispatch, context: grpc.aio.ServicerContext, line: dict[str, Any],
-                     duplex: bool, began: float) -> None:
+                     duplex: bool, began: float, envoy_id: str | None) -> None:
         """Send the dispatched request where the core chose, and read its answer's first chunk
         (or, where it is read whole, every chunk). The request is `_served` until its end: the
         stream's in full duplex, the access log's otherwise (or its answer read to the end)."""
         rid = d.request_id
         streaming = bool(parsed.body.get("stream"))
         read_whole = duplex or self._reads_whole(self.clock())
-        served = self._served[rid] = _Served(d, streaming, duplex, read_whole, peer_host(context.peer()), line,
-                                             began)
+        served = self._served[rid] = _Served(d, streaming, duplex, read_whole, peer_host(context.peer()),
+                                             None if duplex else envoy_id, line, began)
+        if served.envoy_id is not None:
+            self._by_envoy_id.setdefault(served.envoy_id, set()).add(rid)
         cut = False
         try:
             endpoint = await self._endpoint(self.plane.core.view.replica(d.replica).url)
@@ -295,22 +301,27 @@ class Picker(ext_proc_grpc.ExternalProcessorServicer):
                 self._read_to_end_at.setdefault(served.envoy, self.clock())
                 self._ended(served)
 
-    def ended(self, rid: str, status: int | None, terminal: Terminal, reason: Reason | None,
-              answered_after_s: float | None = None) -> None:
-        """The access log's word on how a request ended (the buffered setup). A whole answer not
-        read whole was not seen at all: `answered_after_s`, Envoy's time from sending the request
-        to the replica to its answer's first byte, dates that answer on the picker's clock."""
-        served = self._served.get(rid)
+    def ended(self, e: Ended) -> None:
+        """The access log's word on how a request ended (the buffered setup). One whose client
+        left before Envoy took the picker's answer carries no id of the picker's: it is found by
+        Envoy's. A whole answer not read whole was not seen at all: `answered_after_s`, Envoy's
+        time from sending the request to the replica to its answer's first byte, dates that
+        answer on the picker's clock."""
+        rid = e.request_id
+        if rid is None and len(ids := self._by_envoy_id.get(e.envoy_request_id, ())) == 1:
+            (rid,) = ids
+        served = self._served.get(rid) if rid is not None else None
         if served is None or served.done:
             return  # ended already (read whole), or not this picker's
-        served.line["status"] = status
-        served.out.terminal, served.out.reason = terminal, reason
+        terminal = e.terminal
+        served.line["status"] = e.status
         out = served.out
-        if (out.first_token_at is None and not served.streaming and answered_after_s is not None
+        out.terminal, out.reason = terminal, e.reason
+        if (out.first_token_at is None and not served.streaming and e.answered_after_s is not None
                 and terminal is Terminal.COMPLETED):
             now = self.clock()
             self.plane.core.started(rid, now, measured=False)  # the core's clock only goes forward
-            out.first_token_at = min(now, served.dispatch.dispatched_at + answered_after_s)
+            out.first_token_at = min(now, served.dispatch.dispatched_at + e.answered_after_s)
         if terminal is not Terminal.COMPLETED or not served.read_to_end:
             served.out.completion_tokens = None  # its length is known only where it was read to its end
         self._ended(served)
@@ -380,6 +391,11 @@ class Picker(ext_proc_grpc.ExternalProcessorServicer):
         d = served.dispatch
         rid = d.request_id
         self._served.pop(rid, None)
+        if served.envoy_id is not None:
+            ids = self._by_envoy_id[served.envoy_id]
+            ids.discard(rid)
+            if not ids:
+                del self._by_envoy_id[served.envoy_id]
         if served.read_whole and not served.duplex:
             self._reading_whole -= 1
         out = served.out
@@ -478,7 +494,7 @@ class AccessLog(als_pb2_grpc.AccessLogServiceServicer):
         try:
             async for message in request_iterator:
                 for e in ends_of(message, REQUEST_ID):
-                    self.picker.ended(e.request_id, e.status, e.terminal, e.reason, e.answered_after_s)
+                    self.picker.ended(e)
         finally:
             self.picker.log_closed(envoy)
         return als_pb2.StreamAccessLogsResponse()
