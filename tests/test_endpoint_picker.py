@@ -340,12 +340,13 @@ def test_an_envoy_without_the_access_log_is_warned_of(tmp_path):
         fleet.close()
 
 
-def test_clients_hanging_up_at_any_moment_leave_no_permit_behind(tmp_path):
+@pytest.mark.parametrize("body_mode", ["buffered", "duplex"])
+def test_clients_hanging_up_at_any_moment_leave_no_permit_behind(tmp_path, body_mode):
     """Clients that hang up a few milliseconds after sending, so at every stage of the picker's
-    work. Some leave while Envoy is still taking the picker's answer: their request never gets
-    the picker's headers, and its end comes with Envoy's `x-request-id` alone. Every permit comes
-    back at once, none after `picker.end_unseen_after_s`."""
-    fleet = Picked(tmp_path, [_tenant("alice", 10)], answers_read_whole=0)
+    work. Buffered, some leave while Envoy is still taking the picker's answer: their request
+    never gets the picker's headers, and its end comes with Envoy's `x-request-id` alone. Every
+    permit comes back at once, none after `picker.end_unseen_after_s`."""
+    fleet = Picked(tmp_path, [_tenant("alice", 10)], answers_read_whole=0, body_mode=body_mode)
     body = json.dumps({"model": "demo-llm", "prompt": "x", "max_tokens": 8}).encode()
     raw = (f"POST /v1/completions HTTP/1.1\r\nHost: bouncer\r\nAuthorization: Bearer alice\r\n"
            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body
