@@ -313,18 +313,13 @@ class Picker(ext_proc_grpc.ExternalProcessorServicer):
         served = self._served.get(rid) if rid is not None else None
         if served is None or served.done:
             return  # ended already (read whole), or not this picker's
-        terminal = e.terminal
         served.line["status"] = e.status
         out = served.out
-        out.terminal, out.reason = terminal, e.reason
-        if (out.first_token_at is None and not served.streaming and e.answered_after_s is not None
-                and terminal is Terminal.COMPLETED):
-            now = self.clock()
-            self.plane.core.started(rid, now, measured=False)  # the core's clock only goes forward
-            out.first_token_at = min(now, served.dispatch.dispatched_at + e.answered_after_s)
-        if terminal is not Terminal.COMPLETED or not served.read_to_end:
-            served.out.completion_tokens = None  # its length is known only where it was read to its end
-        self._ended(served)
+        out.terminal, out.reason = e.terminal, e.reason
+        if e.terminal is not Terminal.COMPLETED or not served.read_to_end:
+            out.completion_tokens = None  # its length is known only where it was read to its end
+        answered_after = None if served.streaming else e.answered_after_s
+        self._ended(served, None if answered_after is None else served.dispatch.dispatched_at + answered_after)
 
     def log_opened(self, envoy: str) -> None:
         self._logs_open[envoy] += 1
@@ -383,8 +378,9 @@ class Picker(ext_proc_grpc.ExternalProcessorServicer):
             self._unseen(served)
         return len(stale)
 
-    def _ended(self, served: _Served) -> None:
-        """The permit goes back, once."""
+    def _ended(self, served: _Served, answered_at: float | None = None) -> None:
+        """The permit goes back, once. `answered_at`: when a whole answer the picker did not see
+        came, as Envoy's log dates it."""
         if served.done:
             return
         served.done = True
@@ -404,7 +400,10 @@ class Picker(ext_proc_grpc.ExternalProcessorServicer):
             out.terminal, out.reason = Terminal.CANCELLED, Reason.CLIENT_DISCONNECTED
         if out.first_token_at is None and out.terminal is Terminal.COMPLETED:
             # an answer that came whole (or whose first chunk was missed): its prefill is over
-            self.plane.core.started(rid, self.clock(), measured=False)
+            now = self.clock()
+            self.plane.core.started(rid, now, measured=False)  # (the core's clock only goes forward)
+            if answered_at is not None:  # for the TTFT metric and the access line
+                out.first_token_at = min(now, answered_at)
         line = served.line
         self.plane.finish(d, out, served.streaming, line)
         if self.plane.config.logging.access_log:
