@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 import urllib.request
 
 import openai
@@ -138,6 +139,25 @@ def test_metrics_agree_with_engine_state(bg_loop):
         assert m["vllm:request_success_total{length}"] == 10
         assert m["vllm:kv_cache_usage_perc"] == 0.0
         assert m["vllm:time_to_first_token_seconds_count"] == 10
+    finally:
+        cleanup()
+
+
+def test_an_engine_run_slower_reports_the_latencies_its_clients_see(bg_loop):
+    """At `--speed 0.25` a step takes four times its profile's time on the wall clock, and the
+    latency histograms say so, in seconds, as a real engine's do: the step-time learner behind
+    Envoy reads decode speed from them."""
+    base, _, cleanup = start_engine(bg_loop, speed=0.25, num_blocks=2048, max_num_seqs=8)
+    try:
+        client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
+        at = []
+        for _ in client.completions.create(model="demo-llm", prompt="count to forty", max_tokens=40, stream=True,
+                                           extra_body={"ignore_eos": True}):
+            at.append(time.monotonic())
+        gaps = [b - a for a, b in zip(at[1:-1], at[2:], strict=False)]  # token to token (the last event is [DONE]'s)
+        m = scrape(base)
+        engine_itl = m["vllm:inter_token_latency_seconds_sum"] / m["vllm:inter_token_latency_seconds_count"]
+        assert engine_itl == pytest.approx(sum(gaps) / len(gaps), rel=0.25)
     finally:
         cleanup()
 

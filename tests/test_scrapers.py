@@ -63,11 +63,13 @@ def test_missing_signal_is_an_error_not_a_zero():
         parse_sglang("", 0)
 
 
+SGLANG = ('# TYPE sglang:token_usage gauge\nsglang:token_usage{model_name="m"} 0.28\n'
+          '# TYPE sglang:num_running_reqs gauge\nsglang:num_running_reqs{model_name="m"} 12\n'
+          '# TYPE sglang:num_queue_reqs gauge\nsglang:num_queue_reqs{model_name="m"} 4\n')
+
+
 def test_sglang():
-    text = ('# TYPE sglang:token_usage gauge\nsglang:token_usage{model_name="m"} 0.28\n'
-            '# TYPE sglang:num_running_reqs gauge\nsglang:num_running_reqs{model_name="m"} 12\n'
-            '# TYPE sglang:num_queue_reqs gauge\nsglang:num_queue_reqs{model_name="m"} 4\n')
-    t = parse_sglang(text, 1.0)
+    t = parse_sglang(SGLANG, 1.0)
     assert (t.kv_usage, t.running, t.waiting) == (0.28, 12, 4)
 
 
@@ -86,3 +88,19 @@ def test_llamacpp():
             "# TYPE llamacpp:requests_deferred gauge\nllamacpp:requests_deferred 5\n")
     t = parse_llamacpp(text, 0.0)
     assert (t.kv_usage, t.running, t.waiting) == (0.4, 2, 5)
+
+
+def test_the_inter_token_latency_histogram_is_read_as_its_sum_and_count():
+    """vLLM from 0.11 and SGLang name it `inter_token_latency_seconds`; vLLM before, per token
+    too, `time_per_output_token_seconds`. Summed over data-parallel ranks; absent, nothing."""
+    for engine, parse, name in (("vllm", parse_vllm, "vllm:inter_token_latency_seconds"),
+                                ("vllm", parse_vllm, "vllm:time_per_output_token_seconds"),
+                                ("sglang", parse_sglang, "sglang:inter_token_latency_seconds")):
+        registry = CollectorRegistry()
+        h = Histogram(name, "ITL", ["rank"], buckets=[0.01, 0.1, 1.0], registry=registry)
+        for rank, seconds in (("0", 0.02), ("0", 0.04), ("1", 0.03)):
+            h.labels(rank).observe(seconds)
+        base = VLLM if engine == "vllm" else SGLANG
+        t = parse(generate_latest(registry).decode() + base, 1.0)
+        assert (t.itl_sum, t.itl_count) == (pytest.approx(0.09), 3.0), name
+    assert (parse_vllm(VLLM, 1.0).itl_sum, parse_vllm(VLLM, 1.0).itl_count) == (None, None)

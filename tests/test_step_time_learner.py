@@ -9,6 +9,7 @@ import random
 import pytest
 
 from bouncer.config import parse_config
+from bouncer.core.fleet.replica import Telemetry
 from bouncer.core.learning.latency import LatencyPredictor, prefill_pairs
 from bouncer.core.learning.step_time import StepTimeModel
 from bouncer.core.learning.step_time_learner import GENERIC_PRIOR, StepTimeLearner, decode_terms
@@ -161,3 +162,57 @@ def test_a_whole_answer_is_not_taken_for_a_first_token():
         learned.finished(d.request_id, now + whole, Terminal.COMPLETED, 64)
     snap = learned.view.snapshot(30.0)["models"]["m"]["step_time"]
     assert snap["warm"] and snap["first_tokens_seen"] == 20
+
+
+def _engine_timed_run(core, seconds: int) -> None:
+    """Eight requests decoding on one replica at all times, their ends seen without their
+    lengths (as the endpoint picker sees most answers); the replica scraped every 0.25 s with
+    the engine's inter-token latency histogram as an engine running at TRUE would fill it."""
+    name = next(iter(core.replicas))
+    itl_sum = itl_count = 0.0
+    live: list[str] = []
+    now = 0.0
+    core.observe(name, Telemetry(at=now, kv_usage=0.1, running=0, waiting=0, itl_sum=0.0, itl_count=0.0), now)
+    for tick in range(seconds * 4):
+        now = tick * 0.25
+        while len(live) < 8:  # keep the batch at eight: one ends, the next begins
+            (d,) = dispatched(core.offer(info("a", prompt=300, max_tokens=64), now))
+            core.started(d.request_id, now + TRUE.step(300, 0))
+            live.append(d.request_id)
+        core.finished(live.pop(0), now, Terminal.COMPLETED, None)
+        step = TRUE.step(8, core.replicas[name].decode_context)  # a token for each of the batch
+        tokens = 8 * 0.25 / step
+        itl_sum, itl_count = itl_sum + tokens * step, itl_count + tokens
+        now += 0.25
+        core.observe(name, Telemetry(at=now, kv_usage=0.1, running=8, waiting=0, itl_sum=itl_sum,
+                                     itl_count=itl_count), now)
+
+
+def test_a_front_that_reads_no_answer_learns_decode_speed_from_the_engines_inter_token_latency():
+    """The endpoint picker's buffered setup sees each answer's first token and its end, not its
+    length: no request gives a decode observation. With `decodes_from_engines`, each scrape's
+    mean inter-token latency since the previous one does; without it, the fit never warms."""
+    blind = make_core(replicas=1, tenants=[tenant("a")])
+    _engine_timed_run(blind, 10)
+    assert blind.view.snapshot(10.0)["models"]["m"]["step_time"]["decodes_seen"] == 0
+
+    core = make_core(replicas=1, tenants=[tenant("a")])
+    core.decodes_from_engines = True
+    _engine_timed_run(core, 10)
+    snap = core.view.snapshot(10.0)["models"]["m"]["step_time"]
+    assert snap["warm"] and snap["decodes_seen"] >= 35
+    learned = StepTimeModel(**snap["coefficients"], max_batched_tokens=8192)
+    ctx = core.replicas[next(iter(core.replicas))].decode_context
+    assert learned.step(8, ctx) == pytest.approx(TRUE.step(8, ctx), rel=0.15)
+
+
+def test_an_interval_with_few_tokens_or_a_restarted_engine_says_nothing():
+    core = make_core(replicas=1, tenants=[tenant("a")])
+    core.decodes_from_engines = True
+    name = next(iter(core.replicas))
+    (d,) = dispatched(core.offer(info("a", prompt=300, max_tokens=64), 0.0))
+    core.started(d.request_id, 0.1)
+    learner = core.replicas[name].predictor.learner
+    for at, total, count in ((0.0, 100.0, 5000.0), (0.25, 100.1, 5004.0), (0.5, 0.2, 10.0), (0.75, 0.5, 30.0)):
+        core.observe(name, Telemetry(at=at, kv_usage=0.1, running=1, waiting=0, itl_sum=total, itl_count=count), at)
+    assert learner.tpot_seen == 1  # only the last interval: 4 tokens are too few, a counter that fell is a restart

@@ -285,20 +285,21 @@ class EngineServer:
             end = result.end
             if self.kv_events is not None:
                 self.kv_events.flush(end)
+            wall = 1.0 / self.speed  # the histograms say what clients wait, in seconds, as a real engine's do
             for req, n in result.tokens:
                 stream = self._streams.get(req.request_id)
                 if stream is None:
                     continue
                 if req.num_output == n:  # first tokens of this request
-                    self.h_ttft.observe(end - req.arrival)
+                    self.h_ttft.observe((end - req.arrival) * wall)
                     if req.scheduled_at is not None:
-                        self.h_queue.observe(req.scheduled_at - req.arrival)
+                        self.h_queue.observe((req.scheduled_at - req.arrival) * wall)
                 elif stream.last_token_at is not None:
-                    self.h_itl.observe((end - stream.last_token_at) / n)
+                    self.h_itl.observe((end - stream.last_token_at) / n * wall)
                 stream.last_token_at = end
                 stream.queue.put_nowait(n)
             for req in result.finished:
-                self.h_e2e.observe(end - req.arrival)
+                self.h_e2e.observe((end - req.arrival) * wall)
                 stream = self._streams.get(req.request_id)
                 if stream is not None:
                     stream.queue.put_nowait(None)

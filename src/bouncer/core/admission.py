@@ -77,6 +77,9 @@ class AdmissionCore:
         self._routing_cfg = None
         self.shares = FleetShares(config.policy.fleet_shares_window_s, config.policy.fleet_shares_slack_tokens)
         self.sent_prefixes, self.peer_prefixes = SentPrefixes(), PeerPrefixes()  # used while state is shared
+        # the front reads no answer past its first token (the picker's buffered setup): decode
+        # speed is learned from the engines' own inter-token latency instead
+        self.decodes_from_engines = False
         self.view = CoreView(self)
         self.reload(config, now)
 
@@ -274,7 +277,10 @@ class AdmissionCore:
             r.healthy = False
         else:
             r.healthy = True
+            previous, batch_then = r.telemetry, r.batch_at_sample
             r.observe(telemetry)
+            if self.decodes_from_engines:
+                feedback.engine_decodes(r, previous, batch_then, telemetry, now)
             r.check_drift(telemetry, now, self.policy.inflight_drift_s)
         ms = self.models[r.model]
         if ms.agents.enabled:

@@ -7,9 +7,12 @@ that run out (KV usage, running and waiting requests) and whatever extra the eng
 Names, as the engines export them:
 - vLLM v1: `vllm:kv_cache_usage_perc` (0..1; `vllm:gpu_cache_usage_perc` before 0.10),
   `vllm:num_requests_running`, `vllm:num_requests_waiting`, `vllm:cache_config_info{num_gpu_blocks,
-  block_size}`, `vllm:prefix_cache_queries_total` / `_hits_total`, `vllm:num_preemptions_total`.
+  block_size}`, `vllm:prefix_cache_queries_total` / `_hits_total`, `vllm:num_preemptions_total`,
+  `vllm:inter_token_latency_seconds_sum` / `_count` (`vllm:time_per_output_token_seconds` before
+  0.11; a token's time since its request's previous one).
 - SGLang (`--enable-metrics`): `sglang:token_usage` (0..1), `sglang:num_running_reqs`,
-  `sglang:num_queue_reqs`, `sglang:cache_hit_rate`.
+  `sglang:num_queue_reqs`, `sglang:cache_hit_rate`, `sglang:inter_token_latency_seconds_sum` /
+  `_count`.
 - TGI: `tgi_batch_current_size` (running), `tgi_queue_size` (waiting); TGI exports no KV usage,
   so `tgi_batch_current_max_tokens` over the configured pool is used when the pool is known.
 - llama.cpp server (`--metrics`): `llamacpp:kv_cache_usage_ratio`, `llamacpp:requests_processing`,
@@ -56,7 +59,9 @@ def _mean(samples, *names: str) -> float | None:
 VLLM_NAMES = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "vllm:cache_config_info",
               "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:prefix_cache_queries_total",
               "vllm:gpu_prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total",
-              "vllm:num_preemptions_total")
+              "vllm:num_preemptions_total", "vllm:inter_token_latency_seconds_sum",
+              "vllm:inter_token_latency_seconds_count", "vllm:time_per_output_token_seconds_sum",
+              "vllm:time_per_output_token_seconds_count")
 
 
 def parse_vllm(text: str, at: float, pool_blocks: int | None = None) -> Telemetry:
@@ -76,16 +81,28 @@ def parse_vllm(text: str, at: float, pool_blocks: int | None = None) -> Telemetr
                      num_blocks=num_blocks, block_size=block_size,
                      prefix_queries=_sum(s, "vllm:prefix_cache_queries_total", "vllm:gpu_prefix_cache_queries_total"),
                      prefix_hits=_sum(s, "vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total"),
-                     preemptions=_sum(s, "vllm:num_preemptions_total"))
+                     preemptions=_sum(s, "vllm:num_preemptions_total"),
+                     **_itl(s, "vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds"))
+
+
+def _itl(samples, *histograms: str) -> dict[str, float]:
+    """The first of `histograms` exported: its sum and count (`Telemetry.itl_sum`, `itl_count`)."""
+    for h in histograms:
+        total, count = _sum(samples, h + "_sum"), _sum(samples, h + "_count")
+        if total is not None and count is not None:
+            return {"itl_sum": total, "itl_count": count}
+    return {}
 
 
 def parse_sglang(text: str, at: float, pool_blocks: int | None = None) -> Telemetry:
-    s = _samples(text, ("sglang:token_usage", "sglang:num_running_reqs", "sglang:num_queue_reqs"))
+    s = _samples(text, ("sglang:token_usage", "sglang:num_running_reqs", "sglang:num_queue_reqs",
+                        "sglang:inter_token_latency_seconds_sum", "sglang:inter_token_latency_seconds_count"))
     usage = _mean(s, "sglang:token_usage")
     if usage is None:
         raise ValueError("no sglang:token_usage in the scrape (is --enable-metrics set?)")
     return Telemetry(at=at, kv_usage=usage, running=int(_sum(s, "sglang:num_running_reqs") or 0),
-                     waiting=int(_sum(s, "sglang:num_queue_reqs") or 0))
+                     waiting=int(_sum(s, "sglang:num_queue_reqs") or 0),
+                     **_itl(s, "sglang:inter_token_latency_seconds"))
 
 
 def parse_tgi(text: str, at: float, pool_blocks: int | None = None) -> Telemetry:

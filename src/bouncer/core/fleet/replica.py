@@ -37,6 +37,11 @@ class Telemetry:
     prefix_queries: float | None = None  # cumulative tokens looked up
     prefix_hits: float | None = None  # cumulative tokens hit
     preemptions: float | None = None
+    # the engine's inter-token latency histogram, cumulative: its sum (seconds) and count (tokens),
+    # where it exports one. What a front that reads no answer past its first token learns decode
+    # speed from (`feedback.engine_decodes`)
+    itl_sum: float | None = None
+    itl_count: float | None = None
     counts_requests: bool = True  # running and waiting are the engine's (not a bare liveness probe)
     # when it reached the gateway (None: at `at`). Freshness counts from here: a scrape that took
     # long to answer still shows the engine answering then. `at` stays the start of the scrape,
@@ -87,6 +92,7 @@ class ReplicaState:
         self.pending_context = 0  # attention context those will read once decoding
         self.decoding = 0  # dispatched and past their first token
         self.decode_context = 0  # context tokens their steps read (prompt + half the expected output)
+        self.batch_at_sample = (0, 0)  # (decoding, decode_context) when the last telemetry came
         self.tpot_slos: Counter = Counter()  # TPOT SLOs of the requests in flight here
         # what other gateways hold here, as last seen: counted in the figures above (except
         # `inflight`, which holds this gateway's own requests), so every reader sees the sum
@@ -180,6 +186,7 @@ class ReplicaState:
     def observe(self, telemetry: Telemetry) -> None:
         previous = self.telemetry
         self.telemetry = telemetry
+        self.batch_at_sample = (self.decoding, self.decode_context)
         self.sync_capacity()
         if previous is not None and telemetry.at > previous.at:
             rate = (telemetry.kv_usage - previous.kv_usage) / (telemetry.at - previous.at)

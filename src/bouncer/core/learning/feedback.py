@@ -5,6 +5,9 @@
   predictions are kept on the request at dispatch (`at_dispatch`), to correct by; the corrected
   one too, for its band's TTFT margin (`bouncer.core.learning.ttft_margin`). A first token past its
   deadline is its band's miss (`band_slos.BandSLOs.missed`).
+- Decode speed from the engines themselves, for a front that reads no answer past its first
+  token (the endpoint picker's buffered setup): each scrape's inter-token latency, over the
+  interval since the one before (`engine_decodes`).
 - Output lengths: KV is reserved for the output expected of a tenant on a model
   (`bouncer.core.learning.output_length`), learned from its completions.
 - Each replica's in-flight and prefill limits (AIMD, `adapt_limits`): the TPOT guard cuts one
@@ -17,7 +20,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from bouncer.config import Policy
-from bouncer.core.fleet.replica import ReplicaState, decode_context
+from bouncer.core.fleet.replica import ReplicaState, Telemetry, decode_context
 from bouncer.core.learning.latency import prefill_pairs
 from bouncer.core.learning.output_length import OutputLengthModel
 from bouncer.core.requests import Admission
@@ -32,6 +35,9 @@ SHORT_ANSWER_TOKENS = 16
 PREFILL_LIMIT_FLOOR = 1024  # tokens: a step with less prefill than this is mostly fixed cost
 # tokens per fast completion: from the floor back to vLLM's full step (8,192) in 3,584 of them
 PREFILL_LIMIT_INCREASE = 2.0
+# tokens an interval between two scrapes must have decoded for its mean inter-token latency to
+# be a step time rather than one request's luck (a step decodes one token of each in the batch)
+ENGINE_ITL_MIN_TOKENS = 8
 
 
 def expected_output(models: dict[str, OutputLengthModel], policy: Policy, model: str, max_tokens: int) -> int:
@@ -119,6 +125,27 @@ def completed(adm: Admission, r: ReplicaState, now: float, completion_tokens: in
     if learner is not None and adm.decode_start is not None:
         n, ctx = adm.decode_start
         learner.observe_tpot(round((n + end[0]) / 2), (ctx + end[1]) / 2, r.predictor.prefill_rate(now), tpot)  # type: ignore[union-attr]
+
+
+def engine_decodes(r: ReplicaState, previous: Telemetry | None, batch_then: tuple[int, int], t: Telemetry,
+                   now: float) -> None:
+    """The engine's mean inter-token latency since its previous scrape, one decode observation
+    for the step-time fit: the tokens of a step are one per sequence in the batch, each after
+    that step's time, so the mean is the steps' time weighted by their batch. The batch is this
+    gateway's count of what decodes there (the mean of it at the two scrapes), as for a request's
+    own TPOT. An interval with too few tokens, or nothing of ours decoding, says nothing."""
+    learner = r.predictor.learner if r.predictor is not None else None
+    if (learner is None or previous is None or t.itl_count is None or previous.itl_count is None
+            or t.itl_sum is None or previous.itl_sum is None):
+        return
+    tokens = t.itl_count - previous.itl_count
+    if tokens < ENGINE_ITL_MIN_TOKENS:  # (negative: the engine restarted, its counters with it)
+        return
+    batch = (batch_then[0] + r.decoding) / 2
+    if batch < 1:
+        return
+    learner.observe_tpot(round(batch), (batch_then[1] + r.decode_context) / 2,
+                         r.predictor.prefill_rate(now), (t.itl_sum - previous.itl_sum) / tokens)  # type: ignore[union-attr]
 
 
 def adapt_limits(policy: Policy, model_tpot_target: float | None, r: ReplicaState, adm: Admission,

@@ -15,7 +15,8 @@ against this one gRPC server:
   picker answers it and closes the stream, so Envoy carries the rest alone (a whole answer's
   stream is closed once it is routed: its first chunk would come with its end). At most
   `picker.answers_read_whole` answers at once, begun at least `READ_WHOLE_EVERY_S` apart, are
-  read to their end instead, for their usage (the output lengths and TPOT the core learns from).
+  read to their end instead, for their usage (the output lengths and TPOT the core learns from);
+  the decode speed of the rest is learned from the engines' inter-token latency, as scraped.
 - **the access log** (`StreamAccessLogs`, batched): each request's end, with the status Envoy
   sent and the flags that say whether its client left or its replica failed. That returns the
   permit. An end that never comes (an Envoy that died with requests in flight) is given up on
@@ -525,6 +526,9 @@ async def serve_picker(plane: ControlPlane, host: str, port: int, ready: asyncio
     cancelled."""
     server = grpc.aio.server()
     picker = Picker(plane)
+    # past its first token, an answer goes by unseen but for the few read whole: the engines' own
+    # inter-token latency says how fast they decode
+    plane.core.decodes_from_engines = True
     ext_proc_grpc.add_ExternalProcessorServicer_to_server(picker, server)
     als_pb2_grpc.add_AccessLogServiceServicer_to_server(AccessLog(picker), server)
     servicer = health.aio.HealthServicer()
