@@ -133,6 +133,18 @@ def test_scrapes_vllm_kv_metrics(gateway):
     t = loop.call(lambda: gw.core.replicas["vllm"].telemetry)
     assert t.num_blocks == KV_BLOCKS and t.block_size == 128
     assert 0.0 <= t.kv_usage <= 1.0
+    # its inter-token latency histogram (what the endpoint picker learns decode speed from): a
+    # streamed answer of 48 tokens adds 47 gaps to it
+    before = t.itl_count
+    assert before is not None and t.itl_sum is not None
+    url, _, _ = gateway
+    client = openai.OpenAI(base_url=url + "/v1", api_key="t", max_retries=0, timeout=120)
+    assert len([c for c in client.completions.create(model="tiny", prompt=PROMPT, max_tokens=48, stream=True,
+                                                     extra_body={"ignore_eos": True})]) >= 48
+    poll_until(lambda: loop.call(lambda: gw.core.replicas["vllm"].telemetry.itl_count) >= before + 47,
+               what="the streamed answer's gaps in vllm:inter_token_latency_seconds")
+    t = loop.call(lambda: gw.core.replicas["vllm"].telemetry)
+    assert t.itl_sum > 0
 
 
 def test_holds_requests_when_vllm_is_saturated_instead_of_passing_its_503s(gateway, vllm_url):
