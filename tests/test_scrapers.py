@@ -82,12 +82,30 @@ def test_tgi_uses_batch_tokens_over_the_configured_pool():
     assert parse_tgi(text, 0.0).kv_usage == 0.0  # pool unknown: no KV signal, own accounting decides
 
 
-def test_llamacpp():
-    text = ("# TYPE llamacpp:kv_cache_usage_ratio gauge\nllamacpp:kv_cache_usage_ratio 0.4\n"
+LLAMACPP = ("# TYPE llamacpp:kv_cache_usage_ratio gauge\nllamacpp:kv_cache_usage_ratio 0.4\n"
             "# TYPE llamacpp:requests_processing gauge\nllamacpp:requests_processing 2\n"
             "# TYPE llamacpp:requests_deferred gauge\nllamacpp:requests_deferred 5\n")
-    t = parse_llamacpp(text, 0.0)
+
+
+def test_llamacpp():
+    t = parse_llamacpp(LLAMACPP, 0.0)
     assert (t.kv_usage, t.running, t.waiting) == (0.4, 2, 5)
+    assert (t.itl_sum, t.itl_count) == (None, None)
+    # each slot's decoding time and tokens, counted since start: their ratio is the step's time
+    t = parse_llamacpp(LLAMACPP + "# TYPE llamacpp:tokens_predicted_seconds_total counter\n"
+                       "llamacpp:tokens_predicted_seconds_total 12.5\n"
+                       "# TYPE llamacpp:tokens_predicted_total counter\nllamacpp:tokens_predicted_total 500\n", 0.0)
+    assert (t.itl_sum, t.itl_count) == (12.5, 500)
+
+
+def test_tgi_reads_each_requests_mean_time_per_token():
+    registry = CollectorRegistry()
+    h = Histogram("tgi_request_mean_time_per_token_duration", "TPOT", buckets=[0.01, 0.1], registry=registry)
+    for seconds in (0.02, 0.04):
+        h.observe(seconds)
+    t = parse_tgi(generate_latest(registry).decode() + "# TYPE tgi_batch_current_size gauge\n"
+                  "tgi_batch_current_size 6\n", 0.0)
+    assert (t.itl_sum, t.itl_count) == (pytest.approx(0.06), 2.0)
 
 
 def test_the_inter_token_latency_histogram_is_read_as_its_sum_and_count():

@@ -15,8 +15,12 @@ Names, as the engines export them:
   `_count`.
 - TGI: `tgi_batch_current_size` (running), `tgi_queue_size` (waiting); TGI exports no KV usage,
   so `tgi_batch_current_max_tokens` over the configured pool is used when the pool is known.
+  `tgi_request_mean_time_per_token_duration_sum` / `_count`: each completed request's own mean
+  time per token (its count is of requests, not tokens).
 - llama.cpp server (`--metrics`): `llamacpp:kv_cache_usage_ratio`, `llamacpp:requests_processing`,
-  `llamacpp:requests_deferred`.
+  `llamacpp:requests_deferred`, `llamacpp:tokens_predicted_seconds_total` over
+  `llamacpp:tokens_predicted_total` (each slot's decoding time and tokens: their ratio is the
+  step's time).
 """
 
 from __future__ import annotations
@@ -106,24 +110,30 @@ def parse_sglang(text: str, at: float, pool_blocks: int | None = None) -> Teleme
 
 
 def parse_tgi(text: str, at: float, pool_blocks: int | None = None) -> Telemetry:
-    s = _samples(text, ("tgi_batch_current_size", "tgi_batch_current_max_tokens", "tgi_queue_size"))
+    s = _samples(text, ("tgi_batch_current_size", "tgi_batch_current_max_tokens", "tgi_queue_size",
+                        "tgi_request_mean_time_per_token_duration_sum",
+                        "tgi_request_mean_time_per_token_duration_count"))
     running = _sum(s, "tgi_batch_current_size")
     if running is None:
         raise ValueError("no tgi_batch_current_size in the scrape")
     tokens = _sum(s, "tgi_batch_current_max_tokens")
     usage = min(1.0, tokens / (pool_blocks * 16)) if tokens is not None and pool_blocks else 0.0
-    return Telemetry(at=at, kv_usage=usage, running=int(running), waiting=int(_sum(s, "tgi_queue_size") or 0))
+    return Telemetry(at=at, kv_usage=usage, running=int(running), waiting=int(_sum(s, "tgi_queue_size") or 0),
+                     **_itl(s, "tgi_request_mean_time_per_token_duration"))
 
 
 def parse_llamacpp(text: str, at: float, pool_blocks: int | None = None) -> Telemetry:
     s = _samples(text, ("llamacpp:kv_cache_usage_ratio", "llamacpp:requests_processing",
-                        "llamacpp:requests_deferred"))
+                        "llamacpp:requests_deferred", "llamacpp:tokens_predicted_seconds_total",
+                        "llamacpp:tokens_predicted_total"))
     usage = _mean(s, "llamacpp:kv_cache_usage_ratio")
     running = _sum(s, "llamacpp:requests_processing")
     if usage is None and running is None:
         raise ValueError("no llamacpp: metrics in the scrape (is --metrics set?)")
+    seconds, tokens = _sum(s, "llamacpp:tokens_predicted_seconds_total"), _sum(s, "llamacpp:tokens_predicted_total")
     return Telemetry(at=at, kv_usage=usage or 0.0, running=int(running or 0),
-                     waiting=int(_sum(s, "llamacpp:requests_deferred") or 0))
+                     waiting=int(_sum(s, "llamacpp:requests_deferred") or 0), itl_sum=seconds,
+                     itl_count=tokens if seconds is not None else None)
 
 
 Parser = Callable[[str, float, "int | None"], Telemetry]

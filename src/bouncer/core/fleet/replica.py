@@ -37,9 +37,9 @@ class Telemetry:
     prefix_queries: float | None = None  # cumulative tokens looked up
     prefix_hits: float | None = None  # cumulative tokens hit
     preemptions: float | None = None
-    # the engine's inter-token latency histogram, cumulative: its sum (seconds) and count (tokens),
-    # where it exports one. What a front that reads no answer past its first token learns decode
-    # speed from (`feedback.engine_decodes`)
+    # the engine's inter-token latency, cumulative: its sum (seconds) and count (tokens; TGI's,
+    # requests, each observed at its own mean), where it exports one. What a front that reads no
+    # answer past its first token learns decode speed from (`feedback.engine_decodes`)
     itl_sum: float | None = None
     itl_count: float | None = None
     counts_requests: bool = True  # running and waiting are the engine's (not a bare liveness probe)

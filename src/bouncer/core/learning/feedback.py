@@ -35,9 +35,9 @@ SHORT_ANSWER_TOKENS = 16
 PREFILL_LIMIT_FLOOR = 1024  # tokens: a step with less prefill than this is mostly fixed cost
 # tokens per fast completion: from the floor back to vLLM's full step (8,192) in 3,584 of them
 PREFILL_LIMIT_INCREASE = 2.0
-# tokens an interval between two scrapes must have decoded for its mean inter-token latency to
-# be a step time rather than one request's luck (a step decodes one token of each in the batch)
-ENGINE_ITL_MIN_TOKENS = 8
+# samples (tokens; TGI's, requests) an interval between two scrapes must hold for its mean
+# inter-token latency to be a step time rather than one request's luck
+ENGINE_ITL_MIN_SAMPLES = 8
 
 
 def expected_output(models: dict[str, OutputLengthModel], policy: Policy, model: str, max_tokens: int) -> int:
@@ -138,14 +138,14 @@ def engine_decodes(r: ReplicaState, previous: Telemetry | None, batch_then: tupl
     if (learner is None or previous is None or t.itl_count is None or previous.itl_count is None
             or t.itl_sum is None or previous.itl_sum is None):
         return
-    tokens = t.itl_count - previous.itl_count
-    if tokens < ENGINE_ITL_MIN_TOKENS:  # (negative: the engine restarted, its counters with it)
+    samples = t.itl_count - previous.itl_count
+    if samples < ENGINE_ITL_MIN_SAMPLES:  # (negative: the engine restarted, its counters with it)
         return
     batch = (batch_then[0] + r.decoding) / 2
     if batch < 1:
         return
     learner.observe_tpot(round(batch), (batch_then[1] + r.decode_context) / 2,
-                         r.predictor.prefill_rate(now), (t.itl_sum - previous.itl_sum) / tokens)  # type: ignore[union-attr]
+                         r.predictor.prefill_rate(now), (t.itl_sum - previous.itl_sum) / samples)  # type: ignore[union-attr]
 
 
 def adapt_limits(policy: Policy, model_tpot_target: float | None, r: ReplicaState, adm: Admission,
