@@ -133,7 +133,7 @@ def engine_decodes(r: ReplicaState, previous: Telemetry | None, batch_then: tupl
     for the step-time fit: the tokens of a step are one per sequence in the batch, each after
     that step's time, so the mean is the steps' time weighted by their batch. The batch is this
     gateway's count of what decodes there (the mean of it at the two scrapes), as for a request's
-    own TPOT. An interval with too few tokens, or nothing of ours decoding, says nothing."""
+    own TPOT. An interval with too few samples, or nothing of ours decoding, says nothing."""
     learner = r.predictor.learner if r.predictor is not None else None
     if (learner is None or previous is None or t.itl_count is None or previous.itl_count is None
             or t.itl_sum is None or previous.itl_sum is None):
