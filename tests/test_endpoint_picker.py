@@ -321,6 +321,39 @@ def test_answers_not_read_whole_end_as_envoy_logs_them(tmp_path):
         fleet.close()
 
 
+def test_with_no_answer_read_whole_the_step_time_is_learned_from_the_engines_metrics(tmp_path):
+    """Behind Envoy the picker sees each stream's first token, not its decode: with no answer
+    read whole, the decode half of the step-time fit comes from the engine's inter-token latency
+    histogram, scrape by scrape. It warms (it would not without a decode observation) and comes
+    near the engine's own per-step time."""
+    from bouncer.sim.profiles import DEFAULT_PROFILE, get_profile
+
+    fleet = Picked(tmp_path, [_tenant("alice", 10)], answers_read_whole=0)
+    try:
+        client = openai.AsyncOpenAI(base_url=fleet.url + "/v1", api_key="alice", max_retries=0, timeout=30)
+
+        async def one(i: int) -> int:
+            stream = await client.completions.create(model="demo-llm", prompt=f"request {i} " * (20 + 10 * i),
+                                                     max_tokens=48, stream=True, extra_body=LONG)
+            return len([c async for c in stream])
+
+        async def waves() -> list[int]:
+            out: list[int] = []
+            for wave in range(4):
+                out += await asyncio.gather(*(one(8 * wave + i) for i in range(8)))
+            return out
+
+        assert all(n >= 48 for n in asyncio.run(waves()))
+        poll_until(fleet.idle, timeout=10, what="every end logged")
+        step = fleet.state()["models"]["demo-llm"]["step_time"]
+        assert step["warm"] and step["decodes_seen"] >= 8, step
+        assert step["first_tokens_seen"] == 32
+        true_a = get_profile(DEFAULT_PROFILE).a  # `bouncer engine`'s profile, at --speed 1
+        assert true_a / 3 < step["coefficients"]["a"] < 3 * true_a, step
+    finally:
+        fleet.close()
+
+
 def test_an_envoy_without_the_access_log_is_warned_of(tmp_path):
     """An Envoy run on a bootstrap without the access log (an older `bouncer envoy-config`'s)
     routes requests whose ends the picker never learns, unless it reads their answers whole:
