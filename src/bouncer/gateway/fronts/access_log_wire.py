@@ -47,8 +47,8 @@ class Ended:
 def _answered_after(common: accesslog_pb2.AccessLogCommon) -> float | None:
     if not (common.HasField("time_to_last_upstream_tx_byte") and common.HasField("time_to_first_upstream_rx_byte")):
         return None
-    sent, came = common.time_to_last_upstream_tx_byte, common.time_to_first_upstream_rx_byte
-    return max(0.0, came.seconds - sent.seconds + (came.nanos - sent.nanos) / 1e9)
+    gap = common.time_to_first_upstream_rx_byte.ToNanoseconds() - common.time_to_last_upstream_tx_byte.ToNanoseconds()
+    return max(0.0, gap / 1e9)
 
 
 def status_outcome(status: int | None) -> tuple[Terminal, Reason | None]:
