@@ -24,7 +24,8 @@ from gateway_setup import tenant as keyed_tenant
 def _core(**config) -> AdmissionCore:
     core = AdmissionCore(parse_config({**make_config([tenant("a", 5), tenant("gate", 0, fairness_ids=["team-x"])]),
                                        "objectives": [{"name": "batch", "priority": -1},
-                                                      {"name": "critical", "priority": 50}], **config}), 0.0)
+                                                      {"name": "critical", "priority": 50}],
+                                       "access": {"trust_fairness_id": True}, **config}), 0.0)
     observe_idle(core, 0.0)
     return core
 
@@ -59,7 +60,30 @@ def test_a_fairness_id_names_a_tenant_only_for_a_request_whose_key_names_none():
 
 def test_a_fairness_id_listed_for_two_tenants_is_a_config_error():
     with pytest.raises(ValueError, match="fairness id"):
-        parse_config(make_config([tenant("a", fairness_ids=["x"]), tenant("b", fairness_ids=["x"])]))
+        parse_config({**make_config([tenant("a", fairness_ids=["x"]), tenant("b", fairness_ids=["x"])]),
+                      "access": {"trust_fairness_id": True}})
+
+
+def test_fairness_ids_without_trusting_the_header_are_a_config_error():
+    """The header is the client's own word: naming tenants by it needs a gateway in front that
+    authenticates and sets it, said in the config."""
+    with pytest.raises(ValueError, match="trust_fairness_id"):
+        parse_config(make_config([tenant("a", fairness_ids=["x"])]))
+
+
+def test_an_untrusted_fairness_id_names_no_tenant():
+    """Without `access.trust_fairness_id`, a keyless request naming a tenant's fairness id is
+    that of no tenant (401), or the default tenant's where one is configured: never the one it
+    named (a client could otherwise run as any tenant, in its band, on its quota)."""
+    core = AdmissionCore(parse_config(make_config([tenant("a", 5), tenant("b", 0)])), 0.0)
+    observe_idle(core, 0.0)
+    forged = info("a", fairness_id="a")
+    forged.key_digest = None
+    [refused] = core.offer(forged, 0.0)
+    assert isinstance(refused, Reject) and refused.refusal.reason is Reason.UNAUTHENTICATED
+    core = AdmissionCore(parse_config({**make_config([tenant("a", 5), tenant("b", 0)]), "default_tenant": "b"}), 0.0)
+    observe_idle(core, 0.0)
+    assert admission_of(core, dispatched(core.offer(forged, 0.0))[0]).tenant == "b"
 
 
 def test_llm_d_s_ttl_and_slo_headers_tighten_like_bouncer_s_own():
@@ -92,7 +116,7 @@ def _post(url: str, headers: dict[str, str]) -> tuple[int, dict]:
 def test_the_proxy_honours_the_vocabulary_end_to_end(bg_loop):
     f = Fleet(bg_loop, [keyed_tenant("alice", 10), {"name": "gate", "api_keys_sha256": [key_digest("unused")],
                                                      "priority": 3, "fairness_ids": ["team-x"]}],
-              extra={"objectives": [{"name": "batch", "priority": -1}]})
+              extra={"objectives": [{"name": "batch", "priority": -1}], "access": {"trust_fairness_id": True}})
     try:
         code, _ = _post(f.url, {"Authorization": "Bearer admin", "x-llm-d-inference-objective": "batch"})
         assert code == 401  # the admin key names no tenant

@@ -90,8 +90,9 @@ class Tenant(_Strict):
     models: list[str] = Field(default_factory=list, description="names of the models it may use; empty means all")
     fairness_ids: list[str] = Field(default_factory=list, description="values of x-llm-d-inference-fairness-id that "
                                                                       "name this tenant for a request whose API key "
-                                                                      "names no tenant (a gateway in front that "
-                                                                      "authenticates, as llm-d's clients send it)")
+                                                                      "names no tenant; read only with "
+                                                                      "access.trust_fairness_id (a gateway in front "
+                                                                      "that authenticates clients sets the header)")
     quota: TenantQuota | None = Field(None, description="what it may spend per hour, day, week or month, and what "
                                                         "happens past it (`quotas` says where spend is kept); "
                                                         "unset: its groups' limits only, refused past them")
@@ -728,6 +729,12 @@ class Access(_Strict):
     viewer_keys_sha256: list[str] = Field(default_factory=list, description="keys that may read the flight "
                                                                             "recorder (/admin/timeline, the page at "
                                                                             "/ui) and nothing else of /admin")
+    trust_fairness_id: bool = Field(False, description="x-llm-d-inference-fairness-id (or x-gateway-inference-"
+                                                       "fairness-id) names a tenant (its `fairness_ids`) for a request "
+                                                       "whose API key names none. Only behind a gateway that "
+                                                       "authenticates every client and sets the header itself, "
+                                                       "replacing any a client sent: otherwise any client could name "
+                                                       "any tenant. Off: the header is ignored")
 
     @field_validator("metrics_keys_sha256", "viewer_keys_sha256")
     @classmethod
@@ -941,6 +948,10 @@ class BouncerConfig(_Strict):
         fairness_ids = [f for t in self.tenants for f in t.fairness_ids]
         if len(set(fairness_ids)) != len(fairness_ids):
             raise ValueError("a fairness id is listed for more than one tenant")
+        if fairness_ids and not self.access.trust_fairness_id:
+            raise ValueError("tenants' fairness_ids need access.trust_fairness_id: true, and that only behind a "
+                             "gateway that authenticates clients and sets x-llm-d-inference-fairness-id itself "
+                             "(a client's own header would name any tenant)")
         objectives = [o.name for o in self.objectives]
         if len(set(objectives)) != len(objectives):
             raise ValueError("objective names must be unique")

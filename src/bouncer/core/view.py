@@ -72,6 +72,12 @@ class CoreView:
             return 0
         return feedback.mean_output(c.tenants.output_models[tenant], c.policy, info.model, max_tokens)
 
+    def tenant_of(self, key_digest: str | None, fairness_id: str | None) -> str | None:
+        """The tenant a request with this key (and fairness id) would be, as `offer` finds it;
+        None: it is refused as unauthenticated."""
+        t = self._core.tenants.identify(key_digest, fairness_id)
+        return t.name if t is not None else None
+
     def tenant_bands(self) -> dict[str, int]:
         """Each configured tenant's priority band."""
         return {t.name: t.priority for t in self._core.config.tenants}

@@ -50,7 +50,12 @@ from bouncer.gateway.metrics import GatewayMetrics
 from bouncer.gateway.prepared import Prepared, prepare
 from bouncer.gateway.quota_keeper import QuotaKeeper
 from bouncer.gateway.recording import GatewayRecorder
-from bouncer.gateway.request_parsing import key_digest_from_headers, request_head, with_prompt
+from bouncer.gateway.request_parsing import (
+    fairness_id_from_headers,
+    key_digest_from_headers,
+    request_head,
+    with_prompt,
+)
 from bouncer.gateway.scrapers import PARSERS
 from bouncer.gateway.shared_state import SharedState
 from bouncer.openai_wire import ApiError, dumps, parse_json_object
@@ -271,6 +276,15 @@ class ControlPlane:
     # -- what a front hands over ------------------------------------------------------------------
     def request_id(self) -> str:
         return f"{self._id_prefix}{next(self._ids)}"
+
+    def unauthenticated(self, rid: str, headers, line: dict[str, Any]) -> Refusal | None:
+        """The refusal of a request whose headers name no tenant (and that no default tenant
+        takes), before its body is read or parsed: a caller without a key costs the gateway
+        no more than its headers."""
+        if self.core.view.tenant_of(key_digest_from_headers(headers), fairness_id_from_headers(headers)) is not None:
+            return None
+        return self.refuse_early(rid, Refusal(Layer.VALIDATION, Reason.UNAUTHENTICATED, "invalid or missing API key"),
+                                 line)
 
     def parse(self, rid: str, kind: str, raw: bytes, headers, line: dict[str, Any]) -> Parsed | Refusal:
         """A generation request's body (already within `limits.max_body_bytes`) and headers,

@@ -39,6 +39,12 @@ def key_digest_from_headers(headers) -> str | None:
     return hashlib.sha256(key.encode("utf-8", "surrogateescape")).hexdigest() if key else None
 
 
+def fairness_id_from_headers(headers) -> str | None:
+    """llm-d's fairness id (or its older name): a tenant's name for a request, where the config
+    trusts a gateway in front to set it (`access.trust_fairness_id`)."""
+    return headers.get("x-llm-d-inference-fairness-id") or headers.get("x-gateway-inference-fairness-id") or None
+
+
 def _estimate_ids(text: str) -> list[int]:
     raw = text.encode()
     return [int.from_bytes(raw[i:i + BYTES_PER_TOKEN_ESTIMATE], "little")
@@ -170,8 +176,7 @@ def request_head(request_id: str, kind: str, body: dict[str, Any], headers,
         ttl_s=_tightest(_header_ms(headers, "x-bouncer-ttl-ms"), _header_duration(headers, "x-llm-d-inference-ttl")),
         ttft_slo_s=_tightest(_header_ms(headers, "x-bouncer-ttft-ms"), _header_ms(headers, "x-llm-d-slo-ttft-ms")),
         tpot_slo_s=_tightest(_header_ms(headers, "x-bouncer-tpot-ms"), _header_ms(headers, "x-llm-d-slo-tpot-ms")),
-        fairness_id=headers.get("x-llm-d-inference-fairness-id") or headers.get("x-gateway-inference-fairness-id")
-        or None,
+        fairness_id=fairness_id_from_headers(headers),
         objective=headers.get("x-llm-d-inference-objective") or headers.get("x-gateway-inference-objective") or None,
         session_id=headers.get("x-session-id") or None,
         parent_session_id=headers.get("x-parent-session-id") or None,

@@ -1,7 +1,7 @@
 """The tenants a core knows, as the config last named them, and what it keeps per tenant.
 
-- who a request is: its API key's digest names a tenant, or the configured default tenant takes
-  it (`identify`);
+- who a request is: its API key's digest names a tenant, or a fairness id a trusted gateway set
+  (`access.trust_fairness_id`), or the configured default tenant takes it (`identify`);
 - each tenant's circuit breaker, kept across reloads that leave its settings alone;
 - each tenant's output lengths as learned per model (`feedback.expected_output` reads them);
 - its rate limits, configured in the rate-limit store (which keeps their levels);
@@ -34,7 +34,9 @@ class TenantBook:
         """The config's tenants. A tenant's breaker restarts only when its settings change, its
         learned output lengths never (a tenant named again keeps them)."""
         self._by_key = config.tenant_by_key()
-        self._by_fairness_id = {f: t for t in config.tenants for f in t.fairness_ids}
+        # a client's header is its own word: only a gateway that authenticates may name a tenant by it
+        self._by_fairness_id = {f: t for t in config.tenants for f in t.fairness_ids} \
+            if config.access.trust_fairness_id else {}
         self._objectives = {o.name: o.priority for o in config.objectives}
         self._default = next((t for t in config.tenants if t.name == config.default_tenant), None)
         b = config.policy.breaker
@@ -50,7 +52,8 @@ class TenantBook:
 
     def identify(self, key_digest: str | None, fairness_id: str | None = None) -> Tenant | None:
         """The tenant a request's API key (its SHA-256) names, else the one its fairness id
-        names (`Tenant.fairness_ids`), else the default tenant, if any."""
+        names (`Tenant.fairness_ids`, where the config trusts the header), else the default
+        tenant, if any."""
         return (self._by_key.get(key_digest) if key_digest else None) or \
             (self._by_fairness_id.get(fairness_id) if fairness_id else None) or self._default
 

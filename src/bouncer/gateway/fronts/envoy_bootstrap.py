@@ -3,7 +3,9 @@
 The listener runs three HTTP filters, in order:
 1. `header_mutation` drops `x-gateway-destination-endpoint`, `x-bouncer-request-id` and
    `x-bouncer-picker` from what clients send: only the picker names where a request goes, even
-   when it is down and Envoy fails open.
+   when it is down and Envoy fails open. It drops llm-d's fairness-id headers too: this Envoy
+   authenticates no one, so a client's own would be its word on who it is
+   (`access.trust_fairness_id` is for a gateway that authenticates and sets them).
 2. the picker (`ext_proc`): request headers and the whole request body; it answers the body once
    the core dispatches the request (holding is answering late). Then the answer's body, STREAMED:
    the picker answers a stream's first chunk (the first token) and closes its stream, so Envoy
@@ -40,6 +42,11 @@ from bouncer.config import BouncerConfig
 from bouncer.gateway.fronts.access_log_wire import CLIENT_LEFT_FLAGS
 from bouncer.gateway.fronts.ext_proc_wire import SUBSET_NAMESPACE
 from bouncer.gateway.fronts.picker import DESTINATION, PICKED_BY, REQUEST_ID
+
+# what clients may not send through this Envoy: where a request goes, the picker's own marks, and
+# who it is other than by its key
+CLIENTS_MAY_NOT_SEND = (DESTINATION, REQUEST_ID, PICKED_BY, "x-llm-d-inference-fairness-id",
+                        "x-gateway-inference-fairness-id")
 
 HOLD_MARGIN_S = 5.0  # past the longest queue TTL: the core ends a hold before Envoy would
 IDLE_FLOOR_S = 300.0  # never below Envoy's own stream idle default
@@ -144,7 +151,7 @@ def bootstrap(config: BouncerConfig, *, listen_host: str = "127.0.0.1", listen_p
     http_filters = [
         {"name": "bouncer.strip-destination", "typed_config": {
             "@type": T + "envoy.extensions.filters.http.header_mutation.v3.HeaderMutation",
-            "mutations": {"request_mutations": [{"remove": h} for h in (DESTINATION, REQUEST_ID, PICKED_BY)]}}},
+            "mutations": {"request_mutations": [{"remove": h} for h in CLIENTS_MAY_NOT_SEND]}}},
         {"name": "bouncer.picker", "typed_config": _ext_proc(
             "bouncer-picker", DUPLEX if duplex else BUFFERED,
             failure_mode_allow=fail_open, message_timeout=_seconds(hold), max_message_timeout=_seconds(hold),

@@ -165,9 +165,11 @@ class Picker(ext_proc_grpc.ExternalProcessorServicer):
         t0 = self.clock()
         served = False
         try:
-            if first.request_headers.end_of_stream:
+            refusal = plane.unauthenticated(rid, headers, line)  # before its body is sent here
+            if refusal is None and first.request_headers.end_of_stream:
                 refusal = plane.refuse_early(rid, Refusal(Layer.VALIDATION, Reason.INVALID_REQUEST,
                                                           "a request body is required"), line)
+            if refusal is not None:
                 line["status"] = refusal.status
                 await context.write(refused(refusal))
                 return

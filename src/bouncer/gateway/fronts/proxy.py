@@ -89,6 +89,8 @@ class Proxy:
         limits = plane.config.limits
         too_large = Refusal(Layer.VALIDATION, Reason.BODY_TOO_LARGE,
                             f"request body exceeds {limits.max_body_bytes} bytes")
+        if (refusal := plane.unauthenticated(rid, request.headers, line)) is not None:
+            return error_response(refusal)
         if request.content_length is not None and request.content_length > limits.max_body_bytes:
             return error_response(plane.refuse_early(rid, too_large, line))
         try:

@@ -1,0 +1,77 @@
+"""A hostile tenant against the gateway: one attack per finding of issue 67, each with the answer it
+must get. Each would pass on the gateway before that issue: a client that runs as another tenant,
+pays less than the engine used, steers the engine, or holds what it should not.
+
+The attacks go through real processes on loopback: the proxy front in front of `bouncer engine`
+servers (`gateway_setup.Fleet`), raw sockets and the openai SDK as clients.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+import pytest
+
+from bouncer.config import ConfigError, parse_config
+from gateway_setup import Fleet, tenant
+from servers import poll_until
+
+
+@pytest.fixture
+def fleet(bg_loop):
+    f = Fleet(bg_loop, [tenant("alice", priority=10, slo={"ttft_s": 1.0}), tenant("mallory", priority=-1)],
+              engines=1, engine_kwargs={"num_blocks": 2048, "max_num_seqs": 32}, speed=4.0)
+    yield f
+    f.close()
+
+
+def _post(url: str, body: dict | bytes, headers: dict[str, str], timeout: float = 30) -> tuple[int, dict, bytes]:
+    import urllib.error
+    import urllib.request
+
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=raw, method="POST", headers={"Content-Type": "application/json", **headers})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, dict(resp.headers), resp.read()
+    except urllib.error.HTTPError as err:
+        return err.code, dict(err.headers), err.read()
+
+
+def _decisions(f: Fleet) -> dict:
+    return f.call(lambda: dict(f.gateway.core.stats.decisions))
+
+
+# -- 1. identity comes from the key ---------------------------------------------------------------
+@pytest.mark.parametrize("header", ["x-llm-d-inference-fairness-id", "x-gateway-inference-fairness-id"])
+def test_1_a_fairness_id_header_does_not_make_a_keyless_request_another_tenant(fleet, header):
+    """Without `access.trust_fairness_id` (the default) the header is the client's word: a
+    request with no key, or a wrong one, that names a tenant is nobody's (401)."""
+    body = {"model": "demo-llm", "prompt": "hi", "max_tokens": 2}
+    for auth in ({}, {"Authorization": "Bearer not-a-key"}):
+        status, _, raw = _post(fleet.url + "/v1/completions", body, {header: "alice", **auth})
+        assert status == 401, raw
+    assert not any(k[0] == "admitted" for k in _decisions(fleet))
+    # naming tenants by the header is the operator's explicit choice, for a gateway that sets it
+    with pytest.raises(ConfigError, match="trust_fairness_id"):
+        parse_config({**fleet.config, "tenants": [tenant("alice", fairness_ids=["alice"])]})
+
+
+# -- 9. the key is checked before the body is read ------------------------------------------------
+def test_9_a_keyless_request_is_refused_on_its_headers_without_its_body_being_read(fleet):
+    """A request with no key gets its 401 as soon as its headers are in, without the gateway
+    waiting for (or parsing) a body it announced and never sends."""
+    host, port = fleet.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 4000000\r\n\r\n{\"model\":")
+        t0 = time.monotonic()
+        head = s.recv(4096)
+        assert head.startswith(b"HTTP/1.1 401"), head[:200]
+        assert time.monotonic() - t0 < 5  # the body timeout is 30 s: it did not wait for the body
+    body = b"not json at all" * 1000
+    status, _, raw = _post(fleet.url + "/v1/chat/completions", body, {})
+    assert status == 401 and json.loads(raw)["error"]["code"] == "unauthenticated"
+    poll_until(lambda: fleet.call(lambda: fleet.gateway.core.view.inflight) == 0, what="nothing in flight")
