@@ -472,3 +472,11 @@ def test_eviction_takes_the_lowest_band_first_then_its_newest_request():
     assert order == [lowest_new.request_id, lowest_old.request_id, low_new.request_id, low_old.request_id]
     r = only_reject(core.offer(info("a"), 0.0))  # nothing sheddable left to evict
     assert r.reason == "queue_full"
+
+
+def test_a_band_s_reserve_is_its_tenants_configured_slo_not_a_request_s_header():
+    """A refused probe with a 1 ms TTFT header from the top band leaves the reserve the lower
+    bands keep at the top tenant's configured SLO (issue 67, finding 5)."""
+    core = make_core(tenants=[tenant("top", 10, slo={"ttft_s": 2.0}), tenant("low", 0)])
+    core.offer(info("top", ttft_slo_s=0.001), 0.0)
+    assert core.models["m"].band_slos.protected(0, 0.1) == (2.0, float("inf"))

@@ -75,3 +75,16 @@ def test_9_a_keyless_request_is_refused_on_its_headers_without_its_body_being_re
     status, _, raw = _post(fleet.url + "/v1/chat/completions", body, {})
     assert status == 401 and json.loads(raw)["error"]["code"] == "unauthenticated"
     poll_until(lambda: fleet.call(lambda: fleet.gateway.core.view.inflight) == 0, what="nothing in flight")
+
+
+# -- 5. a reserve comes from the config, never from a header --------------------------------------
+def test_5_a_tighter_slo_header_does_not_become_the_lower_bands_reserve(fleet):
+    """A top-band request that says `x-bouncer-ttft-ms: 1` (or llm-d's header) tightens its own
+    deadline only: the TTFT reserve the lower bands keep for its band stays its tenant's
+    configured SLO (1 s here), whether the probe was served or refused."""
+    body = {"model": "demo-llm", "prompt": "probe", "max_tokens": 2}
+    for header in ("x-bouncer-ttft-ms", "x-llm-d-slo-ttft-ms"):
+        status, _, _ = _post(fleet.url + "/v1/completions", body, {"Authorization": "Bearer alice", header: "1"})
+        assert status in (200, 429)
+    reserve = fleet.call(lambda: fleet.gateway.core.models["demo-llm"].band_slos.protected(0, fleet.gateway.clock()))
+    assert reserve[0] == 1.0, reserve

@@ -136,7 +136,7 @@ class Arrivals:
             adm.mean_output = feedback.mean_output(lengths, c.policy, info.model, max_tokens)
         if not info.retry_count:
             ms.demand.sized(t.name, t.priority >= 0, info.prompt_tokens, now)
-        ms.band_slos.note(adm, now)
+        ms.band_slos.note(adm.priority, t.slo, now)
         if ttft_left is not None and ttft_left <= 0:  # a retry past its first attempt's deadline
             refusal = deadlines.past_first_deadline(adm, t, c.policy, self.acts_on_late(adm),
                                                     now - first_arrival_at)  # type: ignore[operator]

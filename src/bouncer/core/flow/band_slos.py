@@ -4,7 +4,7 @@ lower bands (`BandSLOs`), which placement reads as reserves; more so while it mi
 
 from __future__ import annotations
 
-from bouncer.core.requests import Admission
+from bouncer.config import SLO
 
 INF = float("inf")
 BAND_ACTIVE_S = 10.0  # a band that sent a request this recently has its TTFT protected from lower bands
@@ -21,9 +21,10 @@ STRAINED_S = 3.0
 
 
 class BandSLOs:
-    """Per band, the strictest TTFT and TPOT SLO it asked for recently, and when it last missed
-    its TTFT; with several gateways, the same as the others last said (`seen_elsewhere`), so
-    that a gateway keeps room for a top band whose requests all arrive at another."""
+    """Per band, the strictest TTFT and TPOT SLO promised to its tenants that sent requests
+    recently, and when it last missed its TTFT; with several gateways, the same as the others
+    last said (`seen_elsewhere`), so that a gateway keeps room for a top band whose requests all
+    arrive at another."""
 
     __slots__ = ("ttft", "tpot", "last_miss", "peer_ttft", "peer_tpot", "peer_miss")
 
@@ -44,11 +45,14 @@ class BandSLOs:
         last = max(self.last_miss.get(band, -INF), self.peer_miss.get(band, -INF))
         return now - last <= STRAINED_S
 
-    def note(self, adm: Admission, now: float) -> None:
-        if adm.ttft_slo:
-            self._note(self.ttft, adm.priority, adm.ttft_slo, now)
-        if adm.tpot_slo:
-            self._note(self.tpot, adm.priority, adm.tpot_slo, now)
+    def note(self, band: int, slo: SLO, now: float) -> None:
+        """A request of `band` came, from a tenant promised `slo`. The configured promise, never a
+        client's tighter header: a header tightens its own request's deadline only, or one cheap
+        request (refused, even) could make every lower band hold room for a 1 ms TTFT."""
+        if slo.ttft_s:
+            self._note(self.ttft, band, slo.ttft_s, now)
+        if slo.tpot_s:
+            self._note(self.tpot, band, slo.tpot_s, now)
 
     @staticmethod
     def _note(slos: dict[int, tuple[float, float]], band: int, slo: float, now: float) -> None:
