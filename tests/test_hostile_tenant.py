@@ -9,6 +9,7 @@ servers (`gateway_setup.Fleet`), raw sockets and the openai SDK as clients.
 from __future__ import annotations
 
 import json
+import logging
 import socket
 import time
 
@@ -88,3 +89,55 @@ def test_5_a_tighter_slo_header_does_not_become_the_lower_bands_reserve(fleet):
         assert status in (200, 429)
     reserve = fleet.call(lambda: fleet.gateway.core.models["demo-llm"].band_slos.protected(0, fleet.gateway.clock()))
     assert reserve[0] == 1.0, reserve
+
+
+# -- 10. what steers the engine is the gateway's --------------------------------------------------
+STEERING = {"priority": -100, "request_id": "victim-request", "kv_transfer_params": {
+    "do_remote_prefill": True, "remote_host": "10.0.0.66", "remote_port": 5555, "remote_engine_id": "evil",
+    "remote_block_ids": [1, 2]}, "ec_transfer_params": {"remote_host": "10.0.0.66"}, "cache_salt": "another-tenant"}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_10_engine_control_fields_never_reach_the_engine_as_the_client_sent_them(fleet, stream, caplog):
+    """A client's `priority` (vLLM's priority queue), `kv_transfer_params` / `ec_transfer_params`
+    (a host the engine would fetch KV from), `request_id` and `cache_salt` are dropped on the way
+    up; the access line names what was dropped."""
+    body = {"model": "demo-llm", "prompt": "steer", "max_tokens": 3, "stream": stream, **STEERING}
+    with caplog.at_level(logging.INFO):
+        status, _, raw = _post(fleet.url + "/v1/completions", body, {"Authorization": "Bearer mallory"})
+        assert status == 200, raw
+        poll_until(lambda: any(getattr(r, "event", None) == "request" for r in caplog.records), what="access line")
+    [line] = [r.__dict__ for r in caplog.records if getattr(r, "event", None) == "request"]
+    assert line["dropped"] == "priority,request_id,kv_transfer_params,ec_transfer_params,cache_salt"
+    server = fleet.engines[0][1]
+    sent = fleet.call(lambda: list(server.received))[-1]
+    assert sent["prompt"] == "steer"
+    for field in STEERING:
+        assert sent.get(field) != STEERING[field], (field, sent.get(field))
+    assert "priority" not in sent and "request_id" not in sent and "kv_transfer_params" not in sent
+
+
+# -- 8. an overflow endpoint is asked for no more than the tenant may have --------------------------
+def test_8_a_diverted_request_keeps_its_tenants_token_cap(bg_loop):
+    """A request diverted to an external overflow endpoint (the pool has no replica) is sent with
+    the max_tokens the tenant's cap allows, not the client's: the operator pays the provider."""
+    from conftest import start_engine, start_gateway
+    from servers import free_port
+
+    provider, provider_server, stop_provider = start_engine(bg_loop, speed=20.0)
+    cfg = {"tenants": [tenant("alice", overflow=True, max_tokens_cap=16, max_tokens_default=16)],
+           "models": [{"name": "demo-llm", "max_model_len": 8192,
+                       "backends": [{"url": f"http://127.0.0.1:{free_port()}", "name": "gone"}],
+                       "overflow": [{"name": "provider", "url": provider, "upstream_model": "demo-llm"}]}],
+           "policy": {"telemetry": {"scrape_interval_s": 0.05, "staleness_s": 0.5}}}
+    base, plane, stop_gateway = start_gateway(bg_loop, cfg)
+    try:
+        body = {"model": "demo-llm", "prompt": "divert me", "max_tokens": 100_000, "priority": 7}
+        status, _, raw = _post(base + "/v1/completions", body, {"Authorization": "Bearer alice"})
+        assert status == 200, raw
+        assert json.loads(raw)["usage"]["completion_tokens"] <= 16
+        sent = bg_loop.call(lambda: list(provider_server.received))[-1]
+        assert sent["max_tokens"] == 16 and "priority" not in sent
+    finally:
+        stop_gateway()
+        stop_provider()

@@ -23,6 +23,7 @@ import random
 import time
 import zlib
 from array import array
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,6 +63,7 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
 SAMPLED_OUTPUT_MEDIAN = 150
 SAMPLED_OUTPUT_SIGMA = 0.8
 DEFAULT_MAX_TOKENS = 256
+RECEIVED_KEPT = 256  # request bodies kept as received (`EngineServer.received`)
 
 
 @dataclass(slots=True)
@@ -214,6 +216,8 @@ class EngineServer:
         self.tokenizer = tokenizer or PromptTokenizer()
         self.seed = seed
         self._streams: dict[str, _Stream] = {}
+        # the bodies of the last requests received, as they came (what a gateway in front sent)
+        self.received: deque[dict[str, Any]] = deque(maxlen=RECEIVED_KEPT)
         self._ids = itertools.count()
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
@@ -352,6 +356,7 @@ class EngineServer:
     async def _generate(self, request: web.Request, kind: str) -> web.StreamResponse:
         try:
             body = parse_json_object(await request.read())
+            self.received.append(body)
             model = body.get("model")
             if model != self.model_name:
                 raise ApiError(404, f"The model `{model}` does not exist.", type_="NotFoundError", code=404,

@@ -118,7 +118,7 @@ class Arrivals:
             return [self._refuse_new(info, t.name, t.priority, max_tokens)]
         c.tenants.demotions.note(t.name, info.over_quota, now)
         if info.over_quota is not None:  # the shell found its quota spent (`intake.quota`)
-            spent = self._over_quota(info, t, now)
+            spent = self._over_quota(info, t, max_tokens, now)
             if not isinstance(spent, Tenant):
                 return [spent]
             t = spent
@@ -158,7 +158,7 @@ class Arrivals:
     def _refuse_new(self, info: RequestInfo, tenant: str, band: int | None, refusal: Refusal) -> Reject:
         return self.core.finaliser.refuse_unadmitted(info.request_id, tenant, band, refusal)
 
-    def _over_quota(self, info: RequestInfo, t: Tenant, now: float) -> Tenant | Reject | Divert:
+    def _over_quota(self, info: RequestInfo, t: Tenant, max_tokens: int, now: float) -> Tenant | Reject | Divert:
         """Its tenant's quota is spent: the tenant as demoted, or the refusal, or the divert."""
         c, over = self.core, info.over_quota
         assert over is not None
@@ -168,7 +168,7 @@ class Arrivals:
         ttl = min(t.queue_ttl_s or c.policy.default_ttl_s, info.ttl_s or float("inf"))
         refusal = quota.refusal(over, ttl)
         if over.action == "divert":
-            return c.finaliser.divert_unadmitted(info, t.name, t.priority, refusal, now)
+            return c.finaliser.divert_unadmitted(info, t.name, t.priority, refusal, max_tokens, now)
         return self._refuse_new(info, t.name, t.priority, refusal)
 
     def _enter_waiting_room(self, ms: ModelState, adm: Admission, view: PoolView, ttft_left: float | None,

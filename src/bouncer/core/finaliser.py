@@ -101,15 +101,15 @@ class Finaliser:
         self._count(Terminal.REFUSED, refusal.layer, refusal.reason, tenant, band)
         return Reject(request_id, refusal, Terminal.REFUSED, tenant, band)
 
-    def divert_unadmitted(self, info: RequestInfo, tenant: str, band: int, refusal: Refusal,
+    def divert_unadmitted(self, info: RequestInfo, tenant: str, band: int, refusal: Refusal, max_tokens: int,
                           now: float) -> Reject | Divert:
         """`refuse_unadmitted`, for a request an overflow target may take instead (a spent
-        quota's `divert`)."""
-        divert = self._divert(info, tenant, band, refusal, now)
+        quota's `divert`), with the token limit it runs with."""
+        divert = self._divert(info, tenant, band, refusal, max_tokens, now)
         return divert if divert is not None else self.refuse_unadmitted(info.request_id, tenant, band, refusal,
                                                                          info.model, now)
 
-    def _divert(self, info: RequestInfo, tenant: str, band: int | None, refusal: Refusal,
+    def _divert(self, info: RequestInfo, tenant: str, band: int | None, refusal: Refusal, max_tokens: int,
                 now: float) -> Divert | None:
         """A Divert in place of `refusal`, where an overflow target takes it (counted here)."""
         if info.diverted_from is not None:
@@ -118,7 +118,7 @@ class Finaliser:
         if target is None:
             return None
         self._count(Terminal.DIVERTED, refusal.layer, refusal.reason, tenant, band)
-        return Divert(info.request_id, target.name, refusal, tenant, band)
+        return Divert(info.request_id, target.name, refusal, tenant, band, max_tokens)
 
     # -- an Admission exists: it may hold a breaker probe and a rate-limit charge ----------------
     def refuse(self, adm: Admission, refusal: Refusal | Callable[[], Refusal], now: float,
@@ -131,7 +131,7 @@ class Finaliser:
             refusal = refusal()
         if not adm.best_effort:
             self._missed(adm.info.model, adm.priority, refusal.reason, now)
-        divert = self._divert(adm.info, adm.tenant, adm.priority, refusal, now)
+        divert = self._divert(adm.info, adm.tenant, adm.priority, refusal, adm.max_tokens, now)
         if divert is not None:
             self._settle(adm, Terminal.DIVERTED, refusal.reason, now, completion_tokens=0)
             return divert

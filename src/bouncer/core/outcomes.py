@@ -197,6 +197,7 @@ class Divert(NamedTuple):
     refusal: Refusal
     tenant: str
     band: int | None
+    max_tokens: int  # after defaults and clamping: what the target is asked for, as a replica would be
 
 
 class Reclaimed(NamedTuple):

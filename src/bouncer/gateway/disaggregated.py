@@ -21,6 +21,7 @@ import orjson
 from bouncer.core.outcomes import Reason
 from bouncer.gateway.relay import UpstreamFailure, failure_for_status
 from bouncer.gateway.upstream import UpstreamResponse
+from bouncer.gateway.upstream_body import token_limit_field
 
 # what the prefill worker is told: compute the prompt, keep its KV for a remote decode
 PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
@@ -32,7 +33,7 @@ def prefill_body(upstream_body: dict[str, Any]) -> dict[str, Any]:
     body = dict(upstream_body)
     body["stream"] = False
     body.pop("stream_options", None)
-    body["max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"] = 1
+    body[token_limit_field(body)] = 1
     body.pop("min_tokens", None)  # a floor above one token would outlast the prefill
     body["kv_transfer_params"] = dict(PREFILL_PARAMS)
     return body

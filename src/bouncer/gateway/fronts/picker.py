@@ -70,6 +70,7 @@ from bouncer.gateway.fronts.ext_proc_wire import (
     subset_hint,
     usage_of,
 )
+from bouncer.gateway.upstream_body import upstream_body
 from bouncer.openai_wire import dumps, models_list
 
 log = logging.getLogger("bouncer.gateway")
@@ -226,7 +227,7 @@ class Picker(ext_proc_grpc.ExternalProcessorServicer):
         cut = False
         try:
             endpoint = await self._endpoint(self.plane.core.view.replica(d.replica).url)
-            for response in self._route(parsed, d, endpoint, read_whole, duplex):
+            for response in self._route(parsed, d, endpoint, read_whole, duplex, line):
                 await context.write(response)
             if not (read_whole or streaming):
                 # a whole answer's first chunk comes with its end, which the access log brings
@@ -413,17 +414,15 @@ class Picker(ext_proc_grpc.ExternalProcessorServicer):
             line["duration_s"] = round(self.clock() - served.began, 4)
             logs.access(line)
 
-    def _route(self, parsed: Parsed, d: Dispatch, endpoint: str, read_whole: bool,
-               duplex: bool) -> list[ext_proc.ProcessingResponse]:
+    def _route(self, parsed: Parsed, d: Dispatch, endpoint: str, read_whole: bool, duplex: bool,
+               line: dict[str, Any]) -> list[ext_proc.ProcessingResponse]:
         """The answer to the request: where it goes (the protocol's header and `envoy.lb`
         metadata), and the body as the replica must get it."""
         model = self.plane.prepared.models[d.model]
         body = parsed.body
-        changed = dict(body)
-        changed["model"] = model.upstream_model or model.name
-        changed["max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"] = d.max_tokens
-        if read_whole and body.get("stream"):
-            changed["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
+        changed, dropped = upstream_body(body, model.upstream_model or model.name, d.max_tokens, usage=read_whole)
+        if dropped:
+            line["dropped"] = ",".join(dropped)
         new = dumps(changed) if changed != body else None
         where = ext_proc.CommonResponse(clear_route_cache=True)
         where.header_mutation.set_headers.extend([set_header(DESTINATION, endpoint),

@@ -31,6 +31,7 @@ from bouncer.gateway.errors import error_response, plain_error
 from bouncer.gateway.exchange import Outcome
 from bouncer.gateway.relay import Requeue, UpstreamFailure, failure_for_status, relay_json, relay_stream
 from bouncer.gateway.upstream import UpstreamError, UpstreamPool, UpstreamTimeout
+from bouncer.gateway.upstream_body import upstream_body
 from bouncer.openai_wire import dumps, models_list
 
 if TYPE_CHECKING:
@@ -138,12 +139,10 @@ class Proxy:
         try:
             model = plane.prepared.models[d.model]
             url = plane.core.view.replica(d.replica).url
-            upstream_body = dict(body)
-            upstream_body["model"] = model.upstream_model or model.name
-            upstream_body["max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"] = d.max_tokens
+            sent, dropped = upstream_body(body, model.upstream_model or model.name, d.max_tokens, usage=True)
+            if dropped:
+                line["dropped"] = ",".join(dropped)
             options = body.get("stream_options") or {}  # checked: an object
-            if streaming:
-                upstream_body["stream_options"] = {**options, "include_usage": True}
 
             def first_token(at: float) -> None:
                 # a stream's first token is measured; a whole answer only says its prefill is over
@@ -153,12 +152,12 @@ class Proxy:
 
             read_timeout = self.upstream.read_timeout
             if d.decode_replica is not None:  # disaggregated: the prompt first, on the prefill worker
-                url = await self._prefill(rid, url, path, upstream_body, d.decode_replica)
+                url = await self._prefill(rid, url, path, sent, d.decode_replica)
             trace_head = ""
             if root is not None:
                 span, trace_head = plane.tracer.upstream(  # type: ignore[union-attr]
-                    root, kind, upstream_body["model"], url, d.replica, dispatched)
-            up = await self.upstream.post_json(self._upstream_url(url, path), dumps(upstream_body), trace_head)
+                    root, kind, sent["model"], url, d.replica, dispatched)
+            up = await self.upstream.post_json(self._upstream_url(url, path), dumps(sent), trace_head)
             up_status = up.status
             try:
                 if up.status != 200:
@@ -201,16 +200,15 @@ class Proxy:
         out = Outcome()
         streaming = bool(body.get("stream"))
         options = body.get("stream_options") or {}
-        upstream_body = dict(body)
-        if target.upstream_model:
-            upstream_body["model"] = target.upstream_model
-        if streaming:
-            upstream_body["stream_options"] = {**options, "include_usage": True}
+        # the tenant's token limit holds at the provider too; what steers an engine goes nowhere
+        sent, dropped = upstream_body(body, target.upstream_model or model, d.max_tokens, usage=True)
+        if dropped:
+            line["dropped"] = ",".join(dropped)
         key = os.environ.get(target.api_key_env) if target.api_key_env else None
         auth = f"Authorization: Bearer {key}\r\n" if key else ""
         try:
             up = await self.upstream.post_json(self._upstream_url(target.url.rstrip("/"), path),  # type: ignore[union-attr]
-                                               dumps(upstream_body), auth)
+                                               dumps(sent), auth)
             try:
                 if up.status != 200:
                     raise failure_for_status(up.status, up.headers, await up.read(self.upstream.read_timeout))
@@ -235,17 +233,17 @@ class Proxy:
         finally:
             plane.finish_diverted(d, model, out, line)
 
-    async def _prefill(self, rid: str, url: str, path: str, upstream_body: dict[str, Any], decode: str) -> str:
+    async def _prefill(self, rid: str, url: str, path: str, sent: dict[str, Any], decode: str) -> str:
         """The P/D hop (`bouncer.gateway.disaggregated`): the prompt on the prefill worker at
-        `url`; then the request is the decode worker's, whose URL is returned, and
-        `upstream_body` carries where its KV waits."""
-        up = await self.upstream.post_json(self._upstream_url(url, path), dumps(prefill_body(upstream_body)))
+        `url`; then the request is the decode worker's, whose URL is returned, and `sent`
+        carries where its KV waits."""
+        up = await self.upstream.post_json(self._upstream_url(url, path), dumps(prefill_body(sent)))
         try:
             params = await kv_transfer_params(up, self.upstream.read_timeout)
         finally:
             up.close()
         self.plane.apply(self.plane.core.handed_over(rid, self.clock()))
-        upstream_body["kv_transfer_params"] = params
+        sent["kv_transfer_params"] = params
         return self.plane.core.view.replica(decode).url
 
     def _upstream_url(self, base: str, path: str) -> yarl.URL:
