@@ -480,3 +480,14 @@ def test_a_band_s_reserve_is_its_tenants_configured_slo_not_a_request_s_header()
     core = make_core(tenants=[tenant("top", 10, slo={"ttft_s": 2.0}), tenant("low", 0)])
     core.offer(info("top", ttft_slo_s=0.001), 0.0)
     assert core.models["m"].band_slos.protected(0, 0.1) == (2.0, float("inf"))
+
+
+def test_n_and_best_of_are_charged_and_held_per_sequence():
+    """`n` answers (or `best_of` candidates) cost their tenant's token bucket and hold KV as that
+    many answers, not one (issue 67: n and best_of were not multiplied into charges)."""
+    core = make_core(tenants=[tenant("a", rate_limit={"tokens_per_min": 1e9})], limits={"max_n": 4, "max_best_of": 4})
+    one = admission_of(core, dispatched(core.offer(info("a", prompt=100, max_tokens=50), 0.0))[0])
+    four = admission_of(core, dispatched(core.offer(info("a", prompt=100, max_tokens=50, n=4), 0.0))[0])
+    best = admission_of(core, dispatched(core.offer(info("a", prompt=100, max_tokens=50, best_of=3), 0.0))[0])
+    assert (one.rate_charge, four.rate_charge, best.rate_charge) == (150, 300, 250)
+    assert four.expected_output == 4 * one.expected_output and best.expected_output == 3 * one.expected_output

@@ -402,8 +402,10 @@ class EngineServer:
         created = int(time.time())
         try:
             if body.get("stream"):
-                include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-                return await self._stream_response(request, kind, stream, created, include_usage)
+                options = body.get("stream_options") or {}
+                include_usage = bool(options.get("include_usage"))
+                every_chunk = include_usage and bool(options.get("continuous_usage_stats"))  # as vLLM
+                return await self._stream_response(request, kind, stream, created, include_usage, every_chunk)
             return await self._full_response(kind, stream, created, remote_decode)
         finally:
             self._streams.pop(rid, None)
@@ -446,7 +448,8 @@ class EngineServer:
         return [self.tokenizer.token_text(ids[rng.randrange(len(ids))]) for _ in range(count)]
 
     async def _stream_response(self, request: web.Request, kind: str, stream: _Stream, created: int,
-                               include_usage: bool) -> web.StreamResponse:
+                               include_usage: bool, every_chunk: bool = False) -> web.StreamResponse:
+        """`every_chunk`: each chunk carries the usage so far (vLLM's `continuous_usage_stats`)."""
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
         req = stream.request
@@ -457,9 +460,11 @@ class EngineServer:
                 break
             parts = []
             for text in self._texts(stream, sent, n):
-                parts.append(sse(stream_chunk(kind, req.request_id, self.model_name, created, text,
-                                              first=sent == 0)))
+                chunk = stream_chunk(kind, req.request_id, self.model_name, created, text, first=sent == 0)
                 sent += 1
+                if every_chunk:
+                    chunk["usage"] = usage(req.prompt_len, sent)
+                parts.append(sse(chunk))
             await resp.write(b"".join(parts))
         finish = stream_chunk(kind, req.request_id, self.model_name, created, None if kind == "chat" else "",
                               finish_reason=req.finish_reason or "length")

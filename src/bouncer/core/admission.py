@@ -197,6 +197,8 @@ class AdmissionCore:
         if completion_tokens is None:  # unseen: its length and timing teach nothing
             return
         ms.demand.completed(adm.tenant, adm.priority >= 0, completion_tokens, now)
+        # what one sequence generated: the lengths and timings it teaches are a sequence's
+        completion_tokens //= adm.info.sequences
         if adm.tenant in self.tenants.by_name:  # (not a tenant a reload removed)
             lengths = self.tenants.output_models[adm.tenant]
             feedback.learn_output(lengths, self.policy, adm.info.model, completion_tokens)

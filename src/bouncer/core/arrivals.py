@@ -123,15 +123,15 @@ class Arrivals:
                 return [spent]
             t = spent
         retry_key, first_arrival_at = first_arrival(c.finaliser.retries, t.name, info, now)
-        refusal, probe = c.gate.enter(t, c.tenants.breakers[t.name], info.prompt_tokens + max_tokens, now)  # rate
+        charge = checks.token_charge(info, max_tokens)
+        refusal, probe = c.gate.enter(t, c.tenants.breakers[t.name], charge, now)  # rate
         if refusal is not None:
             return [self._refuse_new(info, t.name, t.priority, refusal)]
         lengths = c.tenants.output_models[t.name]
-        adm, ttft_left = deadlines.new_admission(
-            info, t, c.policy, max_tokens, feedback.expected_output(lengths, c.policy, info.model, max_tokens),
-            first_arrival_at, retry_key, next(self._seq), now)
-        adm.breaker_probe, adm.rate_charge, adm.context_limit = probe, info.prompt_tokens + max_tokens, \
-            ms.cfg.max_model_len
+        expected = feedback.expected_output(lengths, c.policy, info.model, max_tokens) * info.sequences
+        adm, ttft_left = deadlines.new_admission(info, t, c.policy, max_tokens, expected, first_arrival_at, retry_key,
+                                                 next(self._seq), now)
+        adm.breaker_probe, adm.rate_charge, adm.context_limit = probe, charge, ms.cfg.max_model_len
         if ms.cfg.disaggregated:
             adm.mean_output = feedback.mean_output(lengths, c.policy, info.model, max_tokens)
         if not info.retry_count:

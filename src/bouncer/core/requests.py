@@ -49,6 +49,12 @@ class RequestInfo:
     over_quota: OverQuota | None = None  # its tenant's quota is spent, as the shell found before the offer
     diverted_from: str | None = None  # diverted here from this model's pool: never diverted again
 
+    @property
+    def sequences(self) -> int:
+        """Sequences the engine generates for it (`n`, or `best_of` candidates): each is its own
+        answer, charged and held in KV as one."""
+        return max(self.n, self.best_of or 1)
+
 
 # An agent's step goes before other requests of its tenant: an active agent's first (its prefix is
 # warm), then a returning agent's (its session is under way), then the rest in the queue's order.

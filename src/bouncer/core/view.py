@@ -62,7 +62,8 @@ class CoreView:
 
     def predicted_output(self, tenant: str, info: RequestInfo) -> int:
         """The output a request of `tenant` is expected to have: its tenant's learned mean on its
-        model (no margin), within the max_tokens it runs with. What a quota reserves."""
+        model (no margin), within the max_tokens it runs with, for each sequence it asks for.
+        What a quota reserves."""
         c = self._core
         t, ms = c.tenants.get(tenant), c.models.get(info.model)
         if t is None or ms is None:
@@ -70,7 +71,7 @@ class CoreView:
         max_tokens = checks.context_budget(info, t, ms.cfg)
         if isinstance(max_tokens, Refusal):
             return 0
-        return feedback.mean_output(c.tenants.output_models[tenant], c.policy, info.model, max_tokens)
+        return feedback.mean_output(c.tenants.output_models[tenant], c.policy, info.model, max_tokens) * info.sequences
 
     def tenant_of(self, key_digest: str | None, fairness_id: str | None) -> str | None:
         """The tenant a request with this key (and fairness id) would be, as `offer` finds it;

@@ -40,6 +40,7 @@ from bouncer.core.outcomes import Dispatch, Divert, Event, Layer, Reason, Reclai
 from bouncer.core.sharing.rate_limits import SharedRateLimits
 from bouncer.core.sharing.retries import SharedRetries
 from bouncer.core.stores import Stores
+from bouncer.core.usage import estimated_usage
 from bouncer.gateway import kv_events, pressure_feeds
 from bouncer.gateway.admin import Admin
 from bouncer.gateway.connections import GuardedSite, Limits
@@ -115,6 +116,7 @@ class ControlPlane:
         self._waiters: dict[str, asyncio.Future] = {}
         self._live: set[str] = set()  # admitted requests being served: their permits' leases are renewed
         self._tasks: list[asyncio.Task] = []
+        self._background: set[asyncio.Task] = set()  # work past a request's end (`background`)
         self._scrapers: dict[str, asyncio.Task] = {}
         self._pressure_polls: list[asyncio.Task] = []  # one per outside signal (`pressure:`)
         self.finders = Finders(self._found, clock)  # the replicas of models with `discovery:`
@@ -189,10 +191,10 @@ class ControlPlane:
 
     async def _stop(self, _app: web.Application) -> None:
         subs = [task for _, task in self._kv_subs.values()]
-        for task in [*self._tasks, *self._scrapers.values(), *subs, *self._pressure_polls]:
-            task.cancel()
-        await asyncio.gather(*self._tasks, *self._scrapers.values(), *subs, *self._pressure_polls,
-                             self.finders.stop(), return_exceptions=True)
+        tasks = [*self._tasks, *self._background, *self._scrapers.values(), *subs, *self._pressure_polls]
+        for task in tasks:
+            task.cancel()  # a request's work in the background settles what it knows as it stops
+        await asyncio.gather(*tasks, self.finders.stop(), return_exceptions=True)
         if self._zmq is not None:
             self._zmq.destroy(linger=0)  # closes any subscriber socket left, then terminates
         if self.session is not None:
@@ -430,30 +432,51 @@ class ControlPlane:
             line["overflow_outcome"] = out.terminal.value
         else:
             line.update(outcome=out.terminal.value, reason=out.reason)
-        line.update(completion_tokens=out.completion_tokens,
-                    ttft_s=None if out.first_token_at is None else round(out.first_token_at - d.arrival, 4),
+        self._note_usage(out, line)
+        line.update(ttft_s=None if out.first_token_at is None else round(out.first_token_at - d.arrival, 4),
                     layer=Layer.UPSTREAM.value if out.terminal is Terminal.FAILED else None)
-        self._settle_quota(rid, out, line)
+        self._settle_quota(rid, out, line, d)
         self.apply(self.core.finished(rid, now, out.terminal, out.completion_tokens, out.reason))
 
     def finish_diverted(self, d: Divert, model: str, out: Outcome, line: dict[str, Any]) -> None:
         """A request diverted to an external endpoint is over (the core counted it when it
         diverted it): its quota is settled at the target's price, and how it ended is counted."""
         self.metrics.overflow.labels(model, d.target, out.terminal.value).inc()
-        line.update(completion_tokens=out.completion_tokens, overflow_outcome=out.terminal.value)
+        self._note_usage(out, line)
+        line["overflow_outcome"] = out.terminal.value
         self._settle_quota(d.request_id, out, line)
 
-    def _settle_quota(self, rid: str, out: Outcome, line: dict[str, Any]) -> None:
-        """Its reservation replaced by what it used: its prompt, where the engine computed it (its
-        answer began), and the completion tokens it reported or streamed; an answer the front
-        did not see (completion_tokens None, behind an endpoint picker) is charged what it
-        reserved."""
+    @staticmethod
+    def _note_usage(out: Outcome, line: dict[str, Any]) -> None:
+        """The access line's usage: the completion tokens, and the engine's prompt count where it
+        gave one (the gateway's own count kept beside it where they differ)."""
+        line["completion_tokens"] = out.completion_tokens
+        counted = line.get("prompt_tokens")
+        if out.prompt_tokens is not None and out.prompt_tokens != counted:
+            line.update(prompt_tokens=out.prompt_tokens, prompt_tokens_counted=counted)
+
+    def _settle_quota(self, rid: str, out: Outcome, line: dict[str, Any], d: Dispatch | None = None) -> None:
+        """Its reservation replaced by what it used, at the price of whoever served it: the
+        engine's usage where its answer said (the prompt as the engine counted it); the tokens
+        streamed where a stream was cut before its usage came; for a request dispatched to the
+        pool whose client left before the engine said anything, what the core's predictions say
+        was done by then (`bouncer.core.usage`); an answer the front did not see (behind an
+        endpoint picker) is charged what it reserved (completion None)."""
         if self.quotas is None:
             return
+        prompt = out.prompt_tokens if out.prompt_tokens is not None else line.get("prompt_tokens", 0)
         if out.terminal is Terminal.COMPLETED or out.first_token_at is not None:  # its answer began
-            self.quotas.settle(rid, line.get("prompt_tokens", 0), out.completion_tokens, line.get("overflow"))
-        else:  # it never ran, or failed before its answer began: nothing used
+            self.quotas.settle(rid, prompt, out.completion_tokens, line.get("overflow"))
+        elif out.terminal is Terminal.CANCELLED and d is not None:  # it ran, and its client left unanswered
+            self.quotas.settle(rid, *estimated_usage(d, prompt, self.clock()))
+        else:  # it never ran, or its replica failed it before its answer began: nothing used
             self.quotas.settle(rid, 0, 0)
+
+    def background(self, work: Awaitable[None]) -> None:
+        """Run `work` past the request that started it (kept until done; stopped with the plane)."""
+        task = asyncio.get_running_loop().create_task(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def _claim(self, d: Dispatch) -> int | None:
         """Claim the nearly full replica `d` goes to (`bouncer.core.sharing.claims`); the permit is this

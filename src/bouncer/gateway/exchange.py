@@ -26,10 +26,13 @@ class Parsed:
 
 @dataclass(slots=True)
 class Outcome:
-    """How an admitted request ended, for the core's `finished`. `completion_tokens` None: the
-    front did not see the answer's length (an endpoint picker that let it pass)."""
+    """How an admitted request ended, for the core's `finished` and its quota. `completion_tokens`
+    None: the front did not see the answer's length (an endpoint picker that let it pass, a
+    client that left before a whole answer came). `prompt_tokens`: the engine's own count, where
+    its usage said (the gateway's count stands in otherwise)."""
 
     terminal: Terminal = Terminal.FAILED
     reason: Reason | None = Reason.UPSTREAM_ERROR
     completion_tokens: int | None = 0
     first_token_at: float | None = None
+    prompt_tokens: int | None = None

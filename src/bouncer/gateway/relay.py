@@ -16,9 +16,11 @@ Once the response to the client has started, a failure ends the stream with an S
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import re
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import orjson
 from aiohttp import web
@@ -91,15 +93,33 @@ def failure_for_status(status: int, headers: dict[str, str], raw: bytes) -> Upst
     return UpstreamFailure(502, Reason.UPSTREAM_ERROR, f"the backend answered {status}")
 
 
-def completion_tokens(obj: dict[str, Any]) -> int | None:
-    """`usage.completion_tokens`, where the backend sent a sensible one."""
-    usage = obj.get("usage")
-    n = usage.get("completion_tokens") if isinstance(usage, dict) else None
+def _count(usage: Any, field: str) -> int | None:
+    n = usage.get(field) if isinstance(usage, dict) else None
     return n if isinstance(n, int) and not isinstance(n, bool) and n >= 0 else None
 
 
+def completion_tokens(obj: dict[str, Any]) -> int | None:
+    """`usage.completion_tokens`, where the backend sent a sensible one."""
+    return _count(obj.get("usage"), "completion_tokens")
+
+
+def read_usage(obj: Any, out: Outcome) -> bool:
+    """The backend's own usage (prompt and completion tokens) into `out`, where it sent a
+    sensible one; whether it did."""
+    usage = obj.get("usage") if isinstance(obj, dict) else None
+    completion = _count(usage, "completion_tokens")
+    if completion is None:
+        return False
+    out.completion_tokens = completion
+    prompt = _count(usage, "prompt_tokens")
+    if prompt is not None:
+        out.prompt_tokens = prompt
+    return True
+
+
 def has_content(obj: dict[str, Any]) -> bool:
-    """A chunk that carries generated text (its first token, for TTFT)."""
+    """A chunk that carries generated tokens (its first token, for TTFT): text, a tool call, or
+    reasoning."""
     choices = obj.get("choices")
     if not isinstance(choices, list):
         return False
@@ -107,7 +127,9 @@ def has_content(obj: dict[str, Any]) -> bool:
         if not isinstance(choice, dict):
             continue
         delta = choice.get("delta")
-        if choice.get("text") or (isinstance(delta, dict) and delta.get("content")):
+        if choice.get("text") or (isinstance(delta, dict) and (
+                delta.get("content") or delta.get("tool_calls") or delta.get("reasoning_content")
+                or delta.get("reasoning"))):
             return True
     return False
 
@@ -126,25 +148,63 @@ def event_json(event: bytes) -> Any:
     return None
 
 
-async def sse_batches(chunks: AsyncIterator[bytes]) -> AsyncIterator[list[bytes]]:
-    """Whole server-sent events (their bytes, blank line included) from an upstream body, in
-    batches: the events completed by each chunk received, so they can be relayed in one write."""
-    buf = b""
-    async for chunk in chunks:
-        buf += chunk
-        batch = []
+class EventSplitter:
+    """Whole server-sent events (their bytes, blank line included) from an upstream body's chunks;
+    `rest` is what came of an event not yet whole."""
+
+    __slots__ = ("rest",)
+
+    def __init__(self) -> None:
+        self.rest = b""
+
+    def feed(self, chunk: bytes) -> list[bytes]:
+        buf = self.rest + chunk if self.rest else chunk
+        events = []
         while True:
             lf = buf.find(b"\n\n")
             crlf = buf.find(b"\r\n\r\n")
             if lf < 0 and crlf < 0:
                 break
             end = lf + 2 if crlf < 0 or 0 <= lf < crlf else crlf + 4
-            batch.append(buf[:end])
+            events.append(buf[:end])
             buf = buf[end:]
+        self.rest = buf
+        return events
+
+
+async def sse_batches(chunks: AsyncIterator[bytes], splitter: EventSplitter) -> AsyncIterator[list[bytes]]:
+    """The events completed by each chunk received, in batches, so they can be relayed in one
+    write; a last event left without its blank line is closed."""
+    async for chunk in chunks:
+        batch = splitter.feed(chunk)
         if batch:
             yield batch
-    if buf.strip():
-        yield [buf + b"\n\n"]
+    if splitter.rest.strip():
+        last, splitter.rest = splitter.rest + b"\n\n", b""
+        yield [last]
+
+
+# a chunk's `"usage": {...}` member (one level of nesting: `prompt_tokens_details`), or a null one
+_USAGE_MEMBER = re.compile(rb',\s*"usage"\s*:\s*(?:null|\{(?:[^{}]|\{[^{}]*\})*\})')
+
+
+def without_usage(event: bytes) -> bytes:
+    """A chunk with its `usage` taken out: the usage the gateway asked for in every chunk, which
+    a client that did not ask for it should not see (clients that add up chunks' usage would
+    count it once a chunk)."""
+    cut, n = _USAGE_MEMBER.subn(b"", event, count=1)
+    if n:
+        return cut
+    obj = event_json(event)  # another layout (usage first): the slow way
+    if not isinstance(obj, dict) or "usage" not in obj:
+        return event
+    del obj["usage"]
+    return b"data: " + dumps(obj) + b"\n\n"
+
+
+def _is_usage_only(event: bytes) -> bool:
+    """The stream's last chunk, its usage and no choices."""
+    return b'"choices":[]' in event or b'"choices": []' in event
 
 
 def error_event(status: int, reason: Reason, message: str) -> bytes:
@@ -157,8 +217,19 @@ async def relay_json(up: UpstreamResponse, request: web.Request, read_timeout: f
     """A non-streaming answer: the whole body, relayed if it is a JSON object. It is written
     here, not by aiohttp once the handler returns, so that the client has it before the
     gateway's bookkeeping (the core told, metrics, the access line) runs: that work is off the
-    answer's latency."""
-    raw = await up.read(read_timeout)
+    answer's latency. A client that leaves before it came saw nothing of it, and neither did
+    the gateway: its usage is not known (`out.completion_tokens` None)."""
+    try:
+        raw = await up.read(read_timeout)
+    except asyncio.CancelledError:
+        out.completion_tokens = None
+        raise
+    return await answer_json(raw, request, clock, on_first_token, out)
+
+
+async def answer_json(raw: bytes, request: web.Request, clock: Callable[[], float],
+                      on_first_token: Callable[[float], None], out: Outcome) -> web.Response:
+    """`relay_json` once the whole answer is in."""
     try:
         obj = orjson.loads(raw)
     except orjson.JSONDecodeError:
@@ -167,7 +238,8 @@ async def relay_json(up: UpstreamResponse, request: web.Request, read_timeout: f
         raise UpstreamFailure(502, Reason.UPSTREAM_ERROR, "the backend's answer is not a JSON object")
     out.first_token_at = clock()
     on_first_token(out.first_token_at)
-    out.completion_tokens = completion_tokens(obj) or 0
+    if not read_usage(obj, out):
+        out.completion_tokens = 0
     out.terminal, out.reason = Terminal.COMPLETED, None  # served, whether or not the client is still there
     resp = web.Response(body=raw, content_type="application/json")
     with contextlib.suppress(ConnectionResetError):
@@ -176,12 +248,62 @@ async def relay_json(up: UpstreamResponse, request: web.Request, read_timeout: f
     return resp
 
 
-async def relay_stream(up: UpstreamResponse, request: web.Request, read_timeout: float, client_wants_usage: bool,
-                       clock: Callable[[], float], on_first_token: Callable[[float], None],
+class ClientUsage(NamedTuple):
+    """What a streaming client asked for of the usage: none, the last chunk's
+    (`include_usage`), or every chunk's too (`continuous_usage_stats`)."""
+
+    last: bool
+    every_chunk: bool
+
+    @staticmethod
+    def of(body: dict[str, Any]) -> ClientUsage:
+        options = body.get("stream_options") or {}  # checked: an object
+        last = bool(options.get("include_usage"))
+        return ClientUsage(last, last and bool(options.get("continuous_usage_stats")))
+
+
+class _StreamTally:
+    """What a relayed stream has shown of the engine's work: content chunks, and the last chunk
+    that carried a usage (parsed once, at the end: with usage in every chunk, parsing each would
+    cost a JSON parse a token)."""
+
+    __slots__ = ("content", "usage_event")
+
+    def __init__(self) -> None:
+        self.content = 0
+        self.usage_event: bytes | None = None
+
+    def see(self, events: list[bytes]) -> None:
+        """Events the engine sent that were not relayed (its stream cut short)."""
+        for event in events:
+            if b'"usage"' in event:
+                self.usage_event = event
+            if _CHOICE in event or _CHOICE_SPACED in event:
+                self.content += 1
+
+    def settle(self, out: Outcome) -> None:
+        """The engine's last usage where it sent one (all of it at a stream's end; what it had
+        generated by its last chunk, where it sends usage in every chunk), else the content
+        chunks counted: each carries at least one token, but for an engine's opening chunk
+        (vLLM's names the role and no token)."""
+        if self.usage_event is None or not read_usage(event_json(self.usage_event), out):
+            out.completion_tokens = self.content
+
+
+_CHOICE, _CHOICE_SPACED = b'"choices":[{', b'"choices": [{'
+
+
+async def relay_stream(up: UpstreamResponse, request: web.Request, read_timeout: float, client: ClientUsage,
+                       every_chunk_asked: bool, clock: Callable[[], float], on_first_token: Callable[[float], None],
                        out: Outcome) -> web.StreamResponse:
     """An event stream: its first event is read before the response starts, so a refusal or an
-    error there is still a clean HTTP error; then events are relayed as they come."""
-    batches = sse_batches(up.chunks(read_timeout))
+    error there is still a clean HTTP error; then events are relayed as they come.
+    `every_chunk_asked`: the gateway asked the engine for usage in every chunk
+    (`upstream_body`); the client sees it only where it asked for it too. However the stream
+    ends (the client leaving, the backend failing), `out` gets what the engine had used by then:
+    its last usage, or what it had sent, counting what came and was not relayed."""
+    splitter = EventSplitter()
+    batches = sse_batches(up.chunks(read_timeout), splitter)
     batch = await anext(batches, None)
     if not batch:
         raise UpstreamFailure(502, Reason.UPSTREAM_ERROR, "the backend closed the stream without an event")
@@ -197,7 +319,8 @@ async def relay_stream(up: UpstreamResponse, request: web.Request, read_timeout:
         message = message[:MAX_ERROR_MESSAGE] if isinstance(message, str) and message else "an error event"
         raise UpstreamFailure(502, Reason.UPSTREAM_ERROR, f"the backend sent {message}")
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-    content_events = 0
+    tally = _StreamTally()
+    strip = every_chunk_asked and not client.every_chunk
     try:
         try:
             await resp.prepare(request)
@@ -205,50 +328,56 @@ async def relay_stream(up: UpstreamResponse, request: web.Request, read_timeout:
             raise ClientGone from None
         try:
             while batch is not None:
-                content_events += await _relay_batch(batch, resp, client_wants_usage, clock, on_first_token, out)
+                await _relay_batch(batch, resp, client, strip, clock, on_first_token, out, tally)
                 batch = await anext(batches, None)
         except (UpstreamError, TimeoutError) as exc:
             timeout = isinstance(exc, UpstreamTimeout | TimeoutError)
             out.reason = Reason.UPSTREAM_TIMEOUT if timeout else Reason.UPSTREAM_ERROR
-            out.completion_tokens = out.completion_tokens or content_events
+            tally.settle(out)
             await _write(resp, error_event(504 if timeout else 502, out.reason,
                                            f"the backend failed mid-stream: {exc}"))
             await _write_eof(resp)
             return resp
-        out.completion_tokens = out.completion_tokens or content_events
+        tally.settle(out)
         await _write_eof(resp)
         out.terminal, out.reason = Terminal.COMPLETED, None
-    except ClientGone:
-        # closing the unfinished upstream response (the caller does) makes the engine abort it
+    except (ClientGone, asyncio.CancelledError) as exc:
+        # the client left: what the engine sent meanwhile, read and not yet relayed, was used
+        # too; closing the unfinished upstream response (the caller does) makes the engine abort
+        tally.see(splitter.feed(up.drain()))
+        tally.settle(out)
         out.terminal, out.reason = Terminal.CANCELLED, Reason.CLIENT_DISCONNECTED
-        out.completion_tokens = out.completion_tokens or content_events
+        if isinstance(exc, asyncio.CancelledError):
+            raise
     return resp
 
 
-async def _relay_batch(batch: list[bytes], resp: web.StreamResponse, client_wants_usage: bool,
-                       clock: Callable[[], float], on_first_token: Callable[[float], None], out: Outcome) -> int:
-    """Relay one batch of events; returns how many carried choices. Only what must be read is
-    parsed: events until the first token (TTFT), and those with usage; the rest pass as bytes."""
+async def _relay_batch(batch: list[bytes], resp: web.StreamResponse, client: ClientUsage, strip: bool,
+                       clock: Callable[[], float], on_first_token: Callable[[float], None], out: Outcome,
+                       tally: _StreamTally) -> None:
+    """Relay one batch of events. Only what must be read is parsed: events until the first token
+    (TTFT); a usage is kept as bytes (`_StreamTally`) and, where the gateway asked for it in every
+    chunk and the client did not, taken out of each chunk; the last chunk's usage reaches only a
+    client that asked for it."""
     keep = []
-    content = 0
     for event in batch:
-        if out.first_token_at is None or b'"usage"' in event:
+        if out.first_token_at is None:
             obj = event_json(event)
-            if isinstance(obj, dict):
-                n = completion_tokens(obj)
-                if n is not None:
-                    out.completion_tokens = n
-                    if not client_wants_usage and not obj.get("choices"):
-                        continue  # we asked for usage; the client did not
-                if out.first_token_at is None and has_content(obj):
-                    out.first_token_at = clock()
-                    on_first_token(out.first_token_at)
-        if b'"choices":[{' in event or b'"choices": [{' in event:
-            content += 1
+            if isinstance(obj, dict) and has_content(obj):
+                out.first_token_at = clock()
+                on_first_token(out.first_token_at)
+        if _CHOICE in event or _CHOICE_SPACED in event:
+            tally.content += 1
+        if b'"usage"' in event:
+            tally.usage_event = event
+            if _is_usage_only(event):
+                if not client.last:
+                    continue  # we asked for usage; the client did not
+            elif strip:
+                event = without_usage(event)
         keep.append(event)
     if keep:
         await _write(resp, b"".join(keep))
-    return content
 
 
 async def _write(resp: web.StreamResponse, data: bytes) -> None:

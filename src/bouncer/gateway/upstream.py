@@ -102,6 +102,12 @@ class UpstreamResponse:
         self._chunks.clear()
         return body
 
+    def drain(self) -> bytes:
+        """What has arrived and was not read yet, without waiting for more."""
+        body = b"".join(self._chunks)
+        self._chunks.clear()
+        return body
+
     def close(self) -> None:
         """Done with it: an unfinished response takes its connection down with it."""
         conn = self._conn

@@ -77,7 +77,13 @@ def rate_charge(info: RequestInfo, tenant: Tenant, model: ModelConfig | None, li
     if model is None or validate(info, tenant, model, limits) is not None:
         return None
     max_tokens = context_budget(info, tenant, model)
-    return None if isinstance(max_tokens, Refusal) else info.prompt_tokens + max_tokens
+    return None if isinstance(max_tokens, Refusal) else token_charge(info, max_tokens)
+
+
+def token_charge(info: RequestInfo, max_tokens: int) -> int:
+    """What a request charges its tenant's token bucket: its prompt, and max_tokens for each
+    sequence it asks for (`n`, `best_of`)."""
+    return info.prompt_tokens + max_tokens * info.sequences
 
 
 class TenantGate:

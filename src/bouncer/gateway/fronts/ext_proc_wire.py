@@ -16,7 +16,8 @@ from multidict import CIMultiDict
 
 from bouncer.core.outcomes import Refusal
 from bouncer.gateway.errors import refusal_answer
-from bouncer.gateway.relay import completion_tokens
+from bouncer.gateway.exchange import Outcome
+from bouncer.gateway.relay import read_usage
 from bouncer.openai_wire import ApiError, dumps
 
 DROPPED_REASON = "x-llm-d-request-dropped-reason"  # llm-d's name for why a request was refused
@@ -92,8 +93,9 @@ def passed_back(body: bytes, end: bool) -> ext_proc.ProcessingResponse:
     return ext_proc.ProcessingResponse(response_body=ext_proc.BodyResponse(response=common))
 
 
-def usage_of(body: bytes | bytearray, streaming: bool) -> int | None:
-    """`usage.completion_tokens` of an answer read whole: its JSON, or its stream's usage chunk."""
+def read_usage_of(body: bytes | bytearray, streaming: bool, out: Outcome) -> bool:
+    """The usage of an answer read whole (its JSON, or its stream's usage chunk) into `out`:
+    prompt and completion tokens, as the engine counted them; whether it had one."""
     objects: list[Any] = []
     if streaming:
         for raw_line in bytes(body).splitlines():
@@ -106,8 +108,5 @@ def usage_of(body: bytes | bytearray, streaming: bool) -> int | None:
         try:
             objects.append(orjson.loads(bytes(body)))
         except orjson.JSONDecodeError:
-            return None
-    for obj in reversed(objects):
-        if isinstance(obj, dict) and (n := completion_tokens(obj)) is not None:
-            return n
-    return None
+            return False
+    return any(read_usage(obj, out) for obj in reversed(objects))

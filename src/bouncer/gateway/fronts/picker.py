@@ -64,11 +64,11 @@ from bouncer.gateway.fronts.ext_proc_wire import (
     immediate,
     passed_back,
     plain_error,
+    read_usage_of,
     refused,
     request_body,
     set_header,
     subset_hint,
-    usage_of,
 )
 from bouncer.gateway.upstream_body import upstream_body
 from bouncer.openai_wire import dumps, models_list
@@ -299,8 +299,9 @@ class Picker(ext_proc_grpc.ExternalProcessorServicer):
         # a stream is over at its [DONE] event: its client may hang up before the body's end reaches here
         if not served.read_to_end and (end or (served.streaming and b"data: [DONE]" in served.tail)):
             served.read_to_end = True
-            served.out.completion_tokens = n = usage_of(served.tail, served.streaming)
-            if n is not None and not served.duplex:  # a usage is a completed answer's: no need to wait
+            served.out.completion_tokens = None
+            if read_usage_of(served.tail, served.streaming, served.out) and not served.duplex:
+                # a usage is a completed answer's: no need to wait for the access log
                 served.line["status"] = 200
                 self._read_to_end_at.setdefault(served.envoy, self.clock())
                 self._ended(served)

@@ -20,6 +20,7 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import orjson
 import yarl
 from aiohttp import web
 
@@ -29,9 +30,18 @@ from bouncer.gateway.control_plane import ControlPlane, serve_http
 from bouncer.gateway.disaggregated import kv_transfer_params, prefill_body
 from bouncer.gateway.errors import error_response, plain_error
 from bouncer.gateway.exchange import Outcome
-from bouncer.gateway.relay import Requeue, UpstreamFailure, failure_for_status, relay_json, relay_stream
+from bouncer.gateway.relay import (
+    ClientUsage,
+    Requeue,
+    UpstreamFailure,
+    answer_json,
+    failure_for_status,
+    read_usage,
+    relay_json,
+    relay_stream,
+)
 from bouncer.gateway.upstream import UpstreamError, UpstreamPool, UpstreamTimeout
-from bouncer.gateway.upstream_body import upstream_body
+from bouncer.gateway.upstream_body import USAGE_EVERY_CHUNK, upstream_body
 from bouncer.openai_wire import dumps, models_list
 
 if TYPE_CHECKING:
@@ -139,10 +149,11 @@ class Proxy:
         try:
             model = plane.prepared.models[d.model]
             url = plane.core.view.replica(d.replica).url
-            sent, dropped = upstream_body(body, model.upstream_model or model.name, d.max_tokens, usage=True)
+            every_chunk = model.engine in USAGE_EVERY_CHUNK  # what it used so far, known wherever it stops
+            sent, dropped = upstream_body(body, model.upstream_model or model.name, d.max_tokens, usage=True,
+                                          usage_every_chunk=every_chunk)
             if dropped:
                 line["dropped"] = ",".join(dropped)
-            options = body.get("stream_options") or {}  # checked: an object
 
             def first_token(at: float) -> None:
                 # a stream's first token is measured; a whole answer only says its prefill is over
@@ -163,7 +174,7 @@ class Proxy:
                 if up.status != 200:
                     raise failure_for_status(up.status, up.headers, await up.read(read_timeout))
                 if streaming:
-                    return await relay_stream(up, request, read_timeout, bool(options.get("include_usage")),
+                    return await relay_stream(up, request, read_timeout, ClientUsage.of(body), every_chunk,
                                               self.clock, first_token, out)
                 return await relay_json(up, request, read_timeout, self.clock, first_token, out)
             finally:
@@ -199,23 +210,35 @@ class Proxy:
         target = plane.overflow_target(model, d.target)
         out = Outcome()
         streaming = bool(body.get("stream"))
-        options = body.get("stream_options") or {}
         # the tenant's token limit holds at the provider too; what steers an engine goes nowhere
         sent, dropped = upstream_body(body, target.upstream_model or model, d.max_tokens, usage=True)
         if dropped:
             line["dropped"] = ",".join(dropped)
         key = os.environ.get(target.api_key_env) if target.api_key_env else None
         auth = f"Authorization: Bearer {key}\r\n" if key else ""
+        url = self._upstream_url(target.url.rstrip("/"), path)  # type: ignore[union-attr]
+        finished_later = False
         try:
-            up = await self.upstream.post_json(self._upstream_url(target.url.rstrip("/"), path),  # type: ignore[union-attr]
-                                               dumps(sent), auth)
+            if not streaming:
+                # a whole answer the provider computes (and bills) to its end whether its client
+                # waits or not: fetched in a task of its own, which a client that leaves leaves
+                # running, to be settled at the usage the provider reports
+                fetch = asyncio.ensure_future(self._fetch_whole(url, dumps(sent), auth))
+                try:
+                    status, headers, raw = await asyncio.shield(fetch)
+                except asyncio.CancelledError:
+                    finished_later = True
+                    plane.background(self._finish_overflow_later(fetch, d, model, out, line))
+                    raise
+                if status != 200:
+                    raise failure_for_status(status, headers, raw)
+                return await answer_json(raw, request, self.clock, _ignore, out)
+            up = await self.upstream.post_json(url, dumps(sent), auth)
             try:
                 if up.status != 200:
                     raise failure_for_status(up.status, up.headers, await up.read(self.upstream.read_timeout))
-                if streaming:
-                    return await relay_stream(up, request, self.upstream.read_timeout,
-                                              bool(options.get("include_usage")), self.clock, _ignore, out)
-                return await relay_json(up, request, self.upstream.read_timeout, self.clock, _ignore, out)
+                return await relay_stream(up, request, self.upstream.read_timeout, ClientUsage.of(body), False,
+                                          self.clock, _ignore, out)
             finally:
                 up.close()
         except Requeue:
@@ -231,7 +254,32 @@ class Proxy:
             out.terminal, out.reason = Terminal.CANCELLED, Reason.CLIENT_DISCONNECTED
             raise
         finally:
-            plane.finish_diverted(d, model, out, line)
+            if not finished_later:
+                plane.finish_diverted(d, model, out, line)
+
+    async def _fetch_whole(self, url: yarl.URL, body: bytes, auth: str) -> tuple[int, dict[str, str], bytes]:
+        up = await self.upstream.post_json(url, body, auth)
+        try:
+            return up.status, up.headers, await up.read(self.upstream.read_timeout)
+        finally:
+            up.close()
+
+    async def _finish_overflow_later(self, fetch: asyncio.Future, d: Divert, model: str, out: Outcome,
+                                     line: dict[str, Any]) -> None:
+        """A whole overflow answer its client left: settled at its usage once it came."""
+        try:
+            status, _, raw = await fetch
+            if status == 200:
+                out.first_token_at = self.clock()  # its answer came (to no one): what it reports was used
+                if not read_usage(orjson.loads(raw), out):
+                    out.completion_tokens = 0
+        except (UpstreamError, orjson.JSONDecodeError):
+            out.completion_tokens = None  # not known: charged what it reserved
+        except asyncio.CancelledError:  # the gateway stops: charged what it reserved
+            fetch.cancel()
+            out.completion_tokens = None
+        finally:
+            self.plane.finish_diverted(d, model, out, line)
 
     async def _prefill(self, rid: str, url: str, path: str, sent: dict[str, Any], decode: str) -> str:
         """The P/D hop (`bouncer.gateway.disaggregated`): the prompt on the prefill worker at
