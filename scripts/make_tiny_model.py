@@ -2,8 +2,9 @@
 
 No weights can be downloaded here, so the model is a 2-layer LlamaForCausalLM with random weights
 (torch.manual_seed(0)) and Bouncer's own tokenizer (src/bouncer/data/tokenizer.json), so that
-vLLM and Bouncer count prompt tokens identically. The chat template renders exactly what Bouncer
-renders:  <s>{role}\\n{content}</s>\\n ... <s>assistant\\n
+vLLM and Bouncer count prompt tokens identically. The chat template is Bouncer's
+(src/bouncer/data/chat_template.jinja): <s>{role}\\n{content}</s>\\n ... <s>assistant\\n, with the
+tools and each tool call as JSON.
 
 Run it with the vLLM venv (it needs torch + transformers):
 
@@ -18,9 +19,8 @@ import pathlib
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TOKENIZER_JSON = REPO / "src/bouncer/data/tokenizer.json"
 
-# Real newlines ("\n" in this Python literal) in the rendered string, as Bouncer renders them.
-CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
-                 "{% if add_generation_prompt %}<s>assistant\n{% endif %}")
+# Bouncer's own chat template (tools, tool calls and all), so vLLM renders chats as Bouncer does
+CHAT_TEMPLATE = (REPO / "src/bouncer/data/chat_template.jinja").read_text()
 
 
 def build(out: pathlib.Path) -> None:
@@ -49,6 +49,13 @@ def build(out: pathlib.Path) -> None:
     msgs = [{"role": "user", "content": "def f(x):\n    return x + 1"}]
     text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
     want = "<s>user\ndef f(x):\n    return x + 1</s>\n<s>assistant\n"
+    assert text == want, (text, want)
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    calls = [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "1", "type": "function", "function": {"name": "f", "arguments": {"x": "é"}}}]}]
+    text = tok.apply_chat_template(calls, tools=tools, tokenize=False)
+    want = ('<s>tools\n[{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]</s>\n'
+            '<s>assistant\n\n{"name": "f", "arguments": {"x": "é"}}</s>\n')
     assert text == want, (text, want)
     ids_hf = tok(text, add_special_tokens=True)["input_ids"]
     ids_raw = raw.encode(text).ids

@@ -280,3 +280,62 @@ def test_2_an_overflow_answer_its_client_left_is_charged_what_the_provider_repor
         stop_gateway()
         stop_provider()
         server.stop()
+
+
+# -- 3. a prompt is everything the engine reads -------------------------------------------------
+def _tools(n: int) -> list[dict]:
+    return [{"type": "function", "function": {"name": f"tool_{i}", "description": "does a thing " * 20,
+                                              "parameters": {"type": "object", "properties": {
+                                                  f"arg_{j}": {"type": "string", "description": "an argument"}
+                                                  for j in range(10)}}}} for i in range(n)]
+
+
+def test_3_tools_and_tool_calls_count_as_prompt_tokens(fleet, caplog):
+    """A chat's tool definitions and its tool calls' arguments are prompt the engine reads: they
+    count against the context (a body of tools past it is refused before any engine sees it) and
+    in the charge (the gateway's count is the engine's)."""
+    calls = [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": f"c{i}", "type": "function", "function": {"name": "tool_0", "arguments": json.dumps(
+            {"query": "x" * 500})}} for i in range(4)]}, {"role": "tool", "tool_call_id": "c0", "content": "ok"}]
+    messages = [{"role": "user", "content": "hi"}, *calls]
+    huge = {"model": "demo-llm", "messages": messages, "tools": _tools(1500), "max_tokens": 4}
+    assert len(json.dumps(huge)) > 1_000_000
+    status, _, raw = _post(fleet.url + "/v1/chat/completions", huge, {"Authorization": "Bearer alice"})
+    assert status == 400 and json.loads(raw)["error"]["code"] == "context_length_exceeded", raw[:300]
+    assert not fleet.call(lambda: list(fleet.engines[0][1].received))  # never sent
+    with caplog.at_level(logging.INFO):
+        small = {"model": "demo-llm", "messages": messages, "tools": _tools(2), "max_tokens": 4}
+        status, _, raw = _post(fleet.url + "/v1/chat/completions", small, {"Authorization": "Bearer alice"})
+        assert status == 200, raw
+        poll_until(lambda: any(getattr(r, "event", None) == "request" and r.outcome == "completed"
+                               for r in caplog.records), what="access line")
+    line = next(r.__dict__ for r in caplog.records if getattr(r, "event", None) == "request"
+                and r.outcome == "completed")
+    engine_prompt = json.loads(raw)["usage"]["prompt_tokens"]
+    assert line["prompt_tokens"] == engine_prompt > 1000 and "prompt_tokens_counted" not in line
+
+
+def test_3_images_count_as_the_models_media_tokens_and_differ_by_image():
+    """An image (audio clip, video) is tokens the engine makes of its own: counted as the model's
+    `media_tokens` each; two prompts that differ only by their image are different prompts to the
+    prefix index."""
+    from bouncer.gateway.request_parsing import request_head, with_prompt
+    from bouncer.tokenizer import PromptTokenizer
+
+    tok = PromptTokenizer()
+
+    def chat(url: str) -> dict:
+        return {"model": "m", "messages": [{"role": "user", "content": [
+            {"type": "text", "text": "what is in this picture? " * 20},
+            {"type": "image_url", "image_url": {"url": url}}]}]}
+
+    def counted(body: dict, media_tokens: int):
+        head = request_head("r", "chat", body, {}, tok, media_tokens)
+        return with_prompt(head, "chat", body, tok, 16, media_tokens)
+
+    text_only = counted({"model": "m", "messages": [{"role": "user", "content": "what is in this picture? " * 20}]},
+                        576)
+    cat, dog = counted(chat("data:image/png;base64,Y2F0"), 576), counted(chat("data:image/png;base64,ZG9n"), 576)
+    assert cat.prompt_tokens - text_only.prompt_tokens > 576 and cat.prompt_tokens == dog.prompt_tokens
+    assert cat.min_prompt_tokens >= 576  # the precheck's lower bound counts it too
+    assert cat.block_digests[:2] == dog.block_digests[:2] and cat.block_digests != dog.block_digests

@@ -56,7 +56,9 @@ def _healthy(url: str, proc: subprocess.Popen) -> bool:
 
 @pytest.fixture(scope="module")
 def vllm_url(tmp_path_factory, kv_events_endpoint):
-    if not (MODEL_DIR / "config.json").exists():
+    template = MODEL_DIR / "chat_template.jinja"  # a model built before the chat template changed is built again
+    if not (MODEL_DIR / "config.json").exists() or not template.exists() or \
+            template.read_text() != (REPO / "src/bouncer/data/chat_template.jinja").read_text():
         subprocess.run([str(VLLM_PYTHON), str(REPO / "scripts/make_tiny_model.py"), str(MODEL_DIR)], check=True,
                        timeout=600)
     port = free_port()
@@ -199,3 +201,62 @@ def test_follows_vllms_kv_events_onto_our_own_block_digests(gateway):
     assert len(digests) >= 2
     assert loop.call(lambda: index().events_live(gw.clock()))
     assert loop.call(lambda: gw.kv_event_stats["vllm"].malformed) == 0
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "the weather in a city",
+                                           "parameters": {"type": "object", "properties": {
+                                               "city": {"type": "string"}}, "required": ["city"]}}}]
+TOOL_ROUND_TRIP = [
+    {"role": "user", "content": "What is the weather in Zurich and in Bern?"},
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Zurich"}'}},
+        {"id": "c2", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Bern"}'}}]},
+    {"role": "tool", "tool_call_id": "c1", "content": "12 C and rain"},
+    {"role": "tool", "tool_call_id": "c2", "content": "9 C, clear"}]
+
+
+def test_prompt_tokens_settled_are_vllms_own_for_tools_and_tool_calls(vllm_url, caplog):
+    """A chat with tools and a tool-call round trip, whole and streamed: the tenant's prompt-token
+    quota is charged vLLM's own `usage.prompt_tokens`, and the count the gateway admitted it by
+    (its template is the model's) is the same."""
+    import logging
+
+    from bouncer.bench.loopback import RedisServer
+
+    server = RedisServer()
+    loop = BackgroundLoop()
+    config = {
+        "tenants": [{"name": "t", "api_keys_sha256": [key_digest("t")], "quota": {"limits": [
+            {"window": "month", "unit": "prompt_tokens", "limit": 1e9}]}}],
+        "models": [{"name": "tiny", "engine": "vllm", "tokenizer": str(default_tokenizer_path()),
+                    "max_model_len": 512, "block_size": 128, "backends": [{"url": vllm_url, "name": "vllm"}]}],
+        "quotas": {"url": server.url, "key_prefix": "tools:"},
+        "policy": {"telemetry": {"scrape_interval_s": 0.1, "staleness_s": 2.0}},
+    }
+    url, gw, cleanup = start_gateway(loop, config)
+    try:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="t", max_retries=0, timeout=120)
+        with caplog.at_level(logging.INFO):
+            whole = client.chat.completions.create(model="tiny", messages=TOOL_ROUND_TRIP, tools=TOOLS,
+                                                   tool_choice="none", max_tokens=4, extra_body={"ignore_eos": True})
+            chunks = list(client.chat.completions.create(
+                model="tiny", messages=TOOL_ROUND_TRIP, tools=TOOLS, tool_choice="none", max_tokens=4, stream=True,
+                stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+            poll_until(lambda: len([r for r in caplog.records if getattr(r, "event", None) == "request"]) == 2,
+                       what="both access lines")
+        streamed = chunks[-1].usage
+        assert whole.usage.prompt_tokens == streamed.prompt_tokens > 100  # the tools and calls are prompt
+        r = __import__("redis").Redis.from_url(server.url)
+
+        def spent() -> tuple[float, float]:
+            [key] = list(r.scan_iter("tools:quota:tenant:*"))
+            s, held = r.hmget(key, "spent", "reserved")
+            return float(s or 0), float(held or 0)
+        poll_until(lambda: spent()[1] == 0, what="both settled")
+        assert spent()[0] == whole.usage.prompt_tokens + streamed.prompt_tokens
+        for line in (r.__dict__ for r in caplog.records if getattr(r, "event", None) == "request"):
+            assert line["prompt_tokens"] == whole.usage.prompt_tokens and "prompt_tokens_counted" not in line, line
+    finally:
+        cleanup()
+        loop.close()
+        server.stop()

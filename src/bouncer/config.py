@@ -303,6 +303,10 @@ class ModelConfig(_Strict):
     max_model_len: int = Field(8192, ge=16, description="the model's context length, tokens: prompt + max_tokens "
                                                         "must fit (the engine's --max-model-len)")
     block_size: int = Field(16, ge=1, description="tokens per KV block (the engine's --block-size)")
+    media_tokens: int = Field(1024, ge=0, description="prompt tokens each image, audio clip or video of a chat "
+                                                      "message counts for admission (a model's count depends on "
+                                                      "it and on the media: 576 an image for LLaVA-1.5, 256 for "
+                                                      "Gemma 3); what a request is charged is the engine's own")
     kv: KVGeometryConfig | None = Field(None, description="the KV geometry, needed for a backend's kv_cache_gb")
     step_time: StepTimeConfig = Field(default_factory=StepTimeConfig,
                                       description="latency prediction (SLO feasibility, the TPOT hold): the engine's "

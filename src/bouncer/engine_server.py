@@ -32,6 +32,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from bouncer.config import ModelConfig
 from bouncer.core.fleet.blocks import chain_block_hashes
 from bouncer.core.fleet.kv_events import BlockRemoved, BlockStored, KVEvent
 from bouncer.kv_events_wire import encode_batch, encode_seq
@@ -48,7 +49,7 @@ from bouncer.openai_wire import (
     usage_chunk,
 )
 from bouncer.sim.engine import EngineModel, EngineRequest, QueueFull, RequestTooLong
-from bouncer.tokenizer import PromptTokenizer
+from bouncer.tokenizer import PromptTokenizer, media_items
 
 # vLLM's histogram buckets (vllm/v1/metrics/loggers.py), so dashboards built for vLLM work as is.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -202,12 +203,15 @@ class KVEventPublisher:
 class EngineServer:
     def __init__(self, engine: EngineModel, *, model_name: str = "demo-llm", speed: float = 1.0,
                  tokenizer: PromptTokenizer | None = None, seed: int = 0,
-                 kv_events: KVEventPublisher | None = None, kv_connector: str | None = None) -> None:
-        """`kv_connector`: this engine's id in vLLM's P/D protocol (module doc); None: none."""
+                 kv_events: KVEventPublisher | None = None, kv_connector: str | None = None,
+                 media_tokens: int = ModelConfig.model_fields["media_tokens"].default) -> None:
+        """`kv_connector`: this engine's id in vLLM's P/D protocol (module doc); None: none.
+        `media_tokens`: the prompt tokens each image (audio clip, video) of a chat is."""
         if speed <= 0:
             raise ValueError("speed must be positive")
         self.engine = engine
         self.kv_connector = kv_connector
+        self.media_tokens = media_tokens
         self.kv_events = kv_events
         if kv_events is not None:
             engine.pool.event_sink = kv_events.sink
@@ -332,7 +336,7 @@ class EngineServer:
             if not isinstance(messages, list) or not messages:
                 raise ApiError(400, "messages must be a non-empty list", param="messages")
             try:
-                ids = self.tokenizer.encode_chat(messages)
+                ids = self.tokenizer.encode_chat(messages, body.get("tools"))
                 # a list: its blocks' token ids go out in KV events (msgpack has no arrays)
                 return ids.tolist() if isinstance(ids, array) else ids
             except (TypeError, AttributeError) as exc:
@@ -364,6 +368,8 @@ class EngineServer:
             if body.get("n", 1) != 1:
                 raise ApiError(400, "only n=1 is supported", param="n")
             prompt_ids = self._prompt_ids(kind, body)
+            # an image (audio, video) is tokens of the engine's own, beside the text's
+            media = media_items(body["messages"]) * self.media_tokens if kind == "chat" else 0
             n = next(self._ids)
             rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{n}"
             seed = zlib.crc32(rid.encode()) ^ self.seed
@@ -378,7 +384,7 @@ class EngineServer:
             priority = body.get("priority", 0)
             if not isinstance(priority, int):
                 raise ApiError(400, "priority must be an integer", param="priority")
-            req = EngineRequest(rid, len(prompt_ids), target, digests, self.now(), priority,
+            req = EngineRequest(rid, len(prompt_ids) + media, target, digests, self.now(), priority,
                                 remote_tokens=remote_tokens, ends_at_eos=ends_at_eos)
             try:
                 self.engine.add_request(req)

@@ -6,7 +6,10 @@ template. The default is the small byte-level BPE that ships in `bouncer/data` (
 scripts/make_tokenizer.py); a model's own tokenizer.json can be configured instead.
 
 The chat template is written once here and mirrored as a Jinja template for real engines
-(`CHAT_TEMPLATE_JINJA`), so a tiny local vLLM model renders chats to the same tokens.
+(`data/chat_template.jinja`, which scripts/make_tiny_model.py gives the tiny local vLLM model),
+so that model renders chats to the same tokens: vLLM hands a text model's template each
+message's content as its text parts joined by newlines, tool-call arguments parsed to objects,
+and the request's tools, and the template's `tojson` is json.dumps with ensure_ascii off, as here.
 """
 
 from __future__ import annotations
@@ -18,49 +21,91 @@ from collections.abc import Iterable
 from importlib import resources
 from typing import Any
 
+import xxhash
 from tokenizers import Tokenizer
 
 from bouncer.core.fleet.blocks import chain_block_hashes
 from bouncer.segment_cache import PrefixBlocks, SegmentCache, prefix_keys, segment_key, segments_are_independent
 
-CHAT_TEMPLATE_JINJA = (
-    "{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
-    "{% if add_generation_prompt %}<s>assistant\n{% endif %}"
-)
+# content parts an engine turns into tokens of its own (an image's patches, an audio clip's
+# frames): each is counted as `ModelConfig.media_tokens` and rendered as a marker naming it
+MEDIA_PARTS = frozenset({"image_url", "input_image", "image", "audio_url", "input_audio", "video_url", "file",
+                         "input_file"})
 
 
 def default_tokenizer_path() -> pathlib.Path:
     return pathlib.Path(str(resources.files("bouncer") / "data" / "tokenizer.json"))
 
 
-def message_text(content: Any) -> str:
-    """OpenAI message content: a string, or a list of parts of which text parts count."""
+def content_text(content: Any) -> str:
+    """A message's content as a text chat template gets it: a string as it is; a list of parts,
+    its text parts one per line, each media part a marker that names it (its digest), so that
+    prompts with different images differ."""
     if content is None:
         return ""
     if isinstance(content, str):
         return content
-    if isinstance(content, list):
-        parts = []
-        for part in content:
-            if isinstance(part, dict) and part.get("type") == "text":
-                parts.append(str(part.get("text", "")))
-        return "".join(parts)
-    raise TypeError("message content must be a string or a list of content parts")
+    if not isinstance(content, list):
+        raise TypeError("message content must be a string or a list of content parts")
+    parts = []
+    for part in content:
+        if not isinstance(part, dict):
+            raise TypeError("each content part must be an object")
+        kind = part.get("type")
+        if kind == "text":
+            parts.append(str(part.get("text", "")))
+        elif kind in MEDIA_PARTS:
+            parts.append(f"<{kind} {xxhash.xxh3_64_intdigest(json.dumps(part, sort_keys=True).encode()):016x}>")
+    return "\n".join(parts)
+
+
+def media_items(messages: Iterable[dict[str, Any]]) -> int:
+    """The media parts (images, audio, video, files) of a chat's messages."""
+    return sum(1 for m in messages if isinstance(m.get("content"), list)
+               for part in m["content"] if isinstance(part, dict) and part.get("type") in MEDIA_PARTS)
+
+
+def tool_arguments(raw: Any) -> Any:
+    """A tool call's arguments as vLLM hands them to a template: a JSON string parsed to its
+    object; anything else, or nothing, an empty object."""
+    if isinstance(raw, dict):
+        return raw
+    if isinstance(raw, str) and raw:
+        try:
+            parsed = json.loads(raw)
+        except json.JSONDecodeError:
+            return {}
+        return parsed if isinstance(parsed, dict) else {}
+    return {}
+
+
+def tool_calls_text(calls: Any) -> str:
+    """An assistant message's tool calls as the template writes them: one JSON object a line."""
+    if not calls:
+        return ""
+    if not isinstance(calls, list) or not all(isinstance(c, dict) and isinstance(c.get("function"), dict)
+                                              for c in calls):
+        raise TypeError("tool_calls must be a list of objects, each with a function object")
+    return "".join("\n" + json.dumps({"name": c["function"].get("name"), "arguments": tool_arguments(
+        c["function"].get("arguments"))}, ensure_ascii=False) for c in calls)
 
 
 CHAT_MARKERS = ("<s>", "</s>")  # what the template brackets each message with
 GENERATION_PROMPT = "<s>assistant\n"
 
 
-def chat_segments(messages: Iterable[dict[str, Any]]) -> list[str]:
-    """The rendered chat, one string a message, then the generation prompt."""
-    out = [f"<s>{m.get('role', 'user')}\n{message_text(m.get('content'))}</s>\n" for m in messages]
+def chat_segments(messages: Iterable[dict[str, Any]], tools: list | None = None) -> list[str]:
+    """The rendered chat, one string a message (the tools first, where there are any), then the
+    generation prompt: everything the engine reads, tool definitions and calls included."""
+    out = [f"<s>tools\n{json.dumps(tools, ensure_ascii=False)}</s>\n"] if tools else []
+    out += [f"<s>{m.get('role', 'user')}\n{content_text(m.get('content'))}{tool_calls_text(m.get('tool_calls'))}"
+            f"</s>\n" for m in messages]
     out.append(GENERATION_PROMPT)
     return out
 
 
-def render_chat(messages: Iterable[dict[str, Any]]) -> str:
-    return "".join(chat_segments(messages))
+def render_chat(messages: Iterable[dict[str, Any]], tools: list | None = None) -> str:
+    return "".join(chat_segments(messages, tools))
 
 
 class PromptTokenizer:
@@ -101,18 +146,18 @@ class PromptTokenizer:
         # the batch "fast" path skips offsets we never read: ~10-25% cheaper per call
         return self._tok.encode_batch_fast([text], add_special_tokens=False)[0].ids
 
-    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int] | array:
-        segments = chat_segments(messages)
+    def encode_chat(self, messages: list[dict[str, Any]], tools: list | None = None) -> list[int] | array:
+        segments = chat_segments(messages, tools)
         if self.segments is None:
             return self.encode("".join(segments))
         return self._cached_ids(segments, [segment_key(s) for s in segments])[0]
 
-    def encode_chat_blocks(self, messages: list[dict[str, Any]], block_size: int) -> tuple[list[int] | array,
-                                                                                          list[int]]:
+    def encode_chat_blocks(self, messages: list[dict[str, Any]], block_size: int,
+                           tools: list | None = None) -> tuple[list[int] | array, list[int]]:
         """The chat's token ids and the chained digests of their full blocks, both exactly those
         of `encode_chat` and `chain_block_hashes`; with the caches, a conversation's next step
         tokenizes only its new messages and hashes only the blocks after its known prefix."""
-        segments = chat_segments(messages)
+        segments = chat_segments(messages, tools)
         if self.segments is None or self.prefix_blocks is None:
             ids = self.encode("".join(segments))
             return ids, chain_block_hashes(ids, block_size)

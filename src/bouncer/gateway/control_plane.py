@@ -296,7 +296,7 @@ class ControlPlane:
             body = parse_json_object(raw)
             model = prepared.models.get(body.get("model")) if isinstance(body.get("model"), str) else None
             tokenizer = prepared.tokenizers.get(model.name) if model else None
-            head = request_head(rid, kind, body, headers, tokenizer)
+            head = request_head(rid, kind, body, headers, tokenizer, model.media_tokens if model else 0)
         except ApiError as err:
             reason = Reason.INVALID_REQUEST if err.code == "invalid_json" else Reason.INVALID_PARAMETER
             return self.refuse_early(rid, Refusal(Layer.VALIDATION, reason, err.message, param=err.param), line)
@@ -342,7 +342,8 @@ class ControlPlane:
         if isinstance(checked, Reject):
             return self.refused(checked, line)
         block_size = parsed.model.block_size if parsed.model else 16
-        args = (head, parsed.kind, parsed.body, parsed.tokenizer, block_size)
+        media_tokens = parsed.model.media_tokens if parsed.model else 0
+        args = (head, parsed.kind, parsed.body, parsed.tokenizer, block_size, media_tokens)
         info = await asyncio.to_thread(with_prompt, *args) if len(parsed.raw) > TOKENIZE_IN_THREAD_BYTES \
             else with_prompt(*args)
         line.update(prompt_tokens=info.prompt_tokens)

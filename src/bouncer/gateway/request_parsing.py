@@ -22,7 +22,13 @@ from bouncer.core.fleet.blocks import chain_block_hashes
 from bouncer.core.requests import RequestInfo
 from bouncer.gateway.request_params import check_params
 from bouncer.openai_wire import ApiError
-from bouncer.tokenizer import PromptTokenizer, message_text, render_chat
+from bouncer.tokenizer import (
+    PromptTokenizer,
+    content_text,
+    media_items,
+    render_chat,
+    tool_calls_text,
+)
 
 BYTES_PER_TOKEN_ESTIMATE = 4
 TOKEN_ID_LIMIT = 2**32  # token ids are hashed as unsigned 32-bit integers (bouncer.core.fleet.blocks)
@@ -61,7 +67,8 @@ def _prompt(kind: str, body: dict[str, Any], vocab_size: int | None) -> list | s
                            code="invalid_parameter")
         for m in messages:
             try:
-                message_text(m.get("content"))
+                content_text(m.get("content"))
+                tool_calls_text(m.get("tool_calls"))
             except TypeError as exc:
                 raise ApiError(400, f"invalid messages: {exc}", param="messages",
                                code="invalid_parameter") from None
@@ -82,24 +89,29 @@ def _prompt(kind: str, body: dict[str, Any], vocab_size: int | None) -> list | s
 
 
 def prompt_token_ids(kind: str, body: dict[str, Any], tokenizer: PromptTokenizer | None) -> list[int] | array:
-    """The prompt's token ids (the model's tokenizer, or the stated estimate)."""
+    """The prompt's token ids (the model's tokenizer, or the stated estimate): a chat's over all
+    the engine reads of it, its tools and tool calls included."""
     prompt = _prompt(kind, body, tokenizer.vocab_size if tokenizer is not None else None)
     if kind == "chat":
-        return tokenizer.encode_chat(prompt) if tokenizer is not None else _estimate_ids(render_chat(prompt))
+        tools = body.get("tools")
+        return tokenizer.encode_chat(prompt, tools) if tokenizer is not None else \
+            _estimate_ids(render_chat(prompt, tools))
     if isinstance(prompt, str):
         return tokenizer.encode(prompt) if tokenizer is not None else _estimate_ids(prompt)
     return prompt
 
 
-def min_prompt_tokens(kind: str, prompt: list | str, tokenizer: PromptTokenizer | None) -> int:
+def min_prompt_tokens(kind: str, prompt: list | str, tokenizer: PromptTokenizer | None, tools: list | None = None,
+                      media_tokens: int = 0) -> int:
     """At most the prompt's token count, from its text's bytes alone (0 where no bound holds)."""
     if not isinstance(prompt, str) and kind != "chat":
         return len(prompt)  # token ids: exactly
+    media = media_items(prompt) * media_tokens if kind == "chat" else 0
     per_token = BYTES_PER_TOKEN_ESTIMATE if tokenizer is None else tokenizer.max_token_bytes
     if not per_token:
-        return 0
-    text = prompt if isinstance(prompt, str) else "".join(message_text(m.get("content")) for m in prompt)
-    return len(text.encode("utf-8", "surrogatepass")) // per_token
+        return media
+    text = prompt if isinstance(prompt, str) else render_chat(prompt, tools)
+    return len(text.encode("utf-8", "surrogatepass")) // per_token + media
 
 
 def _header_ms(headers, name: str) -> float | None:
@@ -152,9 +164,10 @@ def _retry_count(headers) -> int | None:
 
 
 def request_head(request_id: str, kind: str, body: dict[str, Any], headers,
-                 tokenizer: PromptTokenizer | None) -> RequestInfo:
+                 tokenizer: PromptTokenizer | None, media_tokens: int = 0) -> RequestInfo:
     """All of a request but its prompt's tokens: checked whole (raises ApiError for any bad
-    field), not tokenized, for the core's precheck. `with_prompt` completes it."""
+    field), not tokenized, for the core's precheck. `with_prompt` completes it. `media_tokens`:
+    what each image (audio clip, video) of a chat counts (`ModelConfig.media_tokens`)."""
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise ApiError(400, "model is required", param="model", code="invalid_parameter")
@@ -180,7 +193,8 @@ def request_head(request_id: str, kind: str, body: dict[str, Any], headers,
         objective=headers.get("x-llm-d-inference-objective") or headers.get("x-gateway-inference-objective") or None,
         session_id=headers.get("x-session-id") or None,
         parent_session_id=headers.get("x-parent-session-id") or None,
-        user=user, retry_count=retry_count, min_prompt_tokens=min_prompt_tokens(kind, prompt, tokenizer),
+        user=user, retry_count=retry_count,
+        min_prompt_tokens=min_prompt_tokens(kind, prompt, tokenizer, body.get("tools"), media_tokens),
         # only a client that numbers its attempts can be known again when it retries; the prompt
         # as sent (a retry sends it again), hashed before it is tokenized, so a retry of one the
         # precheck refused is known too
@@ -188,12 +202,15 @@ def request_head(request_id: str, kind: str, body: dict[str, Any], headers,
 
 
 def with_prompt(head: RequestInfo, kind: str, body: dict[str, Any], tokenizer: PromptTokenizer | None,
-                block_size: int) -> RequestInfo:
+                block_size: int, media_tokens: int = 0) -> RequestInfo:
     """`head` with its prompt's token count and block digests (the body was checked by
-    `request_head`: this tokenizes and hashes, and cannot fail)."""
+    `request_head`: this tokenizes and hashes, and cannot fail). A chat's images (audio, video)
+    count `media_tokens` each: the engine's own count depends on the model and the media, and
+    its usage settles what the request used."""
     if kind == "chat" and tokenizer is not None:  # a conversation's next step: only what is new costs
-        ids, digests = tokenizer.encode_chat_blocks(body["messages"], block_size)
+        ids, digests = tokenizer.encode_chat_blocks(body["messages"], block_size, body.get("tools"))
     else:
         ids = prompt_token_ids(kind, body, tokenizer)
         digests = chain_block_hashes(ids, block_size)
-    return dataclasses.replace(head, prompt_tokens=len(ids), block_digests=digests)
+    media = media_items(body["messages"]) * media_tokens if kind == "chat" else 0
+    return dataclasses.replace(head, prompt_tokens=len(ids) + media, block_digests=digests)
