@@ -565,3 +565,27 @@ def test_the_shipped_envoy_bootstrap_is_what_envoy_config_writes_and_envoy_accep
     checked = subprocess.run([ENVOY, "--mode", "validate", "-c", str(DEPLOY / "envoy.yaml")], capture_output=True,
                              text=True)
     assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+@pytest.mark.parametrize("body_mode", ["buffered", "duplex"])
+def test_a_body_past_grpcs_default_message_size_is_still_the_pickers_to_judge(tmp_path, body_mode):
+    """A body of 4 MiB (within `limits.max_body_bytes`) crosses gRPC's default 4 MiB message
+    limit: the picker takes it and judges it (here: too long for the context, 400), and one past
+    the limit is refused 413; neither fails the ext_proc stream, which an Envoy failing open
+    would answer by sending the request to the engines unchecked."""
+    picked = Picked(tmp_path, [_tenant("alice")], failure_mode="open", body_mode=body_mode)
+    try:
+        for size, status, reason in ((4 * 1024 * 1024 - 64, 400, "context_length_exceeded"),
+                                     (4 * 1024 * 1024 + 512, 413, "body_too_large")):
+            head, tail = b'{"model": "demo-llm", "max_tokens": 2, "prompt": "', b'"}'
+            body = head + b"x" * (size - len(head) - len(tail)) + tail
+            conn = http.client.HTTPConnection("127.0.0.1", picked.envoy_port, timeout=60)
+            conn.request("POST", "/v1/completions", body=body,
+                         headers={"Authorization": "Bearer alice", "Content-Type": "application/json"})
+            resp = conn.getresponse()
+            raw = resp.read()
+            assert resp.status == status and resp.getheader("x-bouncer-reason") == reason, (resp.status, raw[:300])
+            conn.close()
+        poll_until(picked.idle, what="nothing in flight")
+    finally:
+        picked.close()

@@ -71,17 +71,27 @@ def subset_hint(first: ext_proc.ProcessingRequest) -> list[str] | None:
     return [e.strip() for v in items for e in v.string_value.split(",") if e.strip()]
 
 
-async def request_body(context: grpc.aio.ServicerContext) -> bytes | None:
+class BodyTooLarge(Exception):
+    """The request body went past the limit before it ended."""
+
+
+async def request_body(context: grpc.aio.ServicerContext, limit: int) -> bytes | None:
     """The whole request body: one message (buffered) or its chunks (full duplex); None when
-    Envoy gave up first."""
-    raw = b""
+    Envoy gave up first. Past `limit` bytes it is not read on (`BodyTooLarge`): a client that
+    streams chunks without end holds no more than that here."""
+    parts: list[bytes] = []
+    size = 0
     while (msg := await context.read()) is not grpc.aio.EOF:
         if msg.HasField("request_trailers"):
-            return raw
+            return b"".join(parts)
         if msg.HasField("request_body"):
-            raw += msg.request_body.body
+            chunk = msg.request_body.body
+            size += len(chunk)
+            if size > limit:
+                raise BodyTooLarge
+            parts.append(chunk)
             if msg.request_body.end_of_stream:
-                return raw
+                return b"".join(parts)
     return None
 
 

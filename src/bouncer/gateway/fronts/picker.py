@@ -59,6 +59,7 @@ from bouncer.gateway.control_plane import ControlPlane, serve_http
 from bouncer.gateway.exchange import Outcome, Parsed
 from bouncer.gateway.fronts.access_log_wire import Ended, ends_of, peer_host, status_outcome
 from bouncer.gateway.fronts.ext_proc_wire import (
+    BodyTooLarge,
     header_of,
     headers_of,
     immediate,
@@ -94,6 +95,10 @@ ACCESS_LOG_DUE_S = 5.0
 # Unloaded, one at a time would be every answer; a new one begins at most this often, which
 # leaves up to ten a second for what they teach (output lengths, TPOT) and most answers unheld.
 READ_WHOLE_EVERY_S = 0.1
+# the largest ext_proc message taken: a body of up to max(limits.max_body_bytes, the floor; a reload
+# may raise the limit) and what goes with it (headers, metadata)
+GRPC_MESSAGE_FLOOR_BYTES = 64 * 1024 * 1024
+GRPC_MESSAGE_HEADROOM_BYTES = 1024 * 1024
 
 
 @dataclass(slots=True)
@@ -176,10 +181,16 @@ class Picker(ext_proc_grpc.ExternalProcessorServicer):
                 return
             if not duplex:  # buffered: Envoy holds the headers until the body is answered
                 await context.write(ext_proc.ProcessingResponse(request_headers=ext_proc.HeadersResponse()))
-            raw = await request_body(context)
-            if raw is None:
-                return  # Envoy gave up on the request (its client left before the body came)
-            decision = await self._admit(rid, kind, raw, headers, line, subset_hint(first))
+            limit = plane.config.limits.max_body_bytes
+            try:
+                raw = await request_body(context, limit)
+            except BodyTooLarge:
+                decision: tuple[Parsed, Dispatch] | Refusal = plane.refuse_early(rid, Refusal(
+                    Layer.VALIDATION, Reason.BODY_TOO_LARGE, f"request body exceeds {limit} bytes"), line)
+            else:
+                if raw is None:
+                    return  # Envoy gave up on the request (its client left before the body came)
+                decision = await self._admit(rid, kind, raw, headers, line, subset_hint(first))
             if isinstance(decision, Refusal):
                 line["status"] = decision.status
                 await context.write(refused(decision))
@@ -195,10 +206,6 @@ class Picker(ext_proc_grpc.ExternalProcessorServicer):
     async def _admit(self, rid: str, kind: str, raw: bytes, headers: CIMultiDict[str], line: dict[str, Any],
                      subset: list[str] | None) -> tuple[Parsed, Dispatch] | Refusal:
         plane = self.plane
-        limit = plane.config.limits.max_body_bytes
-        if len(raw) > limit:
-            return plane.refuse_early(rid, Refusal(Layer.VALIDATION, Reason.BODY_TOO_LARGE,
-                                                   f"request body exceeds {limit} bytes"), line)
         parsed = plane.parse(rid, kind, raw, headers, line)
         if isinstance(parsed, Refusal):
             return parsed
@@ -526,7 +533,12 @@ async def serve_picker(plane: ControlPlane, host: str, port: int, ready: asyncio
     """The picker's gRPC server (ext_proc, Envoy's access log and the standard health service) on
     `plane.config.picker`, and the control plane's endpoints on the HTTP `host:port`, until
     cancelled."""
-    server = grpc.aio.server()
+    # Envoy sends a buffered body in one message: gRPC's 4 MiB default would fail the stream on a
+    # body Bouncer accepts (and a failing-open Envoy then sends it on unchecked); the picker itself
+    # refuses bodies over `limits.max_body_bytes` (413)
+    size = max(plane.config.limits.max_body_bytes, GRPC_MESSAGE_FLOOR_BYTES) + GRPC_MESSAGE_HEADROOM_BYTES
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", size),
+                                      ("grpc.max_send_message_length", size)])
     picker = Picker(plane)
     # past its first token, an answer goes by unseen but for the few read whole: the engines' own
     # inter-token latency says how fast they decode
