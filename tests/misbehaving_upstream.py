@@ -52,6 +52,11 @@ ANSWERS: dict[str, bytes] = {
     "garbage": b"NOT HTTP AT ALL\r\n\r\n",
     "empty-close": b"",
 }
+# 16 MB of stream: more than a client's connection holds when it stops reading (its answer's bytes
+# wait in the gateway, or in the backend's socket while the gateway stops reading it)
+HUGE_CHUNK_TEXT = "x" * 16_000
+LARGE = {"huge-stream": _head("200 OK", STREAM, _sse(*[_chunk(HUGE_CHUNK_TEXT)] * 1000, {"choices": [], "usage": {
+    "prompt_tokens": 1, "completion_tokens": 1000, "total_tokens": 1001}}, b"[DONE]"))}
 # answers whose connection closes after the bytes (no Content-Length to honour)
 CUT = {"cut-mid-stream": b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
        + f"{len(_sse(_chunk('a'))):x}\r\n".encode() + _sse(_chunk("a")) + b"\r\n"}
@@ -90,7 +95,7 @@ class Misbehaving:
                     writer.write(CUT[self.mode])
                     await writer.drain()
                     break
-                writer.write(ANSWERS[self.mode])
+                writer.write(ANSWERS[self.mode] if self.mode in ANSWERS else LARGE[self.mode])
                 await writer.drain()
                 if self.mode in ("garbage", "empty-close", "status-101", "status-999"):
                     break

@@ -339,3 +339,75 @@ def test_3_images_count_as_the_models_media_tokens_and_differ_by_image():
     assert cat.prompt_tokens - text_only.prompt_tokens > 576 and cat.prompt_tokens == dog.prompt_tokens
     assert cat.min_prompt_tokens >= 576  # the precheck's lower bound counts it too
     assert cat.block_digests[:2] == dog.block_digests[:2] and cat.block_digests != dog.block_digests
+
+
+# -- 6. a client that stops reading holds nothing for long ----------------------------------------
+def test_6_a_client_that_stops_reading_is_cut_off_and_buffers_little(bg_loop, caplog):
+    """A client that asks for a 16 MB stream and reads none of it: the gateway reads no more than
+    about a megabyte ahead of it from the backend (the rest waits in the backend's socket), and
+    once its connection has taken nothing for `listen.send_timeout_s` it is cut off: its request
+    ends as cancelled and its permit goes back. (Before: the gateway read the whole answer into
+    memory, and the request held its permit for as long as the client kept its connection.)"""
+    from conftest import start_gateway
+    from misbehaving_upstream import Misbehaving
+
+    up = Misbehaving(bg_loop)
+    up.mode = "huge-stream"
+    base, plane, cleanup = start_gateway(bg_loop, {
+        "tenants": [tenant("mallory")], "listen": {"send_timeout_s": 1.0},
+        "models": [{"name": "m", "engine": "openai", "backends": [{"url": up.url, "name": "up", "kv_blocks": 1000}]}],
+        "policy": {"telemetry": {"scrape_interval_s": 0.05, "staleness_s": 2.0}}})
+    host, port = base.removeprefix("http://").split(":")
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    try:
+        poll_until(lambda: bg_loop.call(lambda: all(r.telemetry for r in plane.core.replicas.values())),
+                   what="scraped")
+        with caplog.at_level(logging.INFO):
+            sock.connect((host, int(port)))
+            body = json.dumps({"model": "m", "prompt": "a long answer", "max_tokens": 4, "stream": True}).encode()
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer mallory\r\n"
+                         b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+            assert sock.recv(64).startswith(b"HTTP/1.1 200")  # then it reads nothing more
+            poll_until(lambda: bg_loop.call(lambda: plane.core.view.inflight) == 0, timeout=20,
+                       what="the stalled client's permit back")
+            poll_until(lambda: any(getattr(r, "event", None) == "request" for r in caplog.records), what="its line")
+        [line] = [r.__dict__ for r in caplog.records if getattr(r, "event", None) == "request"]
+        assert line["outcome"] == "cancelled" and line["reason"] == "client_disconnected"
+        assert 1 <= line["completion_tokens"] < 1000  # charged what it was sent, as the chunks count it
+    finally:
+        sock.close()
+        cleanup()
+        up.close()
+
+
+def test_6_a_stream_read_slowly_holds_about_a_megabyte_unread(bg_loop):
+    """The upstream client stops reading a backend's connection while more than
+    `STREAM_BUFFER_BYTES` of its answer waits unread, and reads on once it is taken."""
+    import asyncio
+
+    import yarl
+
+    from bouncer.gateway.upstream import STREAM_BUFFER_BYTES, UpstreamPool
+    from misbehaving_upstream import Misbehaving
+
+    up = Misbehaving(bg_loop)
+    up.mode = "huge-stream"
+
+    async def run() -> tuple[int, int]:
+        pool = UpstreamPool(5.0, 30.0)
+        resp = await pool.post_json(yarl.URL(up.url + "/v1/completions"), b"{}")
+        chunks = resp.chunks(30.0)
+        first = await anext(chunks)
+        await asyncio.sleep(1.0)  # the reader stalls
+        held = resp.unread
+        total = len(first) + sum([len(c) async for c in chunks])  # then reads it all
+        resp.close()
+        pool.close()
+        return held, total
+
+    try:
+        held, total = bg_loop.run(run())
+        assert total > 16_000_000 and held <= STREAM_BUFFER_BYTES + 512 * 1024, held
+    finally:
+        up.close()

@@ -676,6 +676,10 @@ class Listen(_Strict):
                                                           "408)")
     idle_timeout_s: float = Field(75.0, gt=0, description="a keep-alive connection with no request this many "
                                                           "seconds is closed")
+    send_timeout_s: float = Field(30.0, gt=0, description="a client that takes none of its answer for this many "
+                                                          "seconds (its connection's send buffer full) is cut off: "
+                                                          "its request ends as cancelled, its permit goes back, and "
+                                                          "it pays for what was generated")
     max_connections: int = Field(4096, ge=1, description="open client connections; one more is answered 503 and "
                                                          "closed")
     drain_s: float = Field(60.0, ge=0, description="after SIGTERM (a pod stopping): /ready answers 503 while the "

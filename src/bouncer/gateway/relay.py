@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, NamedTuple
 
 import orjson
@@ -212,7 +212,12 @@ def error_event(status: int, reason: Reason, message: str) -> bytes:
     return b"data: " + dumps(err.body()) + b"\n\n"
 
 
-async def relay_json(up: UpstreamResponse, request: web.Request, read_timeout: float, clock: Callable[[], float],
+class Timeouts(NamedTuple):
+    read: float  # silence on the backend's side this long is its failure
+    send: float  # a client that takes nothing of its answer this long (listen.send_timeout_s) is cut off
+
+
+async def relay_json(up: UpstreamResponse, request: web.Request, timeouts: Timeouts, clock: Callable[[], float],
                      on_first_token: Callable[[float], None], out: Outcome) -> web.Response:
     """A non-streaming answer: the whole body, relayed if it is a JSON object. It is written
     here, not by aiohttp once the handler returns, so that the client has it before the
@@ -220,14 +225,14 @@ async def relay_json(up: UpstreamResponse, request: web.Request, read_timeout: f
     answer's latency. A client that leaves before it came saw nothing of it, and neither did
     the gateway: its usage is not known (`out.completion_tokens` None)."""
     try:
-        raw = await up.read(read_timeout)
+        raw = await up.read(timeouts.read)
     except asyncio.CancelledError:
         out.completion_tokens = None
         raise
-    return await answer_json(raw, request, clock, on_first_token, out)
+    return await answer_json(raw, request, timeouts.send, clock, on_first_token, out)
 
 
-async def answer_json(raw: bytes, request: web.Request, clock: Callable[[], float],
+async def answer_json(raw: bytes, request: web.Request, send_timeout: float, clock: Callable[[], float],
                       on_first_token: Callable[[float], None], out: Outcome) -> web.Response:
     """`relay_json` once the whole answer is in."""
     try:
@@ -242,9 +247,10 @@ async def answer_json(raw: bytes, request: web.Request, clock: Callable[[], floa
         out.completion_tokens = 0
     out.terminal, out.reason = Terminal.COMPLETED, None  # served, whether or not the client is still there
     resp = web.Response(body=raw, content_type="application/json")
-    with contextlib.suppress(ConnectionResetError):
-        await resp.prepare(request)
-        await resp.write_eof()
+    with contextlib.suppress(ClientGone):  # served: a client that left or took nothing of it changes nothing
+        sink = ClientSink(resp, request, send_timeout)
+        await sink.prepare()
+        await sink.write_eof(len(raw))
     return resp
 
 
@@ -293,7 +299,7 @@ class _StreamTally:
 _CHOICE, _CHOICE_SPACED = b'"choices":[{', b'"choices": [{'
 
 
-async def relay_stream(up: UpstreamResponse, request: web.Request, read_timeout: float, client: ClientUsage,
+async def relay_stream(up: UpstreamResponse, request: web.Request, timeouts: Timeouts, client: ClientUsage,
                        every_chunk_asked: bool, clock: Callable[[], float], on_first_token: Callable[[float], None],
                        out: Outcome) -> web.StreamResponse:
     """An event stream: its first event is read before the response starts, so a refusal or an
@@ -303,7 +309,7 @@ async def relay_stream(up: UpstreamResponse, request: web.Request, read_timeout:
     ends (the client leaving, the backend failing), `out` gets what the engine had used by then:
     its last usage, or what it had sent, counting what came and was not relayed."""
     splitter = EventSplitter()
-    batches = sse_batches(up.chunks(read_timeout), splitter)
+    batches = sse_batches(up.chunks(timeouts.read), splitter)
     batch = await anext(batches, None)
     if not batch:
         raise UpstreamFailure(502, Reason.UPSTREAM_ERROR, "the backend closed the stream without an event")
@@ -319,27 +325,24 @@ async def relay_stream(up: UpstreamResponse, request: web.Request, read_timeout:
         message = message[:MAX_ERROR_MESSAGE] if isinstance(message, str) and message else "an error event"
         raise UpstreamFailure(502, Reason.UPSTREAM_ERROR, f"the backend sent {message}")
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    sink = ClientSink(resp, request, timeouts.send)
     tally = _StreamTally()
     strip = every_chunk_asked and not client.every_chunk
     try:
-        try:
-            await resp.prepare(request)
-        except ConnectionResetError:
-            raise ClientGone from None
+        await sink.prepare()
         try:
             while batch is not None:
-                await _relay_batch(batch, resp, client, strip, clock, on_first_token, out, tally)
+                await _relay_batch(batch, sink, client, strip, clock, on_first_token, out, tally)
                 batch = await anext(batches, None)
         except (UpstreamError, TimeoutError) as exc:
             timeout = isinstance(exc, UpstreamTimeout | TimeoutError)
             out.reason = Reason.UPSTREAM_TIMEOUT if timeout else Reason.UPSTREAM_ERROR
             tally.settle(out)
-            await _write(resp, error_event(504 if timeout else 502, out.reason,
-                                           f"the backend failed mid-stream: {exc}"))
-            await _write_eof(resp)
+            await sink.write(error_event(504 if timeout else 502, out.reason, "the backend failed mid-stream"))
+            await sink.write_eof()
             return resp
         tally.settle(out)
-        await _write_eof(resp)
+        await sink.write_eof()
         out.terminal, out.reason = Terminal.COMPLETED, None
     except (ClientGone, asyncio.CancelledError) as exc:
         # the client left: what the engine sent meanwhile, read and not yet relayed, was used
@@ -352,7 +355,7 @@ async def relay_stream(up: UpstreamResponse, request: web.Request, read_timeout:
     return resp
 
 
-async def _relay_batch(batch: list[bytes], resp: web.StreamResponse, client: ClientUsage, strip: bool,
+async def _relay_batch(batch: list[bytes], sink: ClientSink, client: ClientUsage, strip: bool,
                        clock: Callable[[], float], on_first_token: Callable[[float], None], out: Outcome,
                        tally: _StreamTally) -> None:
     """Relay one batch of events. Only what must be read is parsed: events until the first token
@@ -377,18 +380,52 @@ async def _relay_batch(batch: list[bytes], resp: web.StreamResponse, client: Cli
                 event = without_usage(event)
         keep.append(event)
     if keep:
-        await _write(resp, b"".join(keep))
+        await sink.write(b"".join(keep))
 
 
-async def _write(resp: web.StreamResponse, data: bytes) -> None:
-    try:
-        await resp.write(data)
-    except ConnectionResetError:
-        raise ClientGone from None
+# what a client's connection may have unsent before a write to it is timed: a client that keeps up
+# leaves next to nothing there (below the transport's 64 KiB high-water mark, writes never wait)
+SLOW_CLIENT_BYTES = 16 * 1024
 
 
-async def _write_eof(resp: web.StreamResponse) -> None:
-    try:
-        await resp.write_eof()
-    except ConnectionResetError:
-        raise ClientGone from None
+class ClientSink:
+    """A relayed answer's client side. A write to a client that takes nothing of what it was sent
+    (its connection's send buffer full) waits at most `send_timeout`: then the client is cut off,
+    as gone (`ClientGone`), its connection dropped with what it had not taken. Otherwise a client
+    that stops reading would hold its request's permit, and what the gateway buffers of its
+    answer, for as long as it likes. Writes to clients that keep up are not timed (no timer a
+    chunk)."""
+
+    __slots__ = ("resp", "request", "timeout")
+
+    def __init__(self, resp: web.StreamResponse, request: web.Request, send_timeout: float) -> None:
+        self.resp, self.request, self.timeout = resp, request, send_timeout
+
+    def _slow(self, more: int = 0) -> bool:
+        transport = self.request.transport
+        return transport is not None and transport.get_write_buffer_size() + more > SLOW_CLIENT_BYTES
+
+    async def _timed(self, step: Awaitable[Any], slow: bool) -> None:
+        try:
+            if slow:
+                async with asyncio.timeout(self.timeout):
+                    await step
+            else:
+                await step
+        except ConnectionResetError:
+            raise ClientGone from None
+        except TimeoutError:
+            transport = self.request.transport
+            if transport is not None:
+                transport.abort()
+            raise ClientGone from None
+
+    async def prepare(self) -> None:
+        await self._timed(self.resp.prepare(self.request), False)
+
+    async def write(self, data: bytes) -> None:
+        await self._timed(self.resp.write(data), self._slow())
+
+    async def write_eof(self, more: int = 0) -> None:
+        """`more`: bytes the end writes (a whole answer's body)."""
+        await self._timed(self.resp.write_eof(), self._slow(more))

@@ -31,10 +31,16 @@ class UpstreamTimeout(UpstreamError):
     """No connection, or no data, within the configured time."""
 
 
+# A stream read chunk by chunk holds at most about this much unread before its backend's connection
+# stops being read (TCP then holds the rest back, up to the engine): a client that reads slowly,
+# or not at all, costs the gateway this much memory, not its whole answer
+STREAM_BUFFER_BYTES = 1024 * 1024
+
+
 class UpstreamResponse:
     """Status and headers once they have arrived; the body as it arrives."""
 
-    __slots__ = ("status", "headers", "_chunks", "_done", "_error", "_waiter", "_conn")
+    __slots__ = ("status", "headers", "_chunks", "_done", "_error", "_waiter", "_conn", "_size", "_limit", "_paused")
 
     def __init__(self, conn: _Connection) -> None:
         self.status = 0
@@ -44,6 +50,9 @@ class UpstreamResponse:
         self._error: Exception | None = None
         self._waiter: asyncio.Future | None = None
         self._conn: _Connection | None = conn
+        self._size = 0  # bytes received and not read yet
+        self._limit = 0  # past this many unread, the connection pauses (0: never; a whole answer is read at once)
+        self._paused = False
 
     # -- fed by the connection ---------------------------------------------------------------
     def _wake(self) -> None:
@@ -53,10 +62,21 @@ class UpstreamResponse:
 
     def _feed(self, data: bytes) -> None:
         self._chunks.append(data)
+        self._size += len(data)
+        if self._limit and self._size > self._limit and not self._paused and self._conn is not None:
+            self._paused = True
+            self._conn.pause()
         self._wake()
+
+    def _resume(self) -> None:
+        if self._paused:
+            self._paused = False
+            if self._conn is not None:
+                self._conn.resume()
 
     def _finish(self) -> None:
         self._done = True
+        self._resume()  # the connection goes back to the pool reading
         self._conn = None
         self._wake()
 
@@ -66,6 +86,11 @@ class UpstreamResponse:
             self._done = True
             self._conn = None
             self._wake()
+
+    @property
+    def unread(self) -> int:
+        """Bytes of the body received and not read yet."""
+        return self._size
 
     # -- read by the gateway ------------------------------------------------------------------
     async def _wait(self, timeout: float) -> None:
@@ -83,9 +108,16 @@ class UpstreamResponse:
             waiter.set_exception(UpstreamTimeout("no data from the backend in time"))
 
     async def chunks(self, read_timeout: float) -> AsyncIterator[bytes]:
+        """The body as it arrives; while more than `STREAM_BUFFER_BYTES` of it waits unread, the
+        backend's connection is not read."""
+        self._limit = STREAM_BUFFER_BYTES
         while True:
             while self._chunks:
-                yield self._chunks.popleft()
+                chunk = self._chunks.popleft()
+                self._size -= len(chunk)
+                if self._paused and self._size <= self._limit // 2:
+                    self._resume()
+                yield chunk
             if self._error is not None:
                 raise self._error
             if self._done:
@@ -106,6 +138,7 @@ class UpstreamResponse:
         """What has arrived and was not read yet, without waiting for more."""
         body = b"".join(self._chunks)
         self._chunks.clear()
+        self._size = 0
         return body
 
     def close(self) -> None:
@@ -184,6 +217,14 @@ class _Connection(asyncio.Protocol):
         self.closed = True
         if self.transport is not None:
             self.transport.close()
+
+    def pause(self) -> None:
+        if self.transport is not None and not self.closed:
+            self.transport.pause_reading()
+
+    def resume(self) -> None:
+        if self.transport is not None and not self.closed:
+            self.transport.resume_reading()
 
     def send(self, head: bytes, body: bytes) -> UpstreamResponse:
         self.parser = httptools.HttpResponseParser(self)

@@ -33,6 +33,7 @@ from bouncer.gateway.exchange import Outcome
 from bouncer.gateway.relay import (
     ClientUsage,
     Requeue,
+    Timeouts,
     UpstreamFailure,
     answer_json,
     failure_for_status,
@@ -174,9 +175,9 @@ class Proxy:
                 if up.status != 200:
                     raise failure_for_status(up.status, up.headers, await up.read(read_timeout))
                 if streaming:
-                    return await relay_stream(up, request, read_timeout, ClientUsage.of(body), every_chunk,
+                    return await relay_stream(up, request, self._timeouts(), ClientUsage.of(body), every_chunk,
                                               self.clock, first_token, out)
-                return await relay_json(up, request, read_timeout, self.clock, first_token, out)
+                return await relay_json(up, request, self._timeouts(), self.clock, first_token, out)
             finally:
                 up.close()  # an unfinished response takes its connection down: the engine aborts it
         except Requeue as exc:
@@ -232,12 +233,12 @@ class Proxy:
                     raise
                 if status != 200:
                     raise failure_for_status(status, headers, raw)
-                return await answer_json(raw, request, self.clock, _ignore, out)
+                return await answer_json(raw, request, self._timeouts().send, self.clock, _ignore, out)
             up = await self.upstream.post_json(url, dumps(sent), auth)
             try:
                 if up.status != 200:
                     raise failure_for_status(up.status, up.headers, await up.read(self.upstream.read_timeout))
-                return await relay_stream(up, request, self.upstream.read_timeout, ClientUsage.of(body), False,
+                return await relay_stream(up, request, self._timeouts(), ClientUsage.of(body), False,
                                           self.clock, _ignore, out)
             finally:
                 up.close()
@@ -293,6 +294,9 @@ class Proxy:
         self.plane.apply(self.plane.core.handed_over(rid, self.clock()))
         sent["kv_transfer_params"] = params
         return self.plane.core.view.replica(decode).url
+
+    def _timeouts(self) -> Timeouts:
+        return Timeouts(self.upstream.read_timeout, self.plane.config.listen.send_timeout_s)
 
     def _upstream_url(self, base: str, path: str) -> yarl.URL:
         """Parsed once per backend and path: URL parsing is a visible cost per request."""
