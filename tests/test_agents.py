@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from bouncer.config import AgentWindowConfig
+from bouncer.core.agents.gate import session_key
 from bouncer.core.agents.window import AgentWindow
 from bouncer.core.fleet.replica import Telemetry
 from bouncer.core.outcomes import Terminal
@@ -114,7 +115,7 @@ def test_core_holds_a_new_agent_until_the_window_has_room():
     assert core.view.queued == 1  # agent-1 is between steps, still active
     assert core.next_wakeup() == pytest.approx(6.0)  # when agent-1 times out
     events = observe_idle(core, 6.5)  # a fresh scrape; the idle agent has timed out by now
-    assert [admission_of(core, d).session for d in dispatched(events)] == ["agent-2"]
+    assert [admission_of(core, d).info.session_id for d in dispatched(events)] == ["agent-2"]
     snap = core.snapshot(6.5)["models"]["m"]["agents"]
     assert snap == {"window": 1.0, "active": 1, "active_elsewhere": 0, "subagents": 0}
 
@@ -215,7 +216,7 @@ def test_a_new_agent_goes_only_where_the_living_agents_leave_room_for_its_contex
     held = _step(core, "agent-3", 12_000, 1.0, list(range(5000, 5750)))
     assert not dispatched(held) and not rejected(held)
     events = observe_idle(core, 6.0)  # agent-1 and agent-2 idled out: their contexts may go
-    assert [admission_of(core, d).session for d in dispatched(events)] == ["agent-3"]
+    assert [admission_of(core, d).info.session_id for d in dispatched(events)] == ["agent-3"]
 
 
 # 4,000 tokens a step at 0.085 s: a 12,000-token prompt is predicted to start in 0.255 s
@@ -237,7 +238,7 @@ def test_a_new_agent_waits_for_room_only_while_its_deadline_allows_then_goes_whe
     # request): the first half of that for room, then it goes where it fits now
     assert not dispatched(core.tick(1.6)) and core.view.queued == 1
     [d] = dispatched(core.tick(1.7))
-    assert admission_of(core, d).session == "agent-3" and d.predicted_ttft_s == pytest.approx(0.34)
+    assert admission_of(core, d).info.session_id == "agent-3" and d.predicted_ttft_s == pytest.approx(0.34)
 
 
 def test_an_agents_step_that_its_home_cannot_start_in_time_goes_where_it_can():
@@ -284,7 +285,7 @@ def test_a_new_agent_with_a_ttft_slo_is_not_refused_for_room_while_the_window_ha
     assert not dispatched(held) and not rejected(held) and not observe_idle(core, 41.5)
     # queued until 42.49 (its 2 s SLO less twice its predicted 0.255 s), half of it for room
     [d] = dispatched(observe_idle(core, 41.9))
-    assert admission_of(core, d).session == "agent-3"
+    assert admission_of(core, d).info.session_id == "agent-3"
 
 
 def test_an_active_agents_step_leaves_its_full_home_when_its_deadline_nears():
@@ -310,7 +311,7 @@ def test_a_returning_agents_step_goes_before_a_new_agents():
     assert not dispatched(core.offer(info(session_id="agent-1"), 8.0))  # back: waits too, but ahead
     core.finished(a2.request_id, 8.5, Terminal.COMPLETED)
     events = observe_idle(core, 14.0)  # agent-2 idled out
-    assert [admission_of(core, d).session for d in dispatched(events)] == ["agent-1"]
+    assert [admission_of(core, d).info.session_id for d in dispatched(events)] == ["agent-1"]
 
 
 def test_a_new_agent_waiting_for_a_slot_is_never_refused_on_a_guess_of_its_wait():
@@ -330,7 +331,7 @@ def test_a_new_agent_waiting_for_a_slot_is_never_refused_on_a_guess_of_its_wait(
     events = core.offer(info(session_id="agent-0"), 12.0)
     assert not dispatched(events) and not rejected(events) and core.view.queued == 4
     # agent-2 idles out: agent-0 takes the slot, and each new agent waits out its TTL
-    assert [admission_of(core, d).session for d in dispatched(observe_idle(core, 16.6))] == ["agent-0"]
+    assert [admission_of(core, d).info.session_id for d in dispatched(observe_idle(core, 16.6))] == ["agent-0"]
     assert not rejected(core.tick(21.9))
     expired = rejected(core.tick(22.0))
     assert sorted(e.refusal.reason for e in expired) == ["ttl_expired"] * 3
@@ -344,7 +345,7 @@ def test_a_replica_that_runs_nothing_takes_a_new_agent_no_replica_has_room_for()
         [d] = dispatched(_step(core, f"agent-{i}", 4_000, t, list(range(1000 * i, 1000 * i + 250))))
         core.finished(d.request_id, t + 0.5, Terminal.COMPLETED)
     [d] = dispatched(_step(core, "agent-new", 12_000, 3.0, list(range(5000, 5750))))  # it runs nothing
-    assert admission_of(core, d).session == "agent-new"
+    assert admission_of(core, d).info.session_id == "agent-new"
     # while it runs that step, another new agent waits for room
     assert not dispatched(_step(core, "agent-newer", 12_000, 3.5, list(range(6000, 6750))))
 
@@ -358,7 +359,7 @@ def test_agents_waiting_for_a_slot_take_it_in_order_a_long_context_is_not_passed
     # a short context behind it would fit beside agent-1, but would keep agent-2 waiting for ever
     assert not dispatched(_step(core, "agent-3", 1_000, 2.0, list(range(2000, 2062))))
     events = observe_idle(core, 6.0)  # agent-1 idled out: agent-2 first (agent-3 then waits for its prefill)
-    assert [admission_of(core, d).session for d in dispatched(events)] == ["agent-2"]
+    assert [admission_of(core, d).info.session_id for d in dispatched(events)] == ["agent-2"]
 
 
 def test_a_subagent_runs_in_its_parents_slot_and_keeps_the_parent_active():
@@ -405,7 +406,7 @@ def test_the_core_admits_a_subagents_step_by_its_header_as_a_branch_of_its_paren
     for adm in list(core.permits):  # agent-1's step ends calling its Task tools
         core.finished(adm.request_id, 0.15, Terminal.COMPLETED)
     first = dispatched(core.offer(info(session_id="agent-1/task-1", parent_session_id="agent-1"), 0.2))
-    assert first and admission_of(core, first[0]).parent_session == "agent-1"  # in agent-1's slot
+    assert first and admission_of(core, first[0]).parent_session == session_key("a", "agent-1")  # its slot
     # a second subagent while another agent waits for a slot: it waits behind the first one
     second = core.offer(info(session_id="agent-1/task-2", parent_session_id="agent-1"), 0.3)
     assert not dispatched(second) and core.view.queued == 2
@@ -422,7 +423,7 @@ def test_with_a_separator_a_session_id_names_its_root_agent_as_the_subagents_par
         core.finished(adm.request_id, 0.1, Terminal.COMPLETED)
     for i, sid in enumerate(("conv-1:explore", "conv-1:explore:grep")):  # one after the other
         rid = dispatched(core.offer(info(session_id=sid), 0.2 + i / 10))
-        assert rid and admission_of(core, rid[0]).parent_session == "conv-1"  # in conv-1's slot
+        assert rid and admission_of(core, rid[0]).parent_session == session_key("a", "conv-1")  # its slot
         assert core.snapshot(0.2 + i / 10)["models"]["m"]["agents"] == {
             "window": 1.0, "active": 1, "active_elsewhere": 0, "subagents": i + 1}  # both stay till idle
         core.finished(rid[0].request_id, 0.25 + i / 10, Terminal.COMPLETED)
@@ -458,6 +459,6 @@ def test_an_active_agents_step_displaces_new_agents_from_its_tenants_full_queue(
     assert r.refusal.reason == "tenant_queue_full"  # the queue is full, and it ranks no higher
     [r] = rejected(core.offer(info(session_id="agent-1"), 0.4))  # the active agent's next step
     assert (r.request_id, r.refusal.reason, r.refusal.status) == (third.request_id, "evicted", 529)
-    queued = sorted(a.session for band in core.models["m"].flow.bands.values()
+    queued = sorted(a.info.session_id for band in core.models["m"].flow.bands.values()
                     for q in band.queues.values() for a in q)
     assert queued == ["agent-1", "agent-2"]

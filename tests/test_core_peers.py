@@ -222,7 +222,7 @@ def test_the_agent_window_bounds_the_fleets_agents_and_an_agent_keeps_its_slot_a
     b.finished(step.request_id, 1.0, Terminal.COMPLETED, 10)
     observe_idle(a, 7.0)
     events = exchange([a, b], 7.0)[1] + observe_idle(b, 7.0)
-    assert [admission_of(b, d).session for d in dispatched(events)] == ["s3"]
+    assert [admission_of(b, d).info.session_id for d in dispatched(events)] == ["s3"]
 
 
 def test_a_gateway_keeps_room_for_a_top_band_whose_requests_all_arrive_at_another():

@@ -411,3 +411,38 @@ def test_6_a_stream_read_slowly_holds_about_a_megabyte_unread(bg_loop):
         assert total > 16_000_000 and held <= STREAM_BUFFER_BYTES + 512 * 1024, held
     finally:
         up.close()
+
+
+# -- 7. an agent is its tenant's ------------------------------------------------------------------
+def test_7_another_tenants_session_id_names_another_agent():
+    """Mallory sending Alice's session id neither rides Alice's slot (her steps wait for one as a
+    new agent's do) nor fills Alice's steps in flight (Alice's next step still goes)."""
+    from bouncer.config import key_digest
+    from core_helpers import dispatched, info, make_core
+    from core_helpers import tenant as core_tenant
+
+    core = make_core(tenants=[core_tenant("alice"), core_tenant("mallory")],
+                     policy={"agents": {"initial": 1, "max": 1, "max_parallel": 2}})
+
+    def step(who: str, at: float):
+        request = info(who, session_id="s-1")
+        request.key_digest = key_digest(f"key-{who}")
+        return dispatched(core.offer(request, at))
+
+    assert step("alice", 0.0)  # Alice's agent takes the window's one slot
+    for t in (0.1, 0.2, 0.3):
+        assert not step("mallory", t)  # a new agent to the window: it waits for a slot
+    assert step("alice", 0.4)  # her second step in flight (max_parallel 2) is hers to send
+
+
+def test_7_agents_remembered_are_bounded():
+    """A flood of one-step sessions is forgotten oldest first past `max_remembered`."""
+    from bouncer.config import AgentWindowConfig
+    from bouncer.core.agents.window import AgentWindow
+
+    w = AgentWindow(AgentWindowConfig(initial=4096, max=4096, idle_timeout_s=1, max_remembered=100))
+    for i in range(1000):
+        w.dispatched(f"s{i}", 0.0, 1, "r")
+        w.finished(f"s{i}", 0.0)
+    w.expire(5.0)
+    assert len(w.ended) == 100 and "s999" in w.ended and "s0" not in w.ended

@@ -470,6 +470,9 @@ class AgentWindowConfig(_Strict):
                                                           "longer active and frees its slot")
     memory_s: float = Field(86400.0, ge=0, description="an agent that idled out is remembered this long, seconds: "
                             "when it comes back, its steps go before those of new agents")
+    max_remembered: int = Field(100_000, ge=0, description="agents that idled out remembered at most (the oldest "
+                                                           "are forgotten first): a flood of one-step sessions costs "
+                                                           "this much memory, no more")
     max_parallel: int = Field(8, ge=1, description="steps of one agent in flight at once, its subagents' included "
                               "(fan-out cap)")
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Container
 from typing import NamedTuple
 
+import xxhash
+
 from bouncer.config import Policy
 from bouncer.core.agents.window import AgentWindow
 from bouncer.core.fleet.blocks import num_blocks
@@ -69,16 +71,17 @@ class WindowGate:
         tenant's queue: an active agent's step first (a subagent's whose parent is active too),
         then a returning agent's, then the rest."""
         info = adm.info
-        adm.session = self._own_session(info)
+        own = self._own_session(info)
         parent = info.parent_session_id
-        if parent is None and adm.session is not None and self.subagent_separator is not None:
-            root, sep, _ = adm.session.partition(self.subagent_separator)
+        if parent is None and own is not None and self.subagent_separator is not None:
+            root, sep, _ = own.partition(self.subagent_separator)
             if sep and root:
                 parent = root
-        if parent is not None and adm.session is None:
-            adm.session = parent
-        elif parent is not None and parent != adm.session:
-            adm.parent_session = parent
+        if parent is not None and own is None:
+            own = parent
+        adm.session = session_key(adm.tenant, own) if own is not None else None
+        if parent is not None and parent != own:
+            adm.parent_session = session_key(adm.tenant, parent)
         if adm.session is not None:
             w, family = self.window, adm.parent_session or adm.session
             adm.queue_rank = (STEP_ACTIVE if w.is_active(family) else
@@ -148,6 +151,15 @@ class WindowGate:
         sizes = [t.num_blocks for t in usable]
         pool_blocks = sum(sizes) if sizes and all(sizes) else None  # type: ignore[arg-type]
         self.window.observe(view.pool_usage(), queries, hits, now, pool_blocks)
+
+
+def session_key(tenant: str, session: str) -> str:
+    """How the window knows an agent: its tenant's and its own id together, hashed. Another
+    tenant naming the same id names another agent (it can neither ride this one's slot and home
+    nor fill its steps in flight), and an id of any length is 16 characters here and in what the
+    gateways share."""
+    digest = xxhash.xxh3_64_intdigest(tenant.encode() + b"\0" + session.encode("utf-8", "surrogatepass"))
+    return f"{digest:016x}"
 
 
 def waited_half(adm: Admission, now: float) -> bool:

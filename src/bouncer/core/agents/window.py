@@ -103,7 +103,7 @@ class AgentWindow:
         self.active: dict[str, _Agent] = {}
         self._next_update: float | None = None
         self._last_counts: tuple[float, float] | None = None  # cumulative (queries, hits) at the last update
-        self.ended: dict[str, float] = {}  # agents that idled out -> when, oldest first; kept memory_s
+        self.ended: dict[str, float] = {}  # agents that idled out -> when, oldest first; kept memory_s, max_remembered
         self.living: Counter[str] = Counter()  # replica -> KV blocks of the active agents' contexts there
         self._subagents = 0  # of `active`, the subagents: they hold no slot
         self.kv_usage = 0.0  # the pool's, as last observed: the slack extra branches need
@@ -238,7 +238,7 @@ class AgentWindow:
         ended = self.ended
         while ended:
             oldest = next(iter(ended))  # insertion order is expiry order
-            if ended[oldest] + self.cfg.memory_s > now:
+            if ended[oldest] + self.cfg.memory_s > now and len(ended) <= self.cfg.max_remembered:
                 break
             del ended[oldest]
 
