@@ -446,3 +446,65 @@ def test_7_agents_remembered_are_bounded():
         w.finished(f"s{i}", 0.0)
     w.expire(5.0)
     assert len(w.ended) == 100 and "s999" in w.ended and "s0" not in w.ended
+
+
+# -- 11. a quota store that is slow or away ---------------------------------------------------------
+def _quota_gateway(bg_loop, redis_url: str, prefix: str, limit: float, **quotas) -> tuple[Fleet, str]:
+    quota = {"limits": [{"window": "month", "unit": "total_tokens", "limit": limit}]}
+    f = Fleet(bg_loop, [tenant("mallory", quota=quota)], engines=1, speed=8.0,
+              extra={"quotas": {"url": redis_url, "key_prefix": prefix, **quotas}})
+    return f, f.url + "/v1/completions"
+
+
+def _one(url: str, max_tokens: int = 2) -> tuple[int, float, dict]:
+    t0 = time.monotonic()
+    status, _, raw = _post(url, {"model": "demo-llm", "prompt": "q", "max_tokens": max_tokens, "ignore_eos": True},
+                           {"Authorization": "Bearer mallory"})
+    return status, time.monotonic() - t0, json.loads(raw)
+
+
+def test_11_a_frozen_quota_store_costs_one_timeout_not_one_a_request(bg_loop):
+    """With Redis not answering, the first request waits out `quotas.timeout_ms`; the ones after
+    it do not wait on Redis at all (fail-open), and their spend is written once it answers."""
+    from bouncer.bench.loopback import RedisServer
+
+    server = RedisServer()
+    f, url = _quota_gateway(bg_loop, server.url, "slow:", 1e9, timeout_ms=500)
+    try:
+        before = _one(url)
+        assert before[0] == 200
+        server.freeze()
+        answers = [_one(url) for _ in range(8)]
+        assert all(status == 200 for status, _, _ in answers)
+        assert max(t for _, t, _ in answers[1:]) < 0.4, [round(t, 3) for _, t, _ in answers]
+        used = sum(a["usage"]["total_tokens"] for _, _, a in [before, *answers])
+        assert f.gateway.quotas.unsettled >= 8 and f.gateway.quotas.backlog_lines == 1  # one line, however many
+        server.thaw()
+        poll_until(lambda: f.gateway.quotas.unsettled == 0, timeout=30, what="the backlog written")
+        # (what is reserved may stay up to a lease: a reserve that timed out here ran once Redis thawed)
+        poll_until(lambda: _spent(server.url, "slow:")[0] == used, what="every request's spend, once")
+    finally:
+        f.close()
+        server.stop()
+
+
+def test_11_failing_open_a_tenant_known_to_be_over_stays_over(bg_loop):
+    """Fail-open admits while the store is away, but a tenant the last levels read showed past
+    its limit is still past it: refused (429 quota_exhausted), not let through unmetered."""
+    from bouncer.bench.loopback import RedisServer
+
+    server = RedisServer()
+    f, url = _quota_gateway(bg_loop, server.url, "over:", 100, timeout_ms=300)
+    try:
+        for _ in range(2):  # about 45 tokens each: 90 of the month's 100 spent, no room for a third
+            assert _one(url, max_tokens=40)[0] == 200
+        poll_until(lambda: _spent(server.url, "over:")[0] >= 80, what="settled")
+        poll_until(lambda: f.call(lambda: any(row["remaining"] < 40 for row in f.gateway.quotas.report())),
+                   timeout=15, what="the levels read")
+        server.freeze()
+        status, _, body = _one(url, max_tokens=40)
+        assert status == 429 and body["error"]["code"] == "quota_exhausted", body
+    finally:
+        server.thaw()
+        f.close()
+        server.stop()

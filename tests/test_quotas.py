@@ -15,7 +15,7 @@ from bouncer.core.admission import AdmissionCore
 from bouncer.core.outcomes import Dispatch, Divert, Reason, Reject, Terminal
 from bouncer.core.requests import OverQuota, RequestInfo
 from bouncer.gateway.quota_store import RedisQuotaLedger
-from bouncer.quotas.ledger import Hold, LocalQuotaLedger
+from bouncer.quotas.ledger import Hold, Level, LocalQuotaLedger
 from bouncer.quotas.plan import QuotaPlan
 from bouncer.quotas.windows import window_at
 
@@ -190,6 +190,35 @@ def test_reservations_hold_on_every_line_or_none_settle_what_was_used_and_expire
         assert tuple((await ledger.levels(["day2"]))[0]) == (70, 10)
 
     asyncio.run(rules())
+
+
+def test_a_shadow_line_without_room_is_counted_never_in_the_way(ledger):
+    """A shadow limit (`QuotaLimit.shadow`) is reserved on and settled like any, and named among
+    the lines without room, but does not keep the request from reserving on the others."""
+    far = _at(2030, 1, 1)
+
+    async def rules():
+        shadow, real = Hold("trial", 50, 60, far, blocks=False), Hold("month", 1000, 60, far)
+        assert await ledger.reserve("a", [shadow, real], False, 30) == [0]  # over the shadow line: reserved anyway
+        assert [tuple(x) for x in await ledger.levels(["trial", "month"])] == [(0, 60), (0, 60)]
+        assert await ledger.reserve("b", [shadow, Hold("month", 100, 60, far)], False, 30) == [0, 1]  # a real one
+        assert [tuple(x) for x in await ledger.levels(["trial", "month"])] == [(0, 60), (0, 60)]  # nothing more
+
+    asyncio.run(rules())
+
+
+def test_shadow_limits_are_reported_and_counted_past_without_a_verdict():
+    from bouncer.quotas.book import QuotaBook
+
+    cfg = _config()
+    cfg["tenants"][0]["quota"]["limits"].append({"window": "day", "limit": 10, "shadow": True})
+    book = QuotaBook(parse_config(cfg))
+    at = _at(2026, 12, 5, 10)
+    asked = book.ask("acme-chat", "m", 100, 40, at)
+    shadow = next(i for i, c in enumerate(asked.charges) if c.line.limit.shadow)
+    assert book.answered("r", asked, [shadow], at) is None and "r" in book.held  # served, and its spend counts
+    [row] = [book.row(c, Level(0, 0)) for c in asked.charges if c.line.limit.shadow]
+    assert row["shadow"] is True and row["shadow_over"] == 1
 
 
 # -- what the core does with a spent quota ---------------------------------------------------------

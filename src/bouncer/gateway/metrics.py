@@ -311,15 +311,22 @@ class _QuotaCollector:
                                "reserved, at least 0.", labels=labels), "remaining"),
             (GaugeMetricFamily("bouncer_quota_resets_at_seconds", "When the current window ends, seconds since the "
                                "epoch.", labels=labels), "resets_at")]
+        shadow = CounterMetricFamily("bouncer_quota_shadow_over", "Requests that found a shadow limit spent (counted, "
+                                     "not enforced: what enforcing it would have refused, demoted or diverted).",
+                                     labels=labels)
         for row in keeper.report():  # type: ignore[attr-defined]
             values = [row["scope"], row["owner"], row["unit"], row["window"]]
             for family, key in families:
                 family.add_metric(values, row[key])
+            if row["shadow"]:
+                shadow.add_metric(values, row["shadow_over"])
         yield from (family for family, _ in families)
+        yield shadow
         yield CounterMetricFamily("bouncer_quota_store_failures", "Calls to the quota store (Redis) that failed.",
                                   value=keeper.failures)  # type: ignore[attr-defined]
-        yield GaugeMetricFamily("bouncer_quota_unsettled", "Requests' spend waiting for the quota store to answer "
-                                "again (written once it does).", value=keeper.unsettled)  # type: ignore[attr-defined]
+        yield GaugeMetricFamily("bouncer_quota_unsettled", "Requests whose spend waits for the quota store to "
+                                "answer again (written once it does).",
+                                value=keeper.unsettled)  # type: ignore[attr-defined]
 
 
 class GatewayMetrics:

@@ -11,14 +11,19 @@
   gateway that dies stops renewing, and its reservations are given back within lease_s.
 - every REFRESH_S the levels of the lines in force are read, for metrics and /admin/state.
 
-Redis away: fail-open admits without reserving, and the spend of what it served is settled once
-Redis answers again (kept in order; nothing is dropped); fail-closed refuses limited tenants'
-requests with 503 until Redis answers.
+Redis away (a call failed or took longer than `quotas.timeout_ms`): until a call in the
+background succeeds again, requests do not wait on Redis at all. Fail-open admits without
+reserving, but a tenant the last levels read showed past a limit stays past it (refused, demoted or
+diverted as it says), and the spend of what it served is settled once Redis answers again: summed
+per limit and window, so the backlog is as large as the lines in force however long Redis is away,
+and written once (a batch sent again after a timeout counts once). Fail-closed refuses limited
+tenants' requests with 503 until Redis answers.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import secrets
 import time
@@ -29,7 +34,7 @@ from redis.exceptions import RedisError
 from bouncer.config import BouncerConfig
 from bouncer.core.requests import OverQuota
 from bouncer.gateway.quota_store import RedisQuotaLedger
-from bouncer.quotas.book import QuotaBook
+from bouncer.quotas.book import Asked, QuotaBook
 from bouncer.quotas.ledger import Level
 from bouncer.quotas.plan import Charge
 
@@ -51,7 +56,12 @@ class QuotaKeeper:
         self.levels: dict[str, Level] = {}  # key -> as last read
         self.failures = 0  # Redis calls that failed
         self.book = QuotaBook(config)
-        self._unsettled: list[tuple[str, list[tuple[str, float, float]]]] = []  # to write once Redis is back
+        # spend to write once Redis is back, summed per line: key -> [amount, expire_at]; and the
+        # batch of it being written (its id makes a batch sent twice count once)
+        self._backlog: dict[str, list[float]] = {}
+        self._backlog_requests = 0
+        self._writing: tuple[str, dict[str, list[float]], int] | None = None
+        self._batches = itertools.count()
         self._tasks: set[asyncio.Task] = set()
         self.reconfigure(config)
 
@@ -68,19 +78,35 @@ class QuotaKeeper:
     # -- the request path --------------------------------------------------------------------------
     async def reserve(self, rid: str, tenant: str, model: str, prompt_tokens: int,
                       predicted_output: int) -> OverQuota | None:
-        """Reserve a request's expected cost; None: it fits, else what its tenant's requests get."""
+        """Reserve a request's expected cost; None: it fits, else what its tenant's requests get.
+        While the store is known to be away, answered at once, without it."""
         at = self.wall()
         asked = self.book.ask(tenant, model, prompt_tokens, predicted_output, at)
-        try:
-            full = await self.store.reserve(self._id(rid), asked.holds, asked.force, self.lease_s)
-        except (RedisError, OSError, TimeoutError) as exc:
-            self._failed("reserve", exc)
-            if self.fail_closed:
-                return UNAVAILABLE
-            self.book.unreserved(rid, asked)
-            return None
-        self._recovered()
-        return self.book.answered(rid, asked, full, at)
+        if not self.degraded:
+            try:
+                full = await self.store.reserve(self._id(rid), asked.holds, asked.force, self.lease_s)
+            except (RedisError, OSError, TimeoutError) as exc:
+                self._failed("reserve", exc)
+            else:
+                self._recovered()
+                return self.book.answered(rid, asked, full, at)
+        if self.fail_closed:
+            return UNAVAILABLE
+        return self._without_store(rid, asked, at)
+
+    def _without_store(self, rid: str, asked: Asked, at: float) -> OverQuota | None:
+        """Fail-open: admitted without a reservation, unless the levels last read (and the spend
+        waiting to be written) already put a line of its tenant past its limit."""
+        full = []
+        for i, c in enumerate(asked.charges):
+            level = self.levels.get(c.key, Level(0.0, 0.0))
+            waiting = self._backlog.get(c.key, (0.0,))[0]
+            if level.spent + level.reserved + waiting + c.amount > c.line.limit.limit:
+                full.append(i)
+        over = self.book.answered(rid, asked, full, at)
+        if rid in self.book.held:
+            self.book.unreserved(rid, asked)  # admitted: its spend is settled once the store is back
+        return over
 
     def settle(self, rid: str, prompt_tokens: int, completion_tokens: int | None,
                overflow_target: str | None = None) -> None:
@@ -98,12 +124,31 @@ class QuotaKeeper:
         self.settle(rid, 0, 0)
 
     async def _settle(self, sid: str, used: list[tuple[str, float, float]]) -> None:
-        try:
-            await self.store.settle(sid, used)
-            self._recovered()
-        except (RedisError, OSError, TimeoutError) as exc:
-            self._failed("settle", exc)
-            self._unsettled.append((sid, used))
+        if not self.degraded:
+            try:
+                await self.store.settle(sid, used)
+                self._recovered()
+                return
+            except (RedisError, OSError, TimeoutError) as exc:
+                self._failed("settle", exc)
+        # its reservation, if it made one, goes back when its lease runs out (no one renews it)
+        for key, amount, expire_at in used:
+            line = self._backlog.setdefault(key, [0.0, expire_at])
+            line[0] += amount
+            line[1] = max(line[1], expire_at)
+        self._backlog_requests += 1
+
+    async def _write_backlog(self) -> None:
+        """The spend that waited for the store, as one settle under a batch id of its own (sent
+        again under the same id until it is written: a timeout that did write counts once)."""
+        if self._writing is None:
+            if not self._backlog:
+                return
+            self._writing = (f"backlog-{next(self._batches)}", self._backlog, self._backlog_requests)
+            self._backlog, self._backlog_requests = {}, 0
+        sid, lines, _ = self._writing
+        await self.store.settle(self._id(sid), [(key, amount, expire_at) for key, (amount, expire_at) in lines.items()])
+        self._writing = None
 
     def _id(self, rid: str) -> str:
         return f"{self.instance}:{rid}"
@@ -116,10 +161,7 @@ class QuotaKeeper:
             try:
                 held = [self._id(rid) for rid, h in self.book.held.items() if h.reserved]
                 await self.store.renew(held, self.lease_s)
-                while self._unsettled:
-                    sid, used = self._unsettled[0]
-                    await self.store.settle(sid, used)  # idempotent: one sent twice counts once
-                    self._unsettled.pop(0)
+                await self._write_backlog()
                 if time.monotonic() >= next_refresh:
                     await self.refresh()
                     next_refresh = time.monotonic() + REFRESH_S
@@ -146,8 +188,15 @@ class QuotaKeeper:
         return [self.book.row(c, self.levels.get(c.key, Level(0.0, 0.0))) for c in self.current(tenant)]
 
     @property
+    def backlog_lines(self) -> int:
+        """Limit lines whose spend waits for the store (what its backlog holds, whatever the
+        requests' number)."""
+        return len(self._backlog) + (len(self._writing[1]) if self._writing is not None else 0)
+
+    @property
     def unsettled(self) -> int:
-        return len(self._unsettled)
+        """Requests whose spend waits for the store."""
+        return self._backlog_requests + (self._writing[2] if self._writing is not None else 0)
 
     def _failed(self, what: str, exc: BaseException) -> None:
         self.failures += 1
@@ -157,7 +206,7 @@ class QuotaKeeper:
 
     def _recovered(self) -> None:
         if self.degraded:
-            log.info("quota store answers again", extra={"event": "quota_store", "unsettled": len(self._unsettled)})
+            log.info("quota store answers again", extra={"event": "quota_store", "unsettled": self.unsettled})
         self.degraded = False
 
     async def close(self) -> None:

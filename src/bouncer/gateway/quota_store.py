@@ -44,27 +44,28 @@ end
 """
 
 # KEYS: the lines' keys, then held, leases. ARGV: rid, lease_s, force, then per line limit, amount,
-# expire_at_ms. Returns the 0-based indices of the lines without room (reserved on none of them
-# unless force).
+# expire_at_ms, blocks (1, or 0 for a shadow limit). Returns the 0-based indices of the lines
+# without room (reserved on none of them where one of them blocks, unless force).
 RESERVE = _GIVE_BACK + """
 local n = #KEYS - 2
 local held, leases = KEYS[n + 1], KEYS[n + 2]
 sweep(held, leases)
-local full = {}
+local full, blocked = {}, false
 for i = 1, n do
-  local limit, amount = tonumber(ARGV[1 + 3 * i]), tonumber(ARGV[2 + 3 * i])
+  local limit, amount = tonumber(ARGV[4 * i]), tonumber(ARGV[1 + 4 * i])
   local v = redis.call('HMGET', KEYS[i], 'spent', 'reserved')
   if (tonumber(v[1]) or 0) + (tonumber(v[2]) or 0) + amount > limit * (1 + 1e-12) then
     table.insert(full, i - 1)
+    if ARGV[3 + 4 * i] == '1' then blocked = true end
   end
 end
-if #full > 0 and ARGV[3] ~= '1' then return full end
+if blocked and ARGV[3] ~= '1' then return full end
 local parts = {}
 for i = 1, n do
-  redis.call('HINCRBYFLOAT', KEYS[i], 'reserved', ARGV[2 + 3 * i])
-  redis.call('PEXPIREAT', KEYS[i], ARGV[3 + 3 * i])
+  redis.call('HINCRBYFLOAT', KEYS[i], 'reserved', ARGV[1 + 4 * i])
+  redis.call('PEXPIREAT', KEYS[i], ARGV[2 + 4 * i])
   table.insert(parts, KEYS[i])
-  table.insert(parts, ARGV[2 + 3 * i])
+  table.insert(parts, ARGV[1 + 4 * i])
 end
 redis.call('HSET', held, ARGV[1], cjson.encode(parts))
 redis.call('ZADD', leases, now + tonumber(ARGV[2]), ARGV[1])
@@ -108,7 +109,7 @@ class RedisQuotaLedger:
     async def reserve(self, rid: str, holds: list[Hold], force: bool, lease_s: float) -> list[int]:
         args: list = [rid, lease_s, "1" if force else "0"]
         for h in holds:
-            args += [repr(h.limit), repr(h.amount), int(h.expire_at * 1000)]
+            args += [repr(h.limit), repr(h.amount), int(h.expire_at * 1000), "1" if h.blocks else "0"]
         full = await self._call(self._reserve([*[h.key for h in holds], self._held, self._leases], args))
         return [int(i) for i in full]
 
@@ -139,7 +140,7 @@ class RedisQuotaLedger:
             await self._call(pipe.execute())
 
     async def _call(self, call):
-        async with asyncio.timeout(self.timeout_s * 4):
+        async with asyncio.timeout(self.timeout_s):  # past it the store is away: requests stop waiting on it
             return await call
 
     async def close(self) -> None:

@@ -6,6 +6,7 @@ in-process) both keep their requests here, so the two count the same way.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 from bouncer.config import BouncerConfig
@@ -39,6 +40,7 @@ class Asked:
 class QuotaBook:
     def __init__(self, config: BouncerConfig) -> None:
         self.held: dict[str, Held] = {}
+        self.shadow_over: Counter[str] = Counter()  # line key -> requests that found its shadow limit spent
         self.reconfigure(config)
 
     def reconfigure(self, config: BouncerConfig) -> None:
@@ -51,15 +53,21 @@ class QuotaBook:
         """The reservation a request of these sizes asks for at `at` (seconds since the epoch)."""
         price = self.plan.price(model)
         charges = self.plan.charges(self.plan.lines[tenant], prompt_tokens, predicted_output, price, at)
-        holds = [Hold(c.key, c.line.limit.limit, c.amount, c.window.end + KEPT_AFTER_WINDOW_S) for c in charges]
+        holds = [Hold(c.key, c.line.limit.limit, c.amount, c.window.end + KEPT_AFTER_WINDOW_S, not c.line.limit.shadow)
+                 for c in charges]
         return Asked(tenant, model, charges, holds, self.plan.over.get(tenant, ("refuse", 0))[0] != "refuse")
 
     def answered(self, rid: str, asked: Asked, full: list[int], at: float) -> OverQuota | None:
         """The store's answer (the lines without room): what its tenant's requests get, None
-        where it fits; a reservation made is kept under `rid` for `used`."""
-        if not full or asked.force:
+        where it fits (a shadow line without room is counted in `shadow_over`, never in its way);
+        a reservation made is kept under `rid` for `used`."""
+        spent = [asked.charges[i] for i in full if not asked.charges[i].line.limit.shadow]
+        for i in full:
+            if asked.charges[i].line.limit.shadow:
+                self.shadow_over[asked.charges[i].key] += 1
+        if not spent or asked.force:
             self.held[rid] = Held(asked.model, asked.charges, reserved=True)
-        return self.plan.verdict(asked.tenant, [asked.charges[i] for i in full], at) if full else None
+        return self.plan.verdict(asked.tenant, spent, at) if spent else None
 
     def unreserved(self, rid: str, asked: Asked) -> None:
         """Admitted without a reservation (the store away, fail-open): its spend is still settled."""
@@ -94,11 +102,11 @@ class QuotaBook:
                     out.append(c)
         return out
 
-    @staticmethod
-    def row(c: Charge, level: Level) -> dict:
+    def row(self, c: Charge, level: Level) -> dict:
         """One line as reported (`/admin/state`, metrics, `bouncer quota show`)."""
         limit = c.line.limit
         return {"scope": c.line.scope, "owner": c.line.owner, "unit": limit.unit, "window": limit.window,
+                "shadow": limit.shadow,
                 "period": c.window.label, "time_zone": c.line.time_zone, "limit": limit.limit, "spent": level.spent,
                 "reserved": level.reserved, "remaining": max(0.0, limit.limit - level.spent - level.reserved),
-                "resets_at": c.window.end}
+                "resets_at": c.window.end, "shadow_over": self.shadow_over.get(c.key, 0)}

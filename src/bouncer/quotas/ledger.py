@@ -5,9 +5,10 @@ tests hold both to them.
 Per limit and window a key holds what was `spent` (settled) and what is `reserved` (admitted,
 not yet settled). A request:
 - `reserve`: on every line at once or on none. A line has room when spent + reserved + the
-  request's amount is within its limit; with `force` (a tenant that is demoted or diverted past
-  its quota: it is still served, so its spend still counts) it reserves anyway. Returns the lines
-  without room. Its reservation has a lease;
+  request's amount is within its limit; where a line that `blocks` has none it reserves on none,
+  unless `force` (a tenant that is demoted or diverted past its quota: it is still served, so its
+  spend still counts). A line that does not block (a shadow limit) is counted, never in the way.
+  Returns the lines without room. Its reservation has a lease;
 - `settle`: its reservation goes, and what it used is spent (in the windows it was admitted in).
   A reservation already given back (its lease ran out) only adds the spend;
 - `renew`: its gateway still holds it. A reservation not renewed within its lease (its gateway
@@ -27,6 +28,7 @@ class Hold(NamedTuple):
     limit: float
     amount: float
     expire_at: float  # seconds since the epoch: the window's end, plus the time its spend stays readable
+    blocks: bool = True  # a line without room keeps the request from reserving (False: a shadow limit)
 
 
 class Level(NamedTuple):
@@ -44,7 +46,7 @@ class LocalQuotaLedger:
         self._sweep(now)
         full = [i for i, h in enumerate(holds)
                 if sum(self._levels.get(h.key, (0.0, 0.0))) + h.amount > h.limit]
-        if full and not force:
+        if any(holds[i].blocks for i in full) and not force:
             return full
         for h in holds:
             self._levels.setdefault(h.key, [0.0, 0.0])[1] += h.amount

@@ -46,6 +46,9 @@ class QuotaLimit(_Strict):
                                                    "or usd (at the models' prices)")
     limit: float = Field(gt=0, description="the most that may be spent in one window, in `unit`")
     time_zone: str | None = Field(None, description="IANA time zone the window is in; default: quotas.time_zone")
+    shadow: bool = Field(False, description="counted and reported (metrics, /admin/state, `bouncer quota show`, "
+                                            "bouncer_quota_shadow_over_total for each request past it) but never "
+                                            "enforced: a budget being rolled out")
 
     @field_validator("time_zone")
     @classmethod
