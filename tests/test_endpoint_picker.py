@@ -589,3 +589,18 @@ def test_a_body_past_grpcs_default_message_size_is_still_the_pickers_to_judge(tm
         poll_until(picked.idle, what="nothing in flight")
     finally:
         picked.close()
+
+
+def test_rate_limit_headers_reach_the_client_through_envoy(picked):
+    """OpenAI's x-ratelimit-* headers on a served answer (the picker hands them to Envoy in the
+    request's metadata; `bouncer envoy-config`'s route adds them) and on a refusal; none for a
+    tenant without limits."""
+    raw = picked.client("bob").completions.with_raw_response.create(model="demo-llm", prompt="one", max_tokens=2)
+    assert raw.headers["x-ratelimit-limit-requests"] == "1" and raw.headers["x-ratelimit-remaining-requests"] == "0"
+    assert raw.headers["x-ratelimit-reset-requests"].endswith("s") and "x-ratelimit-limit-tokens" not in raw.headers
+    with pytest.raises(openai.RateLimitError) as exc:
+        picked.client("bob").completions.create(model="demo-llm", prompt="two", max_tokens=2)
+    assert exc.value.response.headers["x-ratelimit-remaining-requests"] == "0"
+    free = picked.client("alice").completions.with_raw_response.create(model="demo-llm", prompt="x", max_tokens=2)
+    assert not any(h.startswith("x-ratelimit") for h in free.headers)
+    poll_until(picked.idle, what="nothing in flight")

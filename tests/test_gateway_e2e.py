@@ -10,6 +10,7 @@ import urllib.request
 import openai
 import pytest
 
+from bouncer.core.agents.gate import session_key
 from gateway_setup import Fleet, tenant
 from servers import poll_until
 
@@ -165,13 +166,15 @@ def test_x_session_id_makes_a_request_a_step_of_an_agent(fleet):
                                   extra_headers={"x-session-id": "agent-42"}, user="someone")
     client.completions.create(model="demo-llm", prompt="a chat", max_tokens=3, user="someone-else")
     window = fleet.call(lambda: fleet.gateway.core.models["demo-llm"].agents.window)
-    assert fleet.call(lambda: list(window.active)) == ["agent-42"]  # `user` alone is not a session
+    agent = session_key("alice", "agent-42")  # the window knows an agent by its tenant and its id
+    assert fleet.call(lambda: list(window.active)) == [agent]  # `user` alone is not a session
     text = urllib.request.urlopen(fleet.url + "/metrics", timeout=5).read().decode()
     assert 'bouncer_active_agents{model="demo-llm"} 1.0' in text and "bouncer_agent_window" in text
     # a subagent names its parent: it runs in the parent's slot, not in one of its own
     client.completions.create(model="demo-llm", prompt="explore the repository", max_tokens=3,
                               extra_headers={"x-session-id": "agent-42/explore", "x-parent-session-id": "agent-42"})
-    assert fleet.call(lambda: (window.holders(), window.active["agent-42/explore"].parent)) == (1, "agent-42")
+    explore = session_key("alice", "agent-42/explore")
+    assert fleet.call(lambda: (window.holders(), window.active[explore].parent)) == (1, agent)
     text = urllib.request.urlopen(fleet.url + "/metrics", timeout=5).read().decode()
     assert 'bouncer_active_agents{model="demo-llm"} 1.0' in text
     assert 'bouncer_active_subagents{model="demo-llm"} 1.0' in text

@@ -508,3 +508,36 @@ def test_11_failing_open_a_tenant_known_to_be_over_stays_over(bg_loop):
         server.thaw()
         f.close()
         server.stop()
+
+
+# -- rate limits settled at usage, and said in OpenAI's headers -----------------------------------
+def test_token_rate_limits_are_settled_at_usage_and_answered_in_x_ratelimit_headers(bg_loop):
+    """A tenant limited in tokens is charged prompt + max_tokens when a request passes and given
+    back what it did not use when it ends: short answers to requests that ask for much leave the
+    limit for more requests. Every answer, served or refused, carries OpenAI's `x-ratelimit-*`
+    headers, which the openai SDK reads back."""
+    import openai
+
+    limit = {"tokens_per_min": 6000, "token_burst": 3000, "requests_per_s": 100, "request_burst": 100}
+    f = Fleet(bg_loop, [tenant("mallory", rate_limit=limit)], engines=1, speed=8.0)
+    try:
+        client = openai.OpenAI(base_url=f.url + "/v1", api_key="mallory", max_retries=0)
+        served = 0
+        for _ in range(12):  # each asks for 1,000 tokens and uses 5: before, the 3rd was refused
+            raw = client.completions.with_raw_response.create(model="demo-llm", prompt="hi", max_tokens=1000,
+                                                              extra_body={"eos_after": 5})
+            assert raw.parse().usage.completion_tokens == 5
+            served += 1
+            assert int(raw.headers["x-ratelimit-limit-tokens"]) == 3000
+            assert int(raw.headers["x-ratelimit-remaining-tokens"]) <= 3000
+            assert raw.headers["x-ratelimit-limit-requests"] == "100" and raw.headers["x-ratelimit-reset-requests"]
+        assert served == 12
+        with pytest.raises(openai.RateLimitError) as exc:  # one that asks for more than is left
+            for _ in range(5):
+                client.completions.create(model="demo-llm", prompt="hi", max_tokens=2900,
+                                          extra_body={"eos_after": 3000})
+        headers = exc.value.response.headers
+        assert exc.value.code == "rate_limited_tokens"
+        assert int(headers["x-ratelimit-remaining-tokens"]) < 2900 and headers["x-ratelimit-reset-tokens"].endswith("s")
+    finally:
+        f.close()

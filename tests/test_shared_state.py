@@ -339,3 +339,25 @@ def test_a_gateway_holds_a_request_while_a_killed_gateways_claim_fills_its_repli
         cleanup()
         engine_cleanup()
         bg.close()
+
+
+def test_token_charges_are_settled_at_usage_in_the_shared_bucket(redis_server):
+    """With the buckets in Redis, a served request's token charge (prompt + max_tokens) is
+    settled there at what it used (`SETTLE_TOKENS`, pipelined after the core call): requests
+    that ask for far more than they use leave the tenant's shared token bucket nearly full."""
+    async def scenario():
+        [a] = _links(redis_server.url, 1)
+        a.store.configure("t", RateLimit(tokens_per_min=60_000, token_burst=1000), time.monotonic())
+        await a.start()
+        for _ in range(5):  # each charged 900, uses 30: settled, the next one fits again
+            await a.charge("t", 900)
+            assert a.store.take("t", 900, time.monotonic()) is None
+            a.store.settle("t", 900, 30, time.monotonic())
+            a.settle()
+            await asyncio.sleep(0.05)
+        await a.charge("t", 900)
+        verdict = a.store.take("t", 900, time.monotonic())
+        await a.close()
+        return verdict
+
+    assert asyncio.run(scenario()) is None  # without the settling, the second was refused already

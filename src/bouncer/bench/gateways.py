@@ -66,7 +66,10 @@ async def _load(gateways: list[str], seconds: float, token_charge: int) -> dict[
              "top": TENANTS["top"][0]}
     results: dict[str, Counter] = {name: Counter() for name in TENANTS}
     turn = 0
-    body = {"model": "demo-llm", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": MAX_TOKENS}
+    # every answer as long as max_tokens: a token charge is settled at what was used, and so each
+    # request uses exactly the charge `_token_charge` counts
+    body = {"model": "demo-llm", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": MAX_TOKENS,
+            "ignore_eos": True}
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
                                      timeout=aiohttp.ClientTimeout(total=60)) as session:
         async def one(tenant: str, url: str) -> None:

@@ -179,7 +179,7 @@ class AdmissionCore:
         "upstream_timeout"). `completion_tokens` None: the shell did not see the answer (an
         endpoint picker that let it pass), so nothing is learnt from its length or timing. Unknown
         ids are ignored, so a shell may call this from every exit path."""
-        adm = self.finaliser.finish(request_id, terminal, reason, now, completion_tokens or 0)
+        adm = self.finaliser.finish(request_id, terminal, reason, now, completion_tokens)
         if adm is None:
             return []
         ms = self.models[adm.info.model]

@@ -6,7 +6,8 @@ layers took for it:
 - the tenant's breaker: a completion records success (or, for a runaway that ran into the
   context limit, failure), an upstream timeout records failure; a half-open probe that ended any
   other way gives its turn back;
-- the tenant's rate limits: a charge is refunded when the request leaves without ever reaching
+- the tenant's rate limits: a served request's token charge is settled at what it used (`finish`);
+  a charge is refunded when the request leaves without ever reaching
   an engine (refused by a later layer, expired, evicted, cancelled while queued);
 - the retry ledger: a completed request is forgotten, so the same prompt later is a new request;
 - its permit, when it held one: released on its replica and tenant (`PermitStore`);
@@ -157,16 +158,19 @@ class Finaliser:
 
     # -- an admitted request, holding a permit ----------------------------------------------------
     def finish(self, request_id: str, terminal: Terminal, reason: str | None, now: float,
-               completion_tokens: int = 0) -> Admission | None:
+               completion_tokens: int | None = 0) -> Admission | None:
         """It is over (completed, failed upstream, or cancelled mid-stream): its permit is
-        released. Returns it (None for an id that holds none, which is ignored: a shell may call
-        this from every exit path)."""
+        released, and its token charge settled at what it used (`completion_tokens` None: the
+        shell did not see it, and the charge stands). Returns it (None for an id that holds none,
+        which is ignored: a shell may call this from every exit path)."""
         adm = self.permits.release(request_id, self.replicas)
         if adm is None:
             return None
         layer = Layer.UPSTREAM.value if terminal is Terminal.FAILED else "-"
         self._count(terminal, layer, reason or "-", adm.tenant, adm.priority)
-        self._settle(adm, terminal, reason, now, completion_tokens)
+        self._settle(adm, terminal, reason, now, completion_tokens or 0)
+        if adm.rate_charge and completion_tokens is not None:
+            self.rate_limits.settle(adm.tenant, adm.rate_charge, adm.info.prompt_tokens + completion_tokens, now)
         return adm
 
     def reclaim(self, adm: Admission, now: float) -> Reclaimed:

@@ -79,6 +79,14 @@ class CoreView:
         t = self._core.tenants.identify(key_digest, fairness_id)
         return t.name if t is not None else None
 
+    def rate_headroom(self, tenant: str, now: float) -> tuple[tuple[float, float, float] | None,
+                                                              tuple[float, float, float] | None]:
+        """What `tenant`'s request and token buckets hold now: (level, burst, rate) each, None
+        where it has no such limit (what the `x-ratelimit-*` headers say)."""
+        if tenant not in self._core.tenants.by_name:
+            return None, None
+        return self._core.gate.rate_limits.headroom(tenant, now)
+
     def tenant_bands(self) -> dict[str, int]:
         """Each configured tenant's priority band."""
         return {t.name: t.priority for t in self._core.config.tenants}

@@ -50,6 +50,7 @@ from bouncer.gateway.exchange import Outcome, Parsed
 from bouncer.gateway.metrics import GatewayMetrics
 from bouncer.gateway.prepared import Prepared, prepare
 from bouncer.gateway.quota_keeper import QuotaKeeper
+from bouncer.gateway.ratelimit_headers import ratelimit_headers
 from bouncer.gateway.recording import GatewayRecorder
 from bouncer.gateway.request_parsing import (
     fairness_id_from_headers,
@@ -316,6 +317,10 @@ class ControlPlane:
         if tenant is None:
             return None
         return [n for n in names if not tenant.models or n in tenant.models]
+
+    def ratelimit_headers(self, tenant: str) -> dict[str, str]:
+        """The `x-ratelimit-*` headers for an answer to `tenant` (none where it has no rate limit)."""
+        return ratelimit_headers(*self.core.view.rate_headroom(tenant, self.clock()))
 
     def refuse_early(self, rid: str, refusal: Refusal, line: dict[str, Any]) -> Refusal:
         """A refusal made before the core saw the request (body, JSON, parameters)."""

@@ -218,7 +218,8 @@ class Timeouts(NamedTuple):
 
 
 async def relay_json(up: UpstreamResponse, request: web.Request, timeouts: Timeouts, clock: Callable[[], float],
-                     on_first_token: Callable[[float], None], out: Outcome) -> web.Response:
+                     on_first_token: Callable[[float], None], out: Outcome,
+                     headers: dict[str, str] | None = None) -> web.Response:
     """A non-streaming answer: the whole body, relayed if it is a JSON object. It is written
     here, not by aiohttp once the handler returns, so that the client has it before the
     gateway's bookkeeping (the core told, metrics, the access line) runs: that work is off the
@@ -229,12 +230,13 @@ async def relay_json(up: UpstreamResponse, request: web.Request, timeouts: Timeo
     except asyncio.CancelledError:
         out.completion_tokens = None
         raise
-    return await answer_json(raw, request, timeouts.send, clock, on_first_token, out)
+    return await answer_json(raw, request, timeouts.send, clock, on_first_token, out, headers)
 
 
 async def answer_json(raw: bytes, request: web.Request, send_timeout: float, clock: Callable[[], float],
-                      on_first_token: Callable[[float], None], out: Outcome) -> web.Response:
-    """`relay_json` once the whole answer is in."""
+                      on_first_token: Callable[[float], None], out: Outcome,
+                      headers: dict[str, str] | None = None) -> web.Response:
+    """`relay_json` once the whole answer is in; `headers`: the gateway's own to add."""
     try:
         obj = orjson.loads(raw)
     except orjson.JSONDecodeError:
@@ -246,7 +248,7 @@ async def answer_json(raw: bytes, request: web.Request, send_timeout: float, clo
     if not read_usage(obj, out):
         out.completion_tokens = 0
     out.terminal, out.reason = Terminal.COMPLETED, None  # served, whether or not the client is still there
-    resp = web.Response(body=raw, content_type="application/json")
+    resp = web.Response(body=raw, content_type="application/json", headers=headers)
     with contextlib.suppress(ClientGone):  # served: a client that left or took nothing of it changes nothing
         sink = ClientSink(resp, request, send_timeout)
         await sink.prepare()
@@ -301,7 +303,7 @@ _CHOICE, _CHOICE_SPACED = b'"choices":[{', b'"choices": [{'
 
 async def relay_stream(up: UpstreamResponse, request: web.Request, timeouts: Timeouts, client: ClientUsage,
                        every_chunk_asked: bool, clock: Callable[[], float], on_first_token: Callable[[float], None],
-                       out: Outcome) -> web.StreamResponse:
+                       out: Outcome, headers: dict[str, str] | None = None) -> web.StreamResponse:
     """An event stream: its first event is read before the response starts, so a refusal or an
     error there is still a clean HTTP error; then events are relayed as they come.
     `every_chunk_asked`: the gateway asked the engine for usage in every chunk
@@ -324,7 +326,8 @@ async def relay_stream(up: UpstreamResponse, request: web.Request, timeouts: Tim
         message = err.get("message") if isinstance(err, dict) else err
         message = message[:MAX_ERROR_MESSAGE] if isinstance(message, str) and message else "an error event"
         raise UpstreamFailure(502, Reason.UPSTREAM_ERROR, f"the backend sent {message}")
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                       **(headers or {})})
     sink = ClientSink(resp, request, timeouts.send)
     tally = _StreamTally()
     strip = every_chunk_asked and not client.every_chunk

@@ -96,6 +96,14 @@ if tr > 0 then store(KEYS[2], tr, tb, math.min(tb, level(KEYS[2], tr, tb) + math
 return 0
 """
 
+# a served request's token charge settled at what it used (ARGV[6]): the difference given back or
+# taken, each as the bucket counted it (at most a burst); the level may go below empty
+SETTLE_TOKENS = _BUCKETS + """
+local diff = math.min(n, tb) - math.min(tonumber(ARGV[6]), tb)
+if tr > 0 and diff ~= 0 then store(KEYS[2], tr, tb, math.min(tb, level(KEYS[2], tr, tb) + diff)) end
+return 0
+"""
+
 HEARTBEAT = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
@@ -217,6 +225,7 @@ class SharedState:
                                         socket_connect_timeout=cfg.timeout_ms / 1000, retry_on_timeout=False)
         self._take = self._redis.register_script(TAKE)
         self._refund = self._redis.register_script(REFUND)
+        self._settle_tokens = self._redis.register_script(SETTLE_TOKENS)
         self._heartbeat = self._redis.register_script(HEARTBEAT)
         self._sync = self._redis.register_script(SYNC)
         self._claim = self._redis.register_script(CLAIM)
@@ -465,20 +474,27 @@ class SharedState:
                 task = asyncio.get_running_loop().create_task(self._publish_retries(recorded, completed))
                 self._background.add(task)
                 task.add_done_callback(self._background.discard)
-        back = self.store.unconsumed() + self.store.drain_refunds()
-        if back and not self.available:
-            self.refunds_lost += len(back)
-        elif back:
-            task = asyncio.get_running_loop().create_task(self._give_back(back))
+        back, settled = self.store.unconsumed() + self.store.drain_refunds(), self.store.drain_settled()
+        if (back or settled) and not self.available:
+            self.refunds_lost += len(back) + len(settled)
+        elif back or settled:
+            task = asyncio.get_running_loop().create_task(self._give_back(back, settled))
             self._background.add(task)
             task.add_done_callback(self._background.discard)
 
-    async def _give_back(self, charges: list[tuple[str, int]]) -> None:
-        # rare (a charge only comes back when a later layer refused the request), so one call each
-        for i, (tenant, tokens) in enumerate(charges):
-            try:
-                await self._refund(keys=self._keys(tenant), args=_args(self.store.limits(tenant), tokens))
-            except (TimeoutError, RedisError, OSError) as exc:
-                self._failed(exc)
-                self.refunds_lost += len(charges) - i  # the tenants' budgets are short by these until they refill
-                return
+    async def _give_back(self, charges: list[tuple[str, int]], settled: list[tuple[str, int, int]]) -> None:
+        """Charges given back, and served requests' token charges settled, in one pipelined call."""
+        try:
+            async with self._redis.pipeline(transaction=False) as pipe:
+                for tenant, tokens in charges:
+                    await self._refund(keys=self._keys(tenant), args=_args(self.store.limits(tenant), tokens),
+                                       client=pipe)
+                for tenant, charged, used in settled:
+                    _, tokens = self.store.limits(tenant)
+                    await self._settle_tokens(keys=self._keys(tenant), args=[*_args((None, tokens), charged), used],
+                                              client=pipe)
+                await asyncio.wait_for(pipe.execute(), self.cfg.timeout_ms / 1000)
+        except (TimeoutError, RedisError, OSError) as exc:
+            self._failed(exc)
+            # the tenants' budgets are off by these until they refill
+            self.refunds_lost += len(charges) + len(settled)

@@ -7,6 +7,10 @@ has a request bucket and a token bucket (prompt + max_tokens), either optional.
 `RateLimitStore` is what the core asks: `take` charges a request if both buckets allow it (else
 says which limit and for how long), and `refund` gives a charge back, for a request a later,
 costlier layer refused (the waiting room was full, say): a limit counts what the fleet took on.
+`settle` settles a served request's token charge at what it used: a request is charged its prompt
+and all of max_tokens when it passes (what it may use), and given back what it did not use when
+it ends, or charged more where it used more than counted (its bucket may then go below empty, and
+the tenant waits it out).
 `LocalRateLimits` keeps the buckets in this process; a shared store keeps them where several
 gateways see the same ones.
 """
@@ -103,18 +107,45 @@ class TenantRateLimiter:
         if self.tokens is not None:
             self.tokens.give_back(tokens, now)
 
+    def settle(self, charged: int, used: int, now: float) -> None:
+        """A request charged `charged` tokens used `used`: the difference given back or taken
+        (each as its bucket counted it, at most a burst), the request bucket untouched."""
+        b = self.tokens
+        if b is not None:
+            diff = min(charged, b.burst) - min(used, b.burst)
+            if diff > 0:
+                b.give_back(diff, now)
+            elif diff < 0:
+                b.take(-diff, now)
+
+    def headroom(self, now: float) -> tuple[tuple[float, float, float] | None, tuple[float, float, float] | None]:
+        """(level, burst, rate) of its request and token buckets (None where it has no such limit)."""
+        out = []
+        for bucket in (self.requests, self.tokens):
+            if bucket is None:
+                out.append(None)
+            else:
+                bucket.wait_time(0, now)  # refilled to now
+                out.append((bucket.level, bucket.burst, bucket.rate))
+        return out[0], out[1]
+
 
 class RateLimitStore(Protocol):
     """Tenants' rate-limit buckets. Contract: `take` is atomic (it charges only when it lets the
     request pass); `refund` of a charge taken earlier makes the tenant's budget as if that
-    request had not come (up to the bucket's burst); `blocked` says, charging nothing, whether
-    `take` would now refuse any request of the tenant, however small; `configure` with a
-    tenant's limits starts its buckets full, and is a no-op for limits it already has."""
+    request had not come (up to the bucket's burst); `settle` gives back the tokens a served
+    request was charged and did not use, or takes those it used beyond them; `blocked` says,
+    charging nothing, whether `take` would now refuse any request of the tenant, however small;
+    `headroom` is what the tenant's buckets hold, as best this gateway knows; `configure` with
+    a tenant's limits starts its buckets full, and is a no-op for limits it already has."""
 
     def configure(self, tenant: str, limits: RateLimit, now: float) -> None: ...
     def take(self, tenant: str, tokens: int, now: float) -> tuple[Reason, float] | None: ...
     def blocked(self, tenant: str, now: float) -> tuple[Reason, float] | None: ...
     def refund(self, tenant: str, tokens: int, now: float) -> None: ...
+    def settle(self, tenant: str, charged: int, used: int, now: float) -> None: ...
+    def headroom(self, tenant: str, now: float) -> tuple[tuple[float, float, float] | None,
+                                                         tuple[float, float, float] | None]: ...
 
 
 class LocalRateLimits:
@@ -136,3 +167,13 @@ class LocalRateLimits:
 
     def refund(self, tenant: str, tokens: int, now: float) -> None:
         self._limiters[tenant][1].refund(tokens, now)
+
+    def settle(self, tenant: str, charged: int, used: int, now: float) -> None:
+        current = self._limiters.get(tenant)
+        if current is not None:  # (a tenant a reload removed has no buckets)
+            current[1].settle(charged, used, now)
+
+    def headroom(self, tenant: str, now: float) -> tuple[tuple[float, float, float] | None,
+                                                         tuple[float, float, float] | None]:
+        current = self._limiters.get(tenant)
+        return current[1].headroom(now) if current is not None else (None, None)

@@ -6,7 +6,8 @@ will take (`intake.rate_charge`). It hands the verdict over with `prepay`, then 
 request, and the rate layer's `take` returns that verdict. A verdict the core did not consume
 (an earlier layer refused the request, or its breaker is open) is given back by `unconsumed`, and
 the refunds the core makes of charges that passed (a later layer refused the request) wait in
-`drain_refunds`: the shell sends both to the shared store.
+`drain_refunds`, and the settling of served requests' token charges at what they used in
+`drain_settled`: the shell sends them all to the shared store.
 
 Without a verdict (the shared store is unreachable and the config says fail-open), `take`
 decides here, with this gateway's share of each limit: rate and burst divided by the number of
@@ -34,6 +35,7 @@ class SharedRateLimits:
         self._levels: dict[str, tuple[float, float | None, float | None]] = {}  # last reported: at, requests, tokens
         self._prepaid: dict[str, list[tuple[int, Verdict]]] = {}
         self._refunds: list[tuple[str, int]] = []
+        self._settled: list[tuple[str, int, int]] = []  # tenant, tokens charged, tokens used
 
     # -- RateLimitStore --------------------------------------------------------------------------
     def configure(self, tenant: str, limits: RateLimit, now: float) -> None:
@@ -75,6 +77,30 @@ class SharedRateLimits:
         else:
             self._refunds.append((tenant, tokens))
 
+    def settle(self, tenant: str, charged: int, used: int, now: float) -> None:
+        if tenant not in self._share:
+            return
+        if self.degraded:
+            self._share[tenant].settle(charged, used, now)
+        elif charged != used:
+            self._settled.append((tenant, charged, used))
+
+    def headroom(self, tenant: str, now: float) -> tuple[tuple[float, float, float] | None,
+                                                         tuple[float, float, float] | None]:
+        """As the shared store last reported the tenant's levels, refilled since (this gateway's
+        share of them while the store is away)."""
+        if self.degraded or tenant not in self._levels:
+            return self._share[tenant].headroom(now) if tenant in self._share else (None, None)
+        at, *levels = self._levels[tenant]
+        out = []
+        for bucket, level in zip(buckets(self._limits[tenant]), levels, strict=True):
+            if bucket is None or level is None:
+                out.append(None)
+                continue
+            rate, burst = bucket
+            out.append((min(burst, level + max(0.0, now - at) * rate), burst, rate))
+        return out[0], out[1]
+
     # -- the shell's side ------------------------------------------------------------------------
     def limits(self, tenant: str) -> tuple[Bucket | None, Bucket | None]:
         """The tenant's (rate, burst) for requests and tokens, whole (not this gateway's share)."""
@@ -94,6 +120,11 @@ class SharedRateLimits:
                 if verdict is None]
         self._prepaid.clear()
         return back
+
+    def drain_settled(self) -> list[tuple[str, int, int]]:
+        """Served requests' token charges to settle in the shared store: (tenant, charged, used)."""
+        out, self._settled = self._settled, []
+        return out
 
     def drain_refunds(self) -> list[tuple[str, int]]:
         out, self._refunds = self._refunds, []

@@ -41,8 +41,10 @@ from yarl import URL
 from bouncer.config import BouncerConfig
 from bouncer.gateway.fronts.access_log_wire import CLIENT_LEFT_FLAGS
 from bouncer.gateway.fronts.ext_proc_wire import SUBSET_NAMESPACE
-from bouncer.gateway.fronts.picker import DESTINATION, PICKED_BY, REQUEST_ID
+from bouncer.gateway.fronts.picker import DESTINATION, PICKED_BY, RATELIMIT_NAMESPACE, REQUEST_ID
 
+RATELIMIT_HEADERS = [f"x-ratelimit-{what}-{unit}" for unit in ("requests", "tokens") for what in ("limit", "remaining",
+                                                                                                  "reset")]
 # what clients may not send through this Envoy: where a request goes, the picker's own marks, and
 # who it is other than by its key
 CLIENTS_MAY_NOT_SEND = (DESTINATION, REQUEST_ID, PICKED_BY, "x-llm-d-inference-fairness-id",
@@ -139,8 +141,13 @@ def bootstrap(config: BouncerConfig, *, listen_host: str = "127.0.0.1", listen_p
             backends.append((d.dns.name, d.dns.port))  # STRICT_DNS: every address the name has
     picked = {"cluster": "bouncer-picked", "timeout": "0s", "idle_timeout": _seconds(idle)}
     has_destination = {"name": DESTINATION, "present_match": True}
+    # the tenant's x-ratelimit-* headers, which the picker puts in the request's metadata (an empty
+    # value, a tenant without that limit, adds no header)
+    ratelimit = [{"header": {"key": h, "value": f"%DYNAMIC_METADATA({RATELIMIT_NAMESPACE}:{h})%"},
+                  "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"} for h in RATELIMIT_HEADERS]
     routes: list[dict[str, Any]] = [
-        {"name": "picked", "match": {"prefix": "/", "headers": [has_destination]}, "route": picked}]
+        {"name": "picked", "match": {"prefix": "/", "headers": [has_destination]}, "route": picked,
+         "response_headers_to_add": ratelimit}]
     if fail_open:
         routes.append({"name": "picker-down", "match": {"prefix": "/"},
                        "route": {"cluster": "bouncer-backends", "timeout": "0s", "idle_timeout": _seconds(idle)}})
@@ -156,7 +163,7 @@ def bootstrap(config: BouncerConfig, *, listen_host: str = "127.0.0.1", listen_p
             "bouncer-picker", DUPLEX if duplex else BUFFERED,
             failure_mode_allow=fail_open, message_timeout=_seconds(hold), max_message_timeout=_seconds(hold),
             # the picker's `envoy.lb` metadata comes back; a gateway's subset hint goes to it
-            metadata_options={"receiving_namespaces": {"untyped": ["envoy.lb"]},
+            metadata_options={"receiving_namespaces": {"untyped": ["envoy.lb", RATELIMIT_NAMESPACE]},
                               "forwarding_namespaces": {"untyped": [SUBSET_NAMESPACE]}})},
         {"name": "envoy.filters.http.router",
          "typed_config": {"@type": T + "envoy.extensions.filters.http.router.v3.Router"}},

@@ -49,10 +49,13 @@ def immediate(status: int, headers: dict[str, str], body: bytes, details: str) -
         status=http_status_pb2.HttpStatus(code=status), headers=mutation, body=body, details=details))
 
 
-def refused(refusal: Refusal) -> ext_proc.ProcessingResponse:
-    """A refusal as the proxy answers it (`errors.refusal_answer`), with llm-d's reason header too."""
+def refused(refusal: Refusal, extra: dict[str, str] | None = None) -> ext_proc.ProcessingResponse:
+    """A refusal as the proxy answers it (`errors.refusal_answer`), with llm-d's reason header too
+    and `extra` (the tenant's rate-limit headers)."""
     status, headers, body = refusal_answer(refusal)
     headers[DROPPED_REASON] = str(refusal.reason)
+    if extra:
+        headers.update(extra)
     return immediate(status, headers, body, str(refusal.reason))
 
 

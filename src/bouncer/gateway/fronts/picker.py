@@ -77,6 +77,7 @@ from bouncer.openai_wire import dumps, models_list
 log = logging.getLogger("bouncer.gateway")
 
 DESTINATION = "x-gateway-destination-endpoint"  # the protocol's: Envoy's ORIGINAL_DST cluster reads it
+RATELIMIT_NAMESPACE = "bouncer.ratelimit"  # dynamic metadata: the x-ratelimit-* headers Envoy adds to an answer
 REQUEST_ID = "x-bouncer-request-id"  # set on the request by the picker: how its access log entry finds it
 PICKED_BY = "x-bouncer-picker"  # the picker that routed it: Envoy sends its access log entry to that one
 GENERATION = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
@@ -193,7 +194,7 @@ class Picker(ext_proc_grpc.ExternalProcessorServicer):
                 decision = await self._admit(rid, kind, raw, headers, line, subset_hint(first))
             if isinstance(decision, Refusal):
                 line["status"] = decision.status
-                await context.write(refused(decision))
+                await context.write(refused(decision, plane.ratelimit_headers(line["tenant"])))
                 return
             served = True
             await self._serve(*decision, context, line, duplex, t0, headers.get("x-request-id"))
@@ -438,6 +439,10 @@ class Picker(ext_proc_grpc.ExternalProcessorServicer):
                                                   set_header(PICKED_BY, self._advertised)])
         metadata = struct_pb2.Struct()
         metadata.fields["envoy.lb"].struct_value.fields[DESTINATION].string_value = endpoint
+        # the tenant's rate-limit headers: Envoy adds them to the answer (`bouncer envoy-config`'s route)
+        limits = metadata.fields[RATELIMIT_NAMESPACE].struct_value.fields
+        for name, value in self.plane.ratelimit_headers(d.tenant).items():
+            limits[name].string_value = value
         if duplex:  # the headers wait for this answer; the body goes as one streamed chunk
             body_part = ext_proc.CommonResponse()
             body_part.body_mutation.streamed_response.body = new if new is not None else parsed.raw

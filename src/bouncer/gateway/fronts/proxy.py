@@ -86,6 +86,8 @@ class Proxy:
         resp: web.StreamResponse | None = None
         try:
             resp = await self._generate_for(request, kind, path, rid, line, root)
+            if not resp.prepared and line["tenant"] != "-":  # a refusal, to a known tenant
+                resp.headers.update(self.plane.ratelimit_headers(line["tenant"]))
             return resp
         finally:
             line["status"] = resp.status if resp is not None else None
@@ -174,10 +176,11 @@ class Proxy:
             try:
                 if up.status != 200:
                     raise failure_for_status(up.status, up.headers, await up.read(read_timeout))
+                headers = plane.ratelimit_headers(d.tenant)
                 if streaming:
                     return await relay_stream(up, request, self._timeouts(), ClientUsage.of(body), every_chunk,
-                                              self.clock, first_token, out)
-                return await relay_json(up, request, self._timeouts(), self.clock, first_token, out)
+                                              self.clock, first_token, out, headers)
+                return await relay_json(up, request, self._timeouts(), self.clock, first_token, out, headers)
             finally:
                 up.close()  # an unfinished response takes its connection down: the engine aborts it
         except Requeue as exc:
@@ -233,13 +236,14 @@ class Proxy:
                     raise
                 if status != 200:
                     raise failure_for_status(status, headers, raw)
-                return await answer_json(raw, request, self._timeouts().send, self.clock, _ignore, out)
+                return await answer_json(raw, request, self._timeouts().send, self.clock, _ignore, out,
+                                         plane.ratelimit_headers(d.tenant))
             up = await self.upstream.post_json(url, dumps(sent), auth)
             try:
                 if up.status != 200:
                     raise failure_for_status(up.status, up.headers, await up.read(self.upstream.read_timeout))
                 return await relay_stream(up, request, self._timeouts(), ClientUsage.of(body), False,
-                                          self.clock, _ignore, out)
+                                          self.clock, _ignore, out, plane.ratelimit_headers(d.tenant))
             finally:
                 up.close()
         except Requeue:
