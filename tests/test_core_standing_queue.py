@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 
+from bouncer.config import SLO as SLOConfig
 from bouncer.core.fleet.replica import Telemetry
 from bouncer.core.flow.band_slos import STRAINED_S, STRAINED_SLO_SHARE, BandSLOs
 from bouncer.core.flow.standing_queue import ENTER_SHARE, EXIT_SHARE, MIN_INTERVAL_S, StandingQueues
 from bouncer.core.outcomes import Terminal
-from bouncer.core.requests import Admission
 from core_helpers import dispatched, info, observe_idle, rejected, tenant
 from test_latency import core_with_steps
 
@@ -114,7 +114,7 @@ def test_off_a_standing_queue_is_planned_on_its_whole_slo():
 def test_the_top_band_is_protected_as_if_its_slo_were_shorter_for_a_while_after_it_missed():
     slos = BandSLOs()
     for band, slo in ((10, 0.5), (0, 5.0)):
-        slos.note(_adm(band, slo), 0.0)
+        slos.note(band, SLOConfig(ttft_s=slo), 0.0)
     assert slos.protected(0, 1.0)[0] == 0.5 and slos.protected(-1, 1.0)[0] == 0.5
     slos.missed(10, 1.0)
     assert slos.protected(0, 1.0)[0] == pytest.approx(0.5 * STRAINED_SLO_SHARE)
@@ -122,11 +122,6 @@ def test_the_top_band_is_protected_as_if_its_slo_were_shorter_for_a_while_after_
     slos.missed(0, 2.0)  # a lower band's miss does not tighten what the band below it is held to
     assert slos.protected(-1, 2.0)[0] == pytest.approx(0.5 * STRAINED_SLO_SHARE)
     assert slos.protected(-1, 5.0)[0] == 0.5
-
-
-def _adm(band: int, ttft_slo: float) -> Admission:
-    return Admission(info(), "a", band, 10, 10, arrival=0.0, deadline=60.0, ttft_deadline=None, seq=0,
-                     ttft_slo=ttft_slo)
 
 
 def test_a_top_band_refused_as_late_holds_a_lower_bands_prompt_the_reserve_let_through_before():

@@ -300,10 +300,10 @@ def test_file_discovery_follows_the_file(tmp_path, bg_loop):
         for _ in range(4):
             assert client.chat.completions.create(model="demo-llm", max_tokens=4,
                                                   messages=[{"role": "user", "content": "hi"}]).choices
-        path.write_text("- url: [not, a, string]\n")
+        path.write_text("- url: [not, a, string]\n")  # written in place: it may be read half-written
         finder = bg_loop.call(lambda: plane.finders.by_model["demo-llm"][0])
-        poll_until(lambda: finder.status.stale_since is not None, what="the bad file noticed")
-        assert "entry 0" in finder.status.last_error and len(live()) == 2
+        poll_until(lambda: "entry 0" in (finder.status.last_error or ""), what="the bad file noticed")
+        assert finder.status.stale_since is not None and len(live()) == 2
         _write(path, [{"url": engines[1].url, "name": "second", "kv_blocks": 1024}])
         poll_until(lambda: live() == {"second": 1024}, what="the first replica gone")
         assert finder.status.stale_since is None
@@ -404,6 +404,31 @@ def test_finder_keeps_the_last_set_for_keep_last_s(tmp_path):
     now[0] = 16.0
     assert run() and changes[-1] == ["http://b:1"] and finder.status.stale_since is None
     assert finder.status.as_dict(now[0])["changes"] == 3
+
+
+def test_a_file_read_half_written_is_not_believed(tmp_path, monkeypatch):
+    """A file written in place can be read cut short, and a list cut short still parses: a
+    changed set counts once a second read agrees; reads that disagree are a failed lookup, and
+    the set in force stays."""
+    import asyncio
+
+    from bouncer.gateway import discovery
+
+    f = tmp_path / "f.yaml"
+    f.write_text("['http://a:1', 'http://b:1']")
+    m = parse_config(_model({"file": {"path": str(f)}})).models[0]
+    changes: list[list[str]] = []
+    finder = Finder(m, lambda found: changes.append([b.url for b in found]), lambda: 0.0)
+    assert asyncio.run(finder.once()) and changes == [["http://a:1", "http://b:1"]]
+    reads = iter([["http://a:1"], ["http://a:1", "http://b:1"]])  # the first read caught it mid-write
+    real = discovery.lookup_file
+
+    def lookup_file(model, d):
+        keep = next(reads)
+        return [b for b in real(model, d) if b.url in keep]
+    monkeypatch.setattr(discovery, "lookup_file", lookup_file)
+    assert not asyncio.run(finder.once())
+    assert "changed as it was read" in finder.status.last_error and len(changes) == 1
 
 
 def test_envoy_fails_open_to_the_dns_name():

@@ -47,7 +47,8 @@ class Picked:
     def __init__(self, tmp: pathlib.Path, tenants: list[dict], engines: int = 1, failure_mode: str = "close",
                  body_mode: str = "buffered", pickers: int = 1, shared_state: dict | None = None,
                  extra: dict | None = None, subset: list[int] | None = None,
-                 answers_read_whole: int | None = None, access_log: bool = True) -> None:
+                 answers_read_whole: int | None = None, access_log: bool = True,
+                 picker_extra: dict | None = None, envoy_args: list[str] | None = None) -> None:
         self.tmp = tmp
         self.engines = [EngineProcess("--model", "demo-llm") for _ in range(engines)]
         self.envoy_port = free_port()
@@ -64,12 +65,12 @@ class Picked:
         for i, (http_port, grpc_port) in enumerate(self.ports):
             (tmp / f"bouncer-{i}.yaml").write_text(yaml.safe_dump({
                 **self.config, "listen": {"host": "127.0.0.1", "port": http_port},
-                "picker": {"host": "127.0.0.1", "port": grpc_port,
+                "picker": {"host": "127.0.0.1", "port": grpc_port, **(picker_extra or {}),
                            **({} if answers_read_whole is None else {"answers_read_whole": answers_read_whole})}}))
         self.http_port = self.ports[0][0]
         out = subprocess.run([sys.executable, "-m", "bouncer", "envoy-config", "--config", str(tmp / "bouncer-0.yaml"),
                               "--listen", f"127.0.0.1:{self.envoy_port}", "--failure-mode", failure_mode,
-                              "--body-mode", body_mode, "--admin-port", str(free_port()),
+                              "--body-mode", body_mode, "--admin-port", str(free_port()), *(envoy_args or []),
                               *(arg for _, g in self.ports for arg in ("--picker", f"127.0.0.1:{g}"))],
                              check=True, capture_output=True, text=True)
         envoy_config = yaml.safe_load(out.stdout)
@@ -604,3 +605,49 @@ def test_rate_limit_headers_reach_the_client_through_envoy(picked):
     free = picked.client("alice").completions.with_raw_response.create(model="demo-llm", prompt="x", max_tokens=2)
     assert not any(h.startswith("x-ratelimit") for h in free.headers)
     poll_until(picked.idle, what="nothing in flight")
+
+
+def _certificates(tmp: pathlib.Path) -> dict[str, str]:
+    """A CA, the picker's certificate (bouncer-picker, 127.0.0.1) and Envoy's, made with openssl."""
+    def run(*args: str) -> None:
+        subprocess.run(["openssl", *args], check=True, capture_output=True, cwd=tmp)
+    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.crt", "-subj", "/CN=test-ca",
+        "-days", "2")
+    for name, san in (("picker", "DNS:bouncer-picker,IP:127.0.0.1"), ("envoy", "DNS:envoy")):
+        run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj",
+            f"/CN={name}")
+        (tmp / f"{name}.ext").write_text(f"subjectAltName={san}\n")
+        run("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial", "-out",
+            f"{name}.crt", "-days", "2", "-extfile", f"{name}.ext")
+    return {n: str(tmp / n) for n in ("ca.crt", "picker.crt", "picker.key", "envoy.crt", "envoy.key")}
+
+
+def test_the_picker_behind_mutual_tls_serves_envoy_and_no_one_else(tmp_path):
+    """`picker.tls` with a client CA: Envoy, given its certificate by `bouncer envoy-config`, is
+    served; a client without a certificate (or without TLS) gets nothing from the picker, so it
+    can neither route requests nor end them."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    certs = _certificates(tmp_path)
+    picked = Picked(tmp_path, [_tenant("alice")], picker_extra={"tls": {
+        "cert_file": certs["picker.crt"], "key_file": certs["picker.key"], "client_ca_file": certs["ca.crt"]}},
+        envoy_args=["--picker-ca", certs["ca.crt"], "--picker-name", "bouncer-picker",
+                    "--picker-client-cert", certs["envoy.crt"], "--picker-client-key", certs["envoy.key"]])
+    try:
+        answer = picked.client().completions.create(model="demo-llm", prompt="over TLS", max_tokens=3)
+        assert answer.usage.completion_tokens == 3
+        port = picked.ports[0][1]
+        ca = pathlib.Path(certs["ca.crt"]).read_bytes()
+        options = [("grpc.ssl_target_name_override", "bouncer-picker")]
+        for channel in (grpc.insecure_channel(f"127.0.0.1:{port}"),
+                        grpc.secure_channel(f"127.0.0.1:{port}", grpc.ssl_channel_credentials(ca), options)):
+            with channel, pytest.raises(grpc.RpcError):
+                health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        mine = grpc.ssl_channel_credentials(ca, pathlib.Path(certs["envoy.key"]).read_bytes(),
+                                            pathlib.Path(certs["envoy.crt"]).read_bytes())
+        with grpc.secure_channel(f"127.0.0.1:{port}", mine, options) as channel:  # Envoy's certificate: served
+            assert health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5).status == 1
+        poll_until(picked.idle, what="nothing in flight")
+    finally:
+        picked.close()

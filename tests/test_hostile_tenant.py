@@ -16,6 +16,7 @@ import time
 import pytest
 
 from bouncer.config import ConfigError, parse_config
+from bouncer.core.fleet.cache_salt import salt_of
 from gateway_setup import Fleet, tenant
 from servers import poll_until
 
@@ -541,3 +542,267 @@ def test_token_rate_limits_are_settled_at_usage_and_answered_in_x_ratelimit_head
         assert int(headers["x-ratelimit-remaining-tokens"]) < 2900 and headers["x-ratelimit-reset-tokens"].endswith("s")
     finally:
         f.close()
+
+
+# -- the low ones ------------------------------------------------------------------------------------
+def _reload(base: str, config: dict) -> tuple[int, dict]:
+    status, _, raw = _post(base + "/admin/reload", config, {"Authorization": "Bearer admin"})
+    return status, json.loads(raw)
+
+
+def test_low_a_reload_cannot_send_an_environment_variable_to_a_new_url(fleet):
+    """An admin key may change the config, not send the process's secrets elsewhere: a reload
+    that points an overflow target's api_key_env at a variable, or a URL, start-up did not is
+    refused (it takes a restart)."""
+    model = fleet.config["models"][0]
+    evil = {**fleet.config, "models": [{**model, "overflow": [
+        {"name": "exfil", "url": "https://collector.example", "api_key_env": "HOME"}]}]}
+    status, body = _reload(fleet.url, evil)
+    assert status == 400 and "takes a restart" in body["error"]["message"], body
+    assert _reload(fleet.url, fleet.config)[0] == 200  # an ordinary reload goes through
+
+
+def test_low_a_reload_is_refused_what_start_up_refuses_behind_envoy(bg_loop):
+    """The picker cannot divert (Envoy sends the body unchanged): refused at start, and now at a
+    reload too (it was applied, and the overflow never worked)."""
+    from aiohttp import web
+
+    from bouncer.config import key_digest
+    from bouncer.gateway.control_plane import ControlPlane
+    from gateway_setup import tenant as keyed
+    from servers import free_port
+
+    config = {"tenants": [keyed("alice")], "admin_keys_sha256": [key_digest("admin")],
+              "models": [{"name": "m", "backends": [{"url": "http://127.0.0.1:1", "name": "e0"}]}]}
+    overflow = {**config, "models": [{**config["models"][0], "overflow": [{"name": "o", "url": "https://o.example"}]}]}
+    with pytest.raises(ConfigError, match="overflow"):
+        ControlPlane(parse_config(overflow), front="picker")
+    port = free_port()
+
+    async def start():
+        plane = ControlPlane(parse_config(config), front="picker")
+        runner = web.AppRunner(plane.http_app())
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        return runner
+    runner = bg_loop.run(start())
+    try:
+        status, body = _reload(f"http://127.0.0.1:{port}", overflow)
+        assert status == 400 and "overflow" in body["error"]["message"], body
+    finally:
+        bg_loop.run(runner.cleanup())
+
+
+def test_low_a_request_goes_out_once_even_when_its_kept_alive_connection_breaks(bg_loop):
+    """A backend that closes a connection under a request (after reading it): the request fails,
+    once, never resent on a fresh connection (it may have run: sent again it would run twice);
+    a backend that closed a kept-alive connection while it idled is not sent anything on it."""
+    import asyncio
+
+    import yarl
+
+    from bouncer.gateway.upstream import UpstreamError, UpstreamPool
+    from servers import free_port
+
+    port = free_port()
+    seen: list[int] = []  # each request's connection, by its number
+    conns = iter(range(100))
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        me = next(conns)
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = int(next(h for h in head.split(b"\r\n") if h.lower().startswith(b"content-length"))
+                             .split(b":")[1])
+                body = await reader.readexactly(length)
+                seen.append(me)
+                if body == b"close-now":
+                    break  # read it, and hang up without an answer
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}")
+                await writer.drain()
+                if body == b"then-close":
+                    break  # answered, then closed: the pool must not send on it again
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        writer.close()
+
+    async def run() -> None:
+        server = await asyncio.start_server(handle, "127.0.0.1", port)
+        pool = UpstreamPool(2.0, 5.0)
+        url = yarl.URL(f"http://127.0.0.1:{port}/v1/completions")
+        try:
+            (await pool.post_json(url, b"then-close")).close()
+            await asyncio.sleep(0.2)  # its FIN is in, not yet read by the pool
+            resp = await pool.post_json(url, b"ok")
+            await resp.read(5.0)
+            assert seen == [0, 1]  # the second went on a new connection, not on the closed one
+            with pytest.raises(UpstreamError):
+                await pool.post_json(url, b"close-now")
+            assert seen == [0, 1, 1]  # sent once: not again on a fresh connection
+        finally:
+            pool.close()
+            server.close()
+            await server.wait_closed()
+
+    bg_loop.run(run())
+
+
+# -- tenants' prefix caches apart -------------------------------------------------------------------
+def test_cache_salt_each_tenant_its_own_cache_and_its_own_index():
+    """Each tenant's requests carry its own cache salt (a cache group's, shared), and the core's
+    prefix index keys their blocks by it: a prompt another tenant sent is no cached prefix to
+    route towards."""
+    from bouncer.config import key_digest
+    from core_helpers import dispatched, info, make_core
+    from core_helpers import tenant as core_tenant
+
+    core = make_core(tenants=[core_tenant("a"), core_tenant("b"), core_tenant("c", cache_group="shared"),
+                              core_tenant("d", cache_group="shared")], replicas=2, model={"engine": "vllm"})
+    digests = list(range(1, 40))
+
+    def send(who: str, at: float):
+        request = info(who, prompt=640, block_digests=list(digests))
+        request.key_digest = key_digest(f"key-{who}")
+        [d] = dispatched(core.offer(request, at))
+        return d, core.permits.get(d.request_id)
+    a, adm_a = send("a", 0.0)
+    b, adm_b = send("b", 0.1)
+    c, _ = send("c", 0.2)
+    d, _ = send("d", 0.3)
+    assert a.cache_salt and b.cache_salt and len({a.cache_salt, b.cache_salt, c.cache_salt}) == 3
+    assert c.cache_salt == d.cache_salt  # one cache group: one cache
+    assert adm_a.info.block_digests != adm_b.info.block_digests != digests
+    replica_a = core.replicas[a.replica]
+    # on a's replica its own blocks are found; b's (the same prompt) only where b went too
+    assert replica_a.prefix.match(adm_a.info.block_digests, 0.4) > 0
+    assert replica_a.prefix.match(adm_b.info.block_digests, 0.4) == (len(digests) if b.replica == a.replica else 0)
+    off = make_core(tenants=[core_tenant("a")], model={"engine": "vllm"})
+    off.reload(off.config.model_copy(update={"cache_isolation": False}), 0.0)
+    [plain] = dispatched(off.offer(info("a", prompt=640, block_digests=list(digests)), 0.0))
+    assert plain.cache_salt is None
+
+
+def test_cache_salt_kv_events_place_a_salted_prompt_under_its_salt():
+    """vLLM names a prompt's salt in its first block's extra keys: the precise index, built from
+    the events, holds the chain under that salt (what a salted request matches), not unsalted."""
+    from bouncer.core.fleet.blocks import chain_block_hashes
+    from bouncer.core.fleet.cache_salt import salt_of, salt_root, salted
+    from bouncer.core.fleet.kv_events import BlockStored, PreciseIndex
+    from bouncer.kv_events_wire import decode_batch, encode_batch
+
+    tokens = list(range(64))
+    salt = salt_of("tenant-a")
+    events = [BlockStored(["k0"], None, tokens[:32], 32, salt=salt), BlockStored(["k1"], "k0", tokens[32:], 32)]
+    _, decoded = decode_batch(encode_batch(0.0, events))
+    assert [e.salt for e in decoded] == [salt, None]
+    index = PreciseIndex(16, 1000)
+    index.apply(decoded, 0.0)
+    ours = chain_block_hashes(tokens, 16)
+    assert index.match(salted(ours, salt_root(salt))) == 4 and index.match(ours) == 0
+    assert index.match(salted(ours, salt_root(salt_of("tenant-b")))) == 0
+
+
+def test_cache_salt_another_tenants_cached_prompt_is_cold_for_it(fleet):
+    """Through the gateway to `bouncer engine` (which keys its cache by the salt, as vLLM does):
+    Alice's second request for her prompt finds it cached; Mallory's request for the same prompt
+    finds nothing, and a cache_salt of Mallory's own choosing is replaced by its tenant's."""
+    prompt = "the same long system prompt, word for word " * 40
+
+    def cached(key: str, **extra) -> int:
+        status, _, raw = _post(fleet.url + "/v1/completions",
+                               {"model": "demo-llm", "prompt": prompt, "max_tokens": 2, **extra},
+                               {"Authorization": f"Bearer {key}"})
+        assert status == 200, raw
+        return json.loads(raw)["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    assert cached("alice") == 0
+    assert cached("alice") > 200
+    assert cached("mallory") == 0
+    # a client's own salt is not the one the engine sees: its tenant's is (so it finds its own cache)
+    assert cached("mallory", cache_salt="anything") > 200
+    sent = fleet.call(lambda: list(fleet.engines[0][1].received))
+    assert len({b["cache_salt"] for b in sent}) == 2 and "anything" not in {b["cache_salt"] for b in sent}
+
+
+# -- the fuzzer: every header and body field a tenant controls, and who pays -------------------------
+@pytest.mark.slow
+def test_fuzzed_headers_and_bodies_are_charged_to_the_keys_tenant_and_what_the_engine_used(bg_loop):
+    """Hundreds of requests with every header and body field a client controls drawn at random
+    (keys of two tenants, none, wrong ones; identity and SLO headers naming the other tenant;
+    sessions; steering fields; n, max_tokens, tools, streams): each tenant's quota ends up charged
+    exactly the usage of the answers its own key got, a request without a valid key is charged to
+    no one, and no engine sees a steering field or a max_tokens past the tenant's cap."""
+    from hypothesis import HealthCheck, Phase, given, settings
+    from hypothesis import strategies as st
+
+    from bouncer.bench.loopback import RedisServer
+
+    server = RedisServer()
+    quota = {"limits": [{"window": "month", "unit": "total_tokens", "limit": 1e12}]}
+    f = Fleet(bg_loop, [tenant("alice", priority=10, quota=quota, max_tokens_cap=64, max_tokens_default=32),
+                        tenant("mallory", priority=-1, quota=quota, max_tokens_cap=64, max_tokens_default=32)],
+              engines=1, engine_kwargs={"num_blocks": 4096, "max_num_seqs": 64}, speed=8.0,
+              limits={"max_n": 2}, extra={"quotas": {"url": server.url, "key_prefix": "fuzz:"}})
+    used: dict[str, int] = {"alice": 0, "mallory": 0}
+    served: dict[str, int] = {"alice": 0, "mallory": 0}
+    keys = st.sampled_from(["alice", "mallory", None, "not-a-key"])
+    identity = st.dictionaries(st.sampled_from(["x-llm-d-inference-fairness-id", "x-gateway-inference-fairness-id",
+                                                "x-session-id", "x-parent-session-id", "x-llm-d-inference-objective",
+                                                "x-bouncer-ttft-ms", "x-bouncer-ttl-ms", "api-key"]),
+                               st.sampled_from(["alice", "mallory", "1", "s-1", "0.5", "x" * 300]), max_size=4)
+    fields = st.fixed_dictionaries({}, optional={
+        "priority": st.integers(-10, 10), "request_id": st.text(max_size=20), "cache_salt": st.text(max_size=20),
+        "kv_transfer_params": st.just({"do_remote_prefill": True, "remote_host": "10.9.9.9"}),
+        "max_tokens": st.integers(1, 100_000), "n": st.integers(1, 2), "stream": st.booleans(),
+        "temperature": st.floats(0, 2), "user": st.sampled_from(["alice", "mallory"]),
+        "tools": st.just([{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}])})
+
+    @settings(max_examples=400, phases=[Phase.generate], deadline=None, database=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))
+    @given(key=keys, headers=identity, extra=fields, chat=st.booleans())
+    def fuzz(key, headers, extra, chat):
+        body = {"model": "demo-llm", "ignore_eos": True, **extra}
+        body.update({"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"})
+        if body.get("stream"):
+            body["stream_options"] = {"include_usage": True}
+        sent = dict(headers)
+        if key is not None:
+            sent["Authorization"] = f"Bearer {key}"
+        path = "/v1/chat/completions" if chat else "/v1/completions"
+        status, _, raw = _post(f.url + path, body, sent)
+        presented = key if key is not None else headers.get("api-key")  # a bearer key goes before api-key
+        owner = presented if presented in used else None
+        if status == 200:
+            assert owner is not None, (key, headers, raw[:200])  # only a tenant's own key gets an answer
+            if body.get("stream"):
+                events = [json.loads(line[6:]) for line in raw.decode().splitlines()
+                          if line.startswith("data: {")]
+                usage = next(e["usage"] for e in reversed(events) if e.get("usage"))
+            else:
+                usage = json.loads(raw)["usage"]
+            used[owner] += usage["prompt_tokens"] + usage["completion_tokens"]
+            served[owner] += 1
+        else:
+            assert status in (400, 401, 403, 404, 413, 422, 429, 503, 529), (status, raw[:300])
+
+    try:
+        fuzz()
+        assert served["alice"] and served["mallory"]
+        poll_until(lambda: f.call(lambda: f.gateway.core.view.inflight + f.gateway.core.view.queued) == 0,
+                   what="nothing left")
+        poll_until(lambda: _spent(server.url, "fuzz:")[1] == 0, what="every reservation settled")
+        import redis
+
+        r = redis.Redis.from_url(server.url)
+        spent = {}
+        for k in r.scan_iter("fuzz:quota:tenant:*"):
+            spent[k.decode().split(":")[3]] = float(r.hget(k, "spent") or 0)
+        assert spent == {t: float(n) for t, n in used.items()}, (spent, used)
+        for received in f.call(lambda: list(f.engines[0][1].received)):
+            assert not {"priority", "request_id", "kv_transfer_params"} & set(received), received
+            assert received["max_tokens"] <= 64 and received["cache_salt"] in {
+                salt_of("alice"), salt_of("mallory")}
+    finally:
+        f.close()
+        server.stop()

@@ -11,6 +11,7 @@ import pytest
 
 from bouncer.config import key_digest
 from bouncer.core.fleet.blocks import chain_block_hashes
+from bouncer.core.fleet.cache_salt import salt_of, salt_root, salted
 from bouncer.core.fleet.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from bouncer.kv_events_wire import WireError, decode_batch, decode_seq, encode_batch, encode_seq
 from bouncer.tokenizer import PromptTokenizer, default_tokenizer_path
@@ -66,11 +67,13 @@ def test_gateway_follows_the_engines_kv_events_and_falls_back_when_they_stop(bg_
             await client.completions.create(model="demo-llm", prompt=text, max_tokens=4)
 
         index = lambda: gw.core.replicas["e0"].prefix  # noqa: E731
+        # tenant t's prompts are cached under its salt, at the engine and in the gateway's index
+        root = salt_root(salt_of("t"))
         # ZMQ subscriptions take a moment to join: ask (a new prompt each time, so the engine has
         # new blocks to report) until the events of one have come through
         for attempt in range(40):
             text = f"Attempt {attempt}. {prompt}"
-            digests = chain_block_hashes(tokenizer.encode(text), 16)
+            digests = salted(chain_block_hashes(tokenizer.encode(text), 16), root)
             asyncio.run(ask(text))
             if bg_loop.call(lambda d=digests: index().precise is not None and index().precise.match(d) > 0):
                 break
@@ -94,7 +97,7 @@ def test_gateway_follows_the_engines_kv_events_and_falls_back_when_they_stop(bg_
         asyncio.run(ask(silent))
         poll_until(lambda: bg_loop.call(lambda: not index().events_live(gw.clock())), timeout=5,
                    what="fallback to the approximate index")
-        other = chain_block_hashes(tokenizer.encode(silent), 16)
+        other = salted(chain_block_hashes(tokenizer.encode(silent), 16), root)
         assert bg_loop.call(lambda: index().precise.match(other)) == 0  # never reported
         assert bg_loop.call(lambda: index().match(other, gw.clock())) == len(other)  # but we sent it there
         bg_loop.call(publisher.close)

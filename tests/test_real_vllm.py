@@ -21,6 +21,7 @@ import pytest
 
 from bouncer.config import key_digest
 from bouncer.core.fleet.blocks import chain_block_hashes
+from bouncer.core.fleet.cache_salt import salt_of, salt_root, salted
 from bouncer.tokenizer import PromptTokenizer, default_tokenizer_path
 from conftest import start_gateway
 from servers import BackgroundLoop, free_port, poll_until, wait_answering
@@ -68,7 +69,7 @@ def vllm_url(tmp_path_factory, kv_events_endpoint):
     cmd = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(MODEL_DIR),
            "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
            "--max-model-len", "512", "--max-num-seqs", "4", "--num-gpu-blocks-override", str(KV_BLOCKS),
-           "--max-num-queued-reqs", str(MAX_QUEUED),
+           "--max-num-queued-reqs", str(MAX_QUEUED), "--enable-prompt-tokens-details",
            "--kv-events-config", json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
                                              "endpoint": kv_events_endpoint})]  # vLLM binds ipc://
     with open(log, "w") as out:
@@ -188,7 +189,8 @@ def test_follows_vllms_kv_events_onto_our_own_block_digests(gateway):
     index = lambda: gw.core.replicas["vllm"].prefix  # noqa: E731
     for attempt in range(20):  # new prompts until the subscription has joined and reported one
         text = f"Attempt {attempt}: " + "Admission control decides whether and when. " * 20
-        digests = chain_block_hashes(tokenizer.encode(text), 128)
+        # tenant t's prompt, cached under its salt (vLLM names it in the first block's extra keys)
+        digests = salted(chain_block_hashes(tokenizer.encode(text), 128), salt_root(salt_of("t")))
         client.completions.create(model="tiny", prompt=text, max_tokens=4)
         try:
             poll_until(lambda d=digests: loop.call(lambda: index().precise is not None
@@ -260,3 +262,59 @@ def test_prompt_tokens_settled_are_vllms_own_for_tools_and_tool_calls(vllm_url, 
         cleanup()
         loop.close()
         server.stop()
+
+
+def test_another_tenants_cached_prompt_is_a_cold_prompt_for_it(vllm_url):
+    """The gateway salts each tenant's cache (`cache_salt`, vLLM keys its prefix cache by it):
+    tenant b sending the prompt tenant a has cached gets no cached tokens, and its time to first
+    token is a cold prompt's (within noise), where a's own second request is warm. No timing
+    channel across tenants through the prefix cache (CVE-2025-46570)."""
+    import random
+    import statistics
+
+    loop = BackgroundLoop()
+    config = {
+        "tenants": [{"name": n, "api_keys_sha256": [key_digest(n)]} for n in ("a", "b")],
+        "models": [{"name": "tiny", "engine": "vllm", "tokenizer": str(default_tokenizer_path()),
+                    "max_model_len": 512, "block_size": 128, "backends": [{"url": vllm_url, "name": "vllm"}]}],
+        "policy": {"telemetry": {"scrape_interval_s": 0.1, "staleness_s": 2.0}},
+    }
+    url, _gw, cleanup = start_gateway(loop, config)
+    rng = random.Random(67)
+    words = "admission control decides whether and when a request runs on the pool".split()
+
+    def prompt() -> str:
+        return " ".join(rng.choice(words) for _ in range(300))  # about 400 tokens: three 128-token blocks
+
+    def ask(key: str, text: str) -> tuple[float, int]:
+        client = openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=120)
+        t0 = time.monotonic()
+        stream = client.completions.create(model="tiny", prompt=text, max_tokens=2, stream=True,
+                                           stream_options={"include_usage": True})
+        ttft = None
+        usage = None
+        for chunk in stream:
+            if ttft is None and chunk.choices and chunk.choices[0].text:
+                ttft = time.monotonic() - t0
+            usage = chunk.usage or usage
+        return ttft, usage.prompt_tokens_details.cached_tokens
+
+    try:
+        cold, warm, other = [], [], []
+        for _ in range(5):
+            text = prompt()
+            ttft, cached = ask("a", text)  # a's first: nothing cached
+            assert cached == 0
+            cold.append(ttft)
+            ttft, cached = ask("a", text)  # a's again: its blocks are cached
+            assert cached >= 256
+            warm.append(ttft)
+            ttft, cached = ask("b", text)  # b's: a's cache is not b's
+            assert cached == 0
+            other.append(ttft)
+        print(f"TTFT medians: cold {statistics.median(cold):.4f} warm {statistics.median(warm):.4f} "
+              f"other tenant {statistics.median(other):.4f}")
+        assert statistics.median(other) > 0.8 * statistics.median(cold)  # a cold prompt's, within noise
+    finally:
+        cleanup()
+        loop.close()

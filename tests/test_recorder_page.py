@@ -244,3 +244,38 @@ def test_a_recorded_simulator_run_opens_in_the_same_page(tmp_path):
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def test_names_are_shown_as_text_never_run_as_markup(tmp_path):
+    """A tenant (or replica) name that is markup, as a config or a discovered replica could carry,
+    is shown as its text: the page never builds elements, or runs scripts, from it."""
+    import gzip
+
+    from playwright.sync_api import sync_playwright
+
+    record = tmp_path / "run.jsonl.gz"
+    subprocess.run([BOUNCER, "bench", "run", "--scenario", "rogue-tenant", "--policy", "bouncer", "--load", "2",
+                    "--duration", "10", "--replicas", "2", "--record", str(record)], check=True,
+                   stdout=subprocess.DEVNULL, timeout=120)
+    evil = '<img src=x onerror="window.pwned=1">'
+    tampered = tmp_path / "tampered.jsonl.gz"
+    with gzip.open(record, "rt") as src, gzip.open(tampered, "wt") as dst:
+        dst.write(src.read().replace('"sla"', json.dumps(evil)))
+    port = free_port()
+    proc = subprocess.Popen([BOUNCER, "recorder", str(tampered), "--port", str(port)], stdout=subprocess.DEVNULL)
+    try:
+        wait_http_ok(f"http://127.0.0.1:{port}/admin/timeline", timeout=20)
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=_chromium_or_fail(), args=["--no-sandbox"])
+            try:
+                page, problems = _open_page(browser, f"http://127.0.0.1:{port}/ui")
+                _move_cursor_to(page, "queue", 5.0)
+                page.wait_for_function("document.querySelector('#moment table')")
+                assert _cell(page, "tenants", evil, "band") == "10"  # its row, named by its text
+                assert page.evaluate("document.querySelectorAll('#moment img, #tenants img').length") == 0
+                assert page.evaluate("window.pwned") is None and problems == []
+            finally:
+                browser.close()
+    finally:
+        proc.terminate()
+        proc.wait(10)

@@ -9,6 +9,7 @@ import pytest
 
 from bouncer.config import Routing
 from bouncer.core.fleet.blocks import chain_block_hashes, leading_run
+from bouncer.core.fleet.cache_salt import salt_of
 from bouncer.core.fleet.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, PreciseIndex
 from bouncer.core.fleet.pool import PoolView
 from bouncer.core.fleet.prefix_index import ApproxPrefixIndex, ReplicaPrefixIndex
@@ -309,7 +310,8 @@ def test_core_counts_only_uncached_prompt_tokens_as_queued_prefill():
 def test_core_routes_by_kv_events_and_reports_the_index_mode():
     core = make_core(replicas=2)
     names = list(core.replicas)
-    core.kv_events(names[1], [BlockStored(["k0"], None, TOKENS[:128], 16 * 8)], 0.5)
+    # its blocks as vLLM reports them: under the salt the gateway gave tenant a's request
+    core.kv_events(names[1], [BlockStored(["k0"], None, TOKENS[:128], 16 * 8, salt=salt_of("a"))], 0.5)
     snap = core.snapshot(0.5)["models"]["m"]["replicas"]
     assert snap[names[1]]["prefix_index"]["mode"] == "precise"
     assert snap[names[1]]["prefix_index"]["precise_blocks"] == 8

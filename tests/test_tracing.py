@@ -8,6 +8,7 @@ import asyncio
 import json
 
 import openai
+import pytest
 from aiohttp import web
 
 from bouncer.bench.otlp_sink import OtlpSink
@@ -129,10 +130,52 @@ def test_spans_reach_an_otlp_receiver_and_the_engine_continues_the_trace(bg_loop
     # a request without a traceparent starts its own trace, and the engine continues that one
     plain_trace = next(t for t, ss in by_trace.items() if t != CLIENT_TRACE and len(ss) == 4)
     assert seen[1].split("-")[1] == plain_trace
-    # a refused request: its span says who refused it and why
+    # a refused request: its span says who refused it and why (one without a key is refused on its
+    # headers, its body never read: its span names no model)
     refused = next(ss for t, ss in by_trace.items() if t not in (CLIENT_TRACE, plain_trace))
-    assert sorted(s.name for s in refused) == ["bouncer.admission", "chat demo-llm"]
-    root = next(s for s in refused if s.name == "chat demo-llm")
+    assert sorted(s.name for s in refused) == ["bouncer.admission", "chat"]
+    root = next(s for s in refused if s.name == "chat")
     assert attrs(root)["http.response.status_code"] == 401 and attrs(root)["bouncer.outcome"] == "refused"
     adm = attrs(next(s for s in refused if s.name == "bouncer.admission"))
     assert adm["bouncer.outcome"] == "refused" and adm["bouncer.reason"] == "unauthenticated"
+
+
+@pytest.mark.parametrize("follow", [False, True])
+def test_a_clients_sampled_flag_decides_only_where_the_config_follows_it(bg_loop, follow):
+    """With `sample_ratio: 0`, a client whose traceparent says sampled gets no trace exported
+    (its flag would otherwise have every request of it traced at the gateway's cost), unless the
+    config follows clients' sampling; the engine still gets the trace's context either way."""
+    sink_port = free_port()
+    receiver = OtlpSink(sink_port, keep=True)
+    seen: list[str] = []
+    port = free_port()
+
+    async def start():
+        runner = web.AppRunner(upstream_app(seen))
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        return runner
+    runner = bg_loop.run(start())
+    config = {"tenants": [tenant("t")],
+              "models": [{"name": "demo-llm", "engine": "openai",
+                          "backends": [{"url": f"http://127.0.0.1:{port}", "name": "e0"}]}],
+              "policy": {"telemetry": {"scrape_interval_s": 0.05, "staleness_s": 1.0}},
+              "tracing": {"endpoint": f"http://127.0.0.1:{sink_port}", "service_name": "sampling",
+                          "sample_ratio": 0.0, "follow_client_sampling": follow}}
+    base, plane, cleanup = start_gateway(bg_loop, config)
+    try:
+        client = openai.OpenAI(base_url=base + "/v1", api_key="t", max_retries=0,
+                               default_headers={"traceparent": f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"})
+        for _ in range(3):
+            assert client.chat.completions.create(model="demo-llm", max_tokens=4,
+                                                  messages=[{"role": "user", "content": "hi"}]).choices
+        if follow:
+            poll_until(lambda: len(receiver.spans) >= 3, timeout=20, what="the followed client's spans")
+        else:
+            assert plane.tracer.provider.force_flush(10_000)  # whatever was kept has been sent by now
+            assert not receiver.spans
+        assert all(s.split("-")[1] == CLIENT_TRACE for s in seen) and len(seen) == 3
+    finally:
+        cleanup()
+        bg_loop.run(runner.cleanup())
+        receiver.stop()

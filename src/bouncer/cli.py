@@ -136,13 +136,8 @@ def cmd_serve(args) -> None:
 
     config = load_config(args.config)
     logs.configure(args.log_level or config.logging.level, args.log_format or config.logging.format)
-    if args.mode == "epp" and any(b.role != "both" for m in config.models for b in m.backends):
-        raise SystemExit("bouncer: --mode epp cannot serve a disaggregated model (Envoy sends a request to one "
-                         "replica; the prefill hop needs the proxy)")
-    if args.mode == "epp" and any(m.overflow for m in config.models):
-        raise SystemExit("bouncer: --mode epp cannot divert to overflow targets (Envoy sends the request's body "
-                         "unchanged to the endpoint picked; the model name and key an overflow needs take the proxy)")
-    plane = ControlPlane(config, config_path=args.config)  # loads tokenizers: a bad file stops here
+    # loads tokenizers and checks what the front can serve: a bad file stops here
+    plane = ControlPlane(config, config_path=args.config, front="picker" if args.mode == "epp" else "proxy")
     host = args.host or config.listen.host
     port = args.port or config.listen.port
     models = ", ".join(m.name for m in config.models)
@@ -170,7 +165,7 @@ def cmd_envoy_config(args) -> None:
     import yaml
 
     from bouncer.config import load_config
-    from bouncer.gateway.fronts.envoy_bootstrap import bootstrap
+    from bouncer.gateway.fronts.envoy_bootstrap import PickerClientTLS, bootstrap
 
     config = load_config(args.config)
     for where in [args.listen, *(args.picker or [])]:
@@ -178,10 +173,16 @@ def cmd_envoy_config(args) -> None:
         if not host or not port.isdigit():
             raise SystemExit(f"bouncer envoy-config: --listen and --picker take HOST:PORT, not {where!r}")
     host, _, port = args.listen.rpartition(":")
+    if (args.picker_client_cert is None) != (args.picker_client_key is None) or (
+            args.picker_ca is None and (args.picker_client_cert or args.picker_name)):
+        raise SystemExit("bouncer envoy-config: --picker-client-cert and --picker-client-key go together, and both "
+                         "and --picker-name with --picker-ca")
+    tls = PickerClientTLS(args.picker_ca, args.picker_name, args.picker_client_cert, args.picker_client_key) \
+        if args.picker_ca else None
     try:
         doc = bootstrap(config, listen_host=host, listen_port=int(port), pickers=args.picker,
                         fail_open=args.failure_mode == "open", admin_port=args.admin_port,
-                        duplex=args.body_mode == "duplex")
+                        duplex=args.body_mode == "duplex", picker_tls=tls)
     except ValueError as exc:
         raise SystemExit(f"bouncer envoy-config: {exc}") from None
     made_by = " ".join(shlex.quote(a) for a in ["bouncer", *sys.argv[1:]])
@@ -341,7 +342,7 @@ def cmd_bench_run(args) -> None:
                      only_tenants=args.only_tenants.split(",") if args.only_tenants else None,
                      policy_set=_policy_settings(args.set), step_time=args.step_time, record=timeline,
                      gateways=_gateway_setup(args), trace_start_h=args.trace_start,
-                     tenancy=args.servegen_tenancy)
+                     tenancy=args.servegen_tenancy, cache_isolation=args.cache_isolation)
     except ValueError as exc:
         raise SystemExit(f"bouncer bench run: {exc}") from None
     if timeline is not None:
@@ -548,6 +549,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="buffered: the request body read whole, the answer watched without waiting (default, "
                         "cheaper); duplex: every body chunk both ways through the picker, as GIE's gateways and "
                         "llm-d set ext_proc up")
+    p.add_argument("--picker-ca", metavar="FILE", help="the picker serves TLS (picker.tls): the CA that signed its "
+                                                       "certificate, for Envoy to check it by")
+    p.add_argument("--picker-name", metavar="NAME", help="the DNS name the picker's certificate carries (SNI and the "
+                                                          "name checked)")
+    p.add_argument("--picker-client-cert", metavar="FILE", help="Envoy's certificate for the picker (mutual TLS: "
+                                                                "picker.tls.client_ca_file signed it), PEM")
+    p.add_argument("--picker-client-key", metavar="FILE", help="its private key, PEM")
     p.set_defaults(func=cmd_envoy_config)
 
     config = sub.add_parser("config", help="configuration helpers").add_subparsers(dest="config_cmd", required=True)
@@ -613,6 +621,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--routing", choices=sorted(ROUTERS), help="override the policy's router")
     p.add_argument("--kv-events", action="store_true",
                    help="engines publish KV-cache events; Bouncer's prefix index follows them")
+    p.add_argument("--cache-isolation", action="store_true",
+                   help="bouncer: each tenant's prompt prefixes in a cache of its own on the engines (the "
+                        "production default; benchmarks run without unless asked)")
     p.add_argument("--only-tenants", metavar="NAME,...",
                    help="send only these tenants' requests (the same arrivals; capacity and load still "
                         "count the whole mix): what a band gets with the others perfectly isolated")

@@ -93,6 +93,10 @@ class Tenant(_Strict):
                                                                       "names no tenant; read only with "
                                                                       "access.trust_fairness_id (a gateway in front "
                                                                       "that authenticates clients sets the header)")
+    cache_group: str | None = Field(None, min_length=1, description="tenants of one cache group share their cached "
+                                                                    "prompt prefixes on the engines (a shared system "
+                                                                    "prompt stays shared); default: its own name, "
+                                                                    "a cache of its own (`cache_isolation`)")
     quota: TenantQuota | None = Field(None, description="what it may spend per hour, day, week or month, and what "
                                                         "happens past it (`quotas` says where spend is kept); "
                                                         "unset: its groups' limits only, refused past them")
@@ -699,6 +703,17 @@ class Objective(_Strict):
     priority: int = Field(description="its band; a request runs in the lower of this and its tenant's priority")
 
 
+class PickerTLS(_Strict):
+    """TLS on the picker's gRPC port, and who may speak to it: with `client_ca_file`, only a client
+    (Envoy) presenting a certificate that CA signed (mutual TLS). `bouncer envoy-config
+    --picker-ca --picker-client-cert --picker-client-key` writes Envoy's side."""
+
+    cert_file: str = Field(description="the picker's certificate chain, PEM")
+    key_file: str = Field(description="its private key, PEM")
+    client_ca_file: str | None = Field(None, description="the CA that signs the certificates Envoy presents, PEM: "
+                                                         "without one, a client is refused; unset: TLS, any client")
+
+
 class PickerFront(_Strict):
     """`bouncer serve --mode epp`: Envoy's external processor (the Gateway API Inference
     Extension's endpoint picker) instead of the HTTP proxy; `listen` then serves only /metrics,
@@ -715,6 +730,10 @@ class PickerFront(_Strict):
                                                          "chunk only (Envoy's buffered setup; full duplex reads all). "
                                                          "Each chunk of one read whole costs a gRPC round trip, in "
                                                          "its client's way: a new one begins at most every 0.1 s")
+    tls: PickerTLS | None = Field(None, description="TLS (and, with a client CA, mutual TLS) on the gRPC port; "
+                                                    "unset: plain connections, which anyone who reaches the port "
+                                                    "may use to route or end requests: bind it where only Envoy "
+                                                    "reaches it")
     end_unseen_after_s: float = Field(3600.0, gt=0, description="a routed request whose end Envoy's access log never "
                                                                 "reported (an Envoy that died with it in flight) is "
                                                                 "given up on after this many seconds: its permit goes "
@@ -851,8 +870,13 @@ class Tracing(_Strict):
 
     endpoint: str = Field(description="the collector's OTLP/gRPC endpoint, http://HOST:4317 (https:// for TLS)")
     service_name: str = Field("bouncer", min_length=1, description="service.name of the spans")
-    sample_ratio: float = Field(1.0, ge=0, le=1, description="share of traces kept where the client's traceparent "
-                                                             "does not decide (it does when it says sampled or not)")
+    sample_ratio: float = Field(1.0, ge=0, le=1, description="share of requests traced, drawn by the gateway "
+                                                             "(a client's traceparent is continued, its sampled flag "
+                                                             "not obeyed unless follow_client_sampling)")
+    follow_client_sampling: bool = Field(False, description="a client's traceparent decides whether its request is "
+                                                            "traced (sampled or not): only for clients trusted not "
+                                                            "to mark every request sampled, each exported at the "
+                                                            "gateway's cost")
     headers: dict[str, str] = Field(default_factory=dict, description="headers sent with each export (a "
                                                                       "collector's auth)")
 
@@ -920,6 +944,11 @@ class BouncerConfig(_Strict):
     tracing: Tracing | None = Field(None, description="OpenTelemetry traces of requests; unset: none")
     quotas: Quotas | None = Field(None, description="where tenants' spend over hours, days, weeks and months is "
                                                     "kept, and groups' limits; needed by any tenant `quota`")
+    cache_isolation: bool = Field(True, description="each tenant's prompt prefixes are cached apart on engines that "
+                                                    "take a cache salt (vLLM): the gateway sets `cache_salt` on "
+                                                    "every request, its tenant's (or `cache_group`'s), overwriting a "
+                                                    "client's; off: tenants share cached prefixes, and a prompt that "
+                                                    "hits another tenant's answers faster (CVE-2025-46570)")
     keys_file: str | None = Field(None, description="a YAML file of API-key digests kept apart from the config (a "
                                                     "mounted Kubernetes Secret): `tenants: {NAME: [sha256, ...]}`, "
                                                     "`admin`, `metrics` and `viewer` lists; added to those the "

@@ -34,6 +34,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from bouncer.config import ModelConfig
 from bouncer.core.fleet.blocks import chain_block_hashes
+from bouncer.core.fleet.cache_salt import salt_root, salted
 from bouncer.core.fleet.kv_events import BlockRemoved, BlockStored, KVEvent
 from bouncer.kv_events_wire import encode_batch, encode_seq
 from bouncer.openai_wire import (
@@ -153,18 +154,20 @@ class KVEventPublisher:
         self._topic = topic.encode()
         self.block_size = block_size
         self._seq = 0
-        self._blocks: dict[int, list] = {}  # our digest -> [parent digest | None, token ids, requests]
+        # our digest -> [parent digest | None, token ids, requests, cache salt of a prompt's first block]
+        self._blocks: dict[int, list] = {}
         self._pending: list[KVEvent] = []
 
     def _key(self, digest: int) -> bytes:
         return xxhash.xxh3_64_digest(digest.to_bytes(8, "big"), seed=self.ENGINE_HASH_SEED)
 
-    def track(self, digests: list[int], token_ids: list[int]) -> None:
+    def track(self, digests: list[int], token_ids: list[int], salt: str | None = None) -> None:
         bs = self.block_size
         for i, d in enumerate(digests):
             entry = self._blocks.get(d)
             if entry is None:
-                self._blocks[d] = [digests[i - 1] if i else None, token_ids[i * bs:(i + 1) * bs], 1]
+                self._blocks[d] = [digests[i - 1] if i else None, token_ids[i * bs:(i + 1) * bs], 1,
+                                   None if i else salt]
             else:
                 entry[2] += 1
 
@@ -185,9 +188,9 @@ class KVEventPublisher:
             entry = self._blocks.get(d)
             if entry is None:
                 continue  # not a block of a tracked prompt
-            parent, tokens, _ = entry
+            parent, tokens, _, salt = entry
             self._pending.append(BlockStored([self._key(d)], None if parent is None else self._key(parent), tokens,
-                                             self.block_size))
+                                             self.block_size, salt=salt))
 
     def flush(self, now: float) -> None:
         if not self._pending:
@@ -380,7 +383,12 @@ class EngineServer:
                 target, ends_at_eos = 1, False  # the decode worker generates the answer
             elif remote_tokens:
                 await asyncio.sleep(self.engine.profile.kv_transfer_s(remote_tokens) / self.speed)
-            digests = chain_block_hashes(prompt_ids, self.engine.block_size)
+            # its prefix cached under its cache salt, as vLLM keys it: another salt's prompt finds none of it
+            salt = body.get("cache_salt")
+            if salt is not None and (not isinstance(salt, str) or not salt or len(salt) > 128):
+                raise ApiError(400, "cache_salt must be a non-empty string of at most 128 characters",
+                               param="cache_salt")
+            digests = salted(chain_block_hashes(prompt_ids, self.engine.block_size), salt_root(salt) if salt else 0)
             priority = body.get("priority", 0)
             if not isinstance(priority, int):
                 raise ApiError(400, "priority must be an integer", param="priority")
@@ -403,7 +411,7 @@ class EngineServer:
         stream = _Stream(req, seed)
         self._streams[rid] = stream
         if self.kv_events is not None:
-            self.kv_events.track(digests, prompt_ids)
+            self.kv_events.track(digests, prompt_ids, salt)
         self._wake.set()
         created = int(time.time())
         try:

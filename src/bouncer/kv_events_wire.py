@@ -31,6 +31,7 @@ class _Stored(msgspec.Struct, tag="BlockStored", omit_defaults=True, gc=False):
     lora_id: int | None
     medium: str | None
     lora_name: str | None
+    extra_keys: list[Any] | None = None  # per block, what else keys it: a prompt's first block, its cache salt
 
 
 class _Removed(msgspec.Struct, tag="BlockRemoved", omit_defaults=True, gc=False):
@@ -55,8 +56,9 @@ def encode_batch(ts: float, events: list[KVEvent]) -> bytes:
     out: list[_Stored | _Removed | _Cleared] = []
     for ev in events:
         if isinstance(ev, BlockStored):
+            extra = [[ev.salt], *[None] * (len(ev.block_hashes) - 1)] if ev.salt else None
             out.append(_Stored(ev.block_hashes, ev.parent_block_hash, ev.token_ids, ev.block_size, None, ev.medium,
-                               None))
+                               None, extra))
         elif isinstance(ev, BlockRemoved):
             out.append(_Removed(ev.block_hashes, ev.medium))
         else:
@@ -69,7 +71,21 @@ def encode_seq(seq: int) -> bytes:
 
 
 # -- decoding (the gateway's subscriber) ------------------------------------------------------------
-_STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium")
+_STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name",
+                  "extra_keys")
+
+
+def _salt(f: dict[str, Any]) -> str | None:
+    """The cache salt of a prompt's first block: in vLLM's extra keys of that block (untagged, in
+    order: the LoRA name where there is one, multimodal (id, offset) pairs, the salt), the string
+    that is not the LoRA name."""
+    extra = f.get("extra_keys")
+    if f.get("parent_block_hash") is not None or not extra or not extra[0]:
+        return None
+    keys = list(extra[0])
+    if f.get("lora_name") is not None and keys and keys[0] == f["lora_name"]:
+        keys = keys[1:]
+    return next((k for k in keys if isinstance(k, str)), None)
 _REMOVED_FIELDS = ("block_hashes", "medium")
 
 
@@ -91,7 +107,7 @@ def _event(raw: Any) -> KVEvent | None:
         if f.get("lora_id") is not None:
             return None  # an adapter's blocks: not what a base-model prompt reuses
         return BlockStored(list(f["block_hashes"]), f.get("parent_block_hash"), list(f.get("token_ids") or []),
-                           int(f["block_size"]), f.get("medium") or "GPU")
+                           int(f["block_size"]), f.get("medium") or "GPU", _salt(f))
     if tag == "BlockRemoved":
         f = _fields(raw, _REMOVED_FIELDS)
         return BlockRemoved(list(f["block_hashes"]), f.get("medium") or "GPU")

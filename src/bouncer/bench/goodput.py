@@ -84,7 +84,8 @@ STEP_TIMES = ("given", "learned", "off")
 
 
 def make_policy(name: str, scenario: Scenario, cfg: FleetConfig, routing: str | None = None,
-                policy_set: dict | None = None, step_time: str = "given", stores: Stores | None = None):
+                policy_set: dict | None = None, step_time: str = "given", stores: Stores | None = None,
+                cache_isolation: bool = False):
     """`step_time` (bouncer only): `given`, the profile's coefficients stated in the config as an
     operator who measured them would; `learned`, fitted online from the requests (only the
     engine's token budget stated, which operators set themselves); `off`, no latency prediction.
@@ -118,7 +119,8 @@ def make_policy(name: str, scenario: Scenario, cfg: FleetConfig, routing: str | 
             raise ValueError(f"{name} is not modelled on a disaggregated fleet; known there: {', '.join(PD_POLICIES)}")
         return CorePolicy(name, core_config(tenant_configs(scenario), cfg.roles(), blocks, cfg.profile.block_size,
                                            cfg.profile.max_model_len, policy, offload, step,
-                                           cfg.max_num_seqs or cfg.profile.max_num_seqs),
+                                           cfg.max_num_seqs or cfg.profile.max_num_seqs,
+                                           cache_isolation=cache_isolation and name == "bouncer"),
                           advises_clients=name == "bouncer", stores=stores)
     raise ValueError(f"unknown policy {name!r}; known: {', '.join(POLICIES)}")
 
@@ -243,7 +245,7 @@ def run(scenario_name: str, policy: str, load: float, seed: int = 0, replicas: i
         trace: str | None = None, profile: str | EngineProfile = DEFAULT_PROFILE, routing: str | None = None,
         kv_events: bool = False, only_tenants: list[str] | None = None, policy_set: dict | None = None,
         step_time: str = "given", record: Timeline | None = None, gateways: GatewaySetup | None = None,
-        trace_start_h: float | None = None, tenancy: str = "banded") -> dict:
+        trace_start_h: float | None = None, tenancy: str = "banded", cache_isolation: bool = False) -> dict:
     """One run, summarized. `routing` overrides the policy's router; `kv_events` has the engines
     publish their prefix-cache changes, which Bouncer's core uses to make its prefix index precise;
     `only_tenants` drops the other tenants' requests (capacity and arrivals stay those of the
@@ -251,10 +253,12 @@ def run(scenario_name: str, policy: str, load: float, seed: int = 0, replicas: i
     `step_time` is what Bouncer knows of the engine's step time (`make_policy`); `gateways`: several
     gateways, each with its own core, sharing state or not (`bouncer.sim.gateways`);
     `trace_start_h`: the hour of a ServeGen trace replayed, from that many hours in (default:
-    its busiest); `tenancy`: how its clients become tenants (`servegen_tenants`)."""
+    its busiest); `tenancy`: how its clients become tenants (`servegen_tenants`); `cache_isolation`:
+    Bouncer keeps each tenant's prefixes in a cache of its own on the engines (`core_config` says
+    why the scenarios run without)."""
     scenario, capacity, requests, result = simulate(scenario_name, policy, load, seed, replicas, duration_s, trace,
                                                     profile, routing, kv_events, only_tenants, policy_set, step_time,
-                                                    record, gateways, trace_start_h, tenancy)
+                                                    record, gateways, trace_start_h, tenancy, cache_isolation)
     out = summarize(scenario, policy, load, seed, replicas, duration_s, capacity, requests, result, routing)
     out["kv_events"] = kv_events
     out["only_tenants"] = only_tenants
@@ -267,6 +271,8 @@ def run(scenario_name: str, policy: str, load: float, seed: int = 0, replicas: i
         out["trace_start_h"] = trace_start_h
     if tenancy != "banded":
         out["tenancy"] = tenancy
+    if cache_isolation:
+        out["cache_isolation"] = True
     return out
 
 
@@ -274,7 +280,7 @@ def simulate(scenario_name: str, policy: str, load: float, seed: int, replicas: 
              trace: str | None = None, profile: str | EngineProfile = DEFAULT_PROFILE, routing: str | None = None,
              kv_events: bool = False, only_tenants: list[str] | None = None, policy_set: dict | None = None,
              step_time: str = "given", record: Timeline | None = None, gateways: GatewaySetup | None = None,
-             trace_start_h: float | None = None, tenancy: str = "banded"):
+             trace_start_h: float | None = None, tenancy: str = "banded", cache_isolation: bool = False):
     """The run itself, as `run` describes it: (scenario, capacity in req/s, requests with their
     outcomes, the fleet's result). With `record`, Bouncer's core is sampled into it every
     `record.step_s` of simulated time, as the gateway's flight recorder samples it."""
@@ -298,9 +304,9 @@ def simulate(scenario_name: str, policy: str, load: float, seed: int, replicas: 
             raise ValueError(f"--gateways runs several admission cores: {policy!r} has none "
                              "(bouncer and llmd-flow-control do)")
         gw = Gateways(gateways, lambda stores: make_policy(policy, scenario, cfg, routing, policy_set, step_time,
-                                                           stores))
+                                                           stores, cache_isolation))
     else:
-        gw = make_policy(policy, scenario, cfg, routing, policy_set, step_time)
+        gw = make_policy(policy, scenario, cfg, routing, policy_set, step_time, cache_isolation=cache_isolation)
     fleet = FleetSim(cfg, gw, gw.replica_names)
     if record is not None:
         if not isinstance(gw, CorePolicy | Gateways):

@@ -110,7 +110,8 @@ def _logged_counts(log: pathlib.Path) -> list[int]:
         except ValueError:
             continue
         if rec.get("event") == "request" and "prompt_tokens" in rec:
-            counts.append(rec["prompt_tokens"])
+            # the gateway's own count (the line's prompt_tokens is the engine's, where it said otherwise)
+            counts.append(rec.get("prompt_tokens_counted", rec["prompt_tokens"]))
     return counts
 
 

@@ -59,9 +59,12 @@ from bouncer.core.view import CoreView
 
 class AdmissionCore:
     def __init__(self, config: BouncerConfig, now: float, stores: Stores | None = None,
-                 exemption: Exemption | None = None) -> None:
+                 exemption: Exemption | None = None, decodes_from_engines: bool = False) -> None:
         """`exemption`: for paired benchmark runs only (`bench feasibility`), one request
-        admitted even when predicted to miss its deadline; never set in production."""
+        admitted even when predicted to miss its deadline; never set in production.
+        `decodes_from_engines`: the shell reads no answer past its first token (the endpoint
+        picker's buffered setup), so decode speed is learned from the engines' own inter-token
+        latency instead."""
         self.stores = stores or Stores.local()
         self.permits = self.stores.permits
         self.stats = CoreStats()
@@ -77,9 +80,7 @@ class AdmissionCore:
         self._routing_cfg = None
         self.shares = FleetShares(config.policy.fleet_shares_window_s, config.policy.fleet_shares_slack_tokens)
         self.sent_prefixes, self.peer_prefixes = SentPrefixes(), PeerPrefixes()  # used while state is shared
-        # the front reads no answer past its first token (the picker's buffered setup): decode
-        # speed is learned from the engines' own inter-token latency instead
-        self.decodes_from_engines = False
+        self.decodes_from_engines = decodes_from_engines
         self.view = CoreView(self)
         self.reload(config, now)
 

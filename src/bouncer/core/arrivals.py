@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from bouncer.config import Tenant
 from bouncer.core.finaliser import UNKNOWN_TENANT
+from bouncer.core.fleet.cache_salt import SALTED_ENGINES, salted
 from bouncer.core.fleet.pool import PoolView
 from bouncer.core.flow import deadlines
 from bouncer.core.flow.waiting_room import door, leave
@@ -123,6 +124,10 @@ class Arrivals:
                 return [spent]
             t = spent
         retry_key, first_arrival_at = first_arrival(c.finaliser.retries, t.name, info, now)
+        salt = c.tenants.cache_salts.get(t.name) if ms.cfg.engine in SALTED_ENGINES else None
+        if salt is not None and info.cache_salt is None:  # its prefix is its cache group's, as the engine keys it
+            info.block_digests = salted(info.block_digests, c.tenants.salt_roots[t.name])
+            info.cache_salt = salt
         charge = checks.token_charge(info, max_tokens)
         refusal, probe = c.gate.enter(t, c.tenants.breakers[t.name], charge, now)  # rate
         if refusal is not None:

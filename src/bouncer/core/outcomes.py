@@ -175,6 +175,7 @@ class Dispatch(NamedTuple):
     predicted_late: bool = False  # found unable to meet its TTFT SLO and let through (not acted on)
     decode_replica: str | None = None  # disaggregated: the decode worker; `replica` is the prefill worker
     claim: Claim | None = None  # several gateways, the replica nearly full: claim it first (`core.claims`)
+    cache_salt: str | None = None  # the engine's `cache_salt` for it: its tenant's (`fleet.cache_salt`)
 
 
 class Reject(NamedTuple):

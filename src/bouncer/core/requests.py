@@ -48,6 +48,7 @@ class RequestInfo:
     replicas: frozenset[str] | None = None  # only these may serve it (an endpoint picker's subset hint)
     over_quota: OverQuota | None = None  # its tenant's quota is spent, as the shell found before the offer
     diverted_from: str | None = None  # diverted here from this model's pool: never diverted again
+    cache_salt: str | None = None  # its tenant's cache salt, once `block_digests` are salted with it
 
     @property
     def sequences(self) -> int:

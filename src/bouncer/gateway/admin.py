@@ -21,7 +21,7 @@ from bouncer.core.outcomes import Event
 from bouncer.gateway.connections import Limits
 from bouncer.gateway.errors import plain_error
 from bouncer.gateway.metrics import GatewayMetrics
-from bouncer.gateway.prepared import Prepared, prepare
+from bouncer.gateway.prepared import Front, Prepared, check_front, check_reload, prepare
 from bouncer.gateway.quota_keeper import QuotaKeeper
 from bouncer.gateway.recording import GatewayRecorder
 from bouncer.openai_wire import dumps
@@ -33,6 +33,7 @@ class Served(Protocol):
 
     config: BouncerConfig
     config_path: str | None
+    front: Front
     core: AdmissionCore
     clock: Callable[[], float]
     connections: Limits
@@ -168,15 +169,8 @@ class Admin:
             else:
                 raise ConfigError("send the new config in the body (no config file to re-read)")
             prepared = prepare(config, "reload")
-            if config.shared_state != gw.config.shared_state:
-                raise ConfigError("shared_state changed: that takes a restart (the gateway's state moves)")
-            if config.tracing != gw.config.tracing:
-                raise ConfigError("tracing changed: that takes a restart")
-            if (config.quotas is None) != (gw.config.quotas is None) or (
-                    config.quotas is not None and gw.config.quotas is not None
-                    and (config.quotas.url, config.quotas.key_prefix) != (gw.config.quotas.url,
-                                                                          gw.config.quotas.key_prefix)):
-                raise ConfigError("quotas added, removed or moved to another store: that takes a restart")
+            check_front(config, gw.front, "reload")  # what start-up refuses, a reload refuses too
+            check_reload(gw.config, config)
         except (ConfigError, ValueError, yaml.YAMLError, OSError) as exc:
             log.warning("reload refused", extra={"event": "reload", "ok": False, "error": str(exc)})
             return plain_error(400, str(exc), "invalid_request_error", "invalid_config")

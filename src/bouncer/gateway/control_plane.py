@@ -21,6 +21,7 @@ import dataclasses
 import gc
 import itertools
 import logging
+import os
 import secrets
 import signal
 import time
@@ -48,7 +49,7 @@ from bouncer.gateway.discovery import Finders
 from bouncer.gateway.errors import error_response, plain_error
 from bouncer.gateway.exchange import Outcome, Parsed
 from bouncer.gateway.metrics import GatewayMetrics
-from bouncer.gateway.prepared import Prepared, prepare
+from bouncer.gateway.prepared import Front, Prepared, check_front, prepare
 from bouncer.gateway.quota_keeper import QuotaKeeper
 from bouncer.gateway.ratelimit_headers import ratelimit_headers
 from bouncer.gateway.recording import GatewayRecorder
@@ -76,27 +77,35 @@ TICK_MAX_S = 0.1  # the core's TTL deadlines are checked at least this often
 TOKENIZE_IN_THREAD_BYTES = 4 * 1024
 SCRAPE_TIMEOUT_S = 5.0  # a scrape that has not answered in this long failed
 LOOP_LAG_PROBE_S = 0.1
+SHOWN_MODEL_CHARS = 64  # of a model name no config names, what the access line and the span show
 
 
 class ControlPlane:
-    def __init__(self, config: BouncerConfig, *, config_path: str | None = None,
+    def __init__(self, config: BouncerConfig, *, config_path: str | None = None, front: Front = "proxy",
                  clock: Callable[[], float] = time.monotonic) -> None:
+        """`front`: the front it serves, the HTTP proxy or the endpoint picker (`bouncer.gateway.fronts`)."""
         self.clock = clock
         self.config_path = config_path
+        self.front = front
         prepared = prepare(config)  # raises ConfigError before anything starts
+        check_front(config, front)
+        # behind the picker an answer goes by unseen past its first token (but for the few read
+        # whole): decode speed is learned from the engines' own inter-token latency
+        decodes_from_engines = front == "picker"
         self.shared: SharedState | None = None  # several gateways: what they share, in Redis
         if config.shared_state is not None:
             shared_limits = SharedRateLimits()
             r = config.policy.retries
             shared_retries = SharedRetries(r.remember_s, r.max_remembered)
             self.core = AdmissionCore(config, clock(), dataclasses.replace(Stores.local(), rate_limits=shared_limits,
-                                                                           retries=shared_retries))
+                                                                           retries=shared_retries),
+                                      decodes_from_engines=decodes_from_engines)
             self.shared = SharedState(config.shared_state, shared_limits, clock,
                                       own_part=lambda: self.core.own_share(self.clock()),
                                       seen=lambda others: self.apply(self.core.peers(others, self.clock())),
                                       retries=shared_retries)
         else:
-            self.core = AdmissionCore(config, clock())
+            self.core = AdmissionCore(config, clock(), decodes_from_engines=decodes_from_engines)
         self.quotas = QuotaKeeper(config) if config.quotas is not None else None  # spend over days and months
         self._install(prepared)
         self.connections = Limits(config.listen.header_timeout_s, config.listen.max_connections)
@@ -278,7 +287,9 @@ class ControlPlane:
 
     # -- what a front hands over ------------------------------------------------------------------
     def request_id(self) -> str:
-        return f"{self._id_prefix}{next(self._ids)}"
+        """Unique and not guessable: an id names a request wherever it goes (logs, traces, the
+        engine, Envoy's access log), and one that could be guessed could be ended by another."""
+        return f"{self._id_prefix}{next(self._ids)}-{os.urandom(4).hex()}"
 
     def unauthenticated(self, rid: str, headers, line: dict[str, Any]) -> Refusal | None:
         """The refusal of a request whose headers name no tenant (and that no default tenant
@@ -301,7 +312,11 @@ class ControlPlane:
         except ApiError as err:
             reason = Reason.INVALID_REQUEST if err.code == "invalid_json" else Reason.INVALID_PARAMETER
             return self.refuse_early(rid, Refusal(Layer.VALIDATION, reason, err.message, param=err.param), line)
-        line.update(model=head.model, stream=bool(body.get("stream")))
+        # a model no config names is the client's text, of any length: its access line (and its
+        # span's name) shows the start of it
+        shown = head.model if model is not None or len(head.model) <= SHOWN_MODEL_CHARS else \
+            head.model[:SHOWN_MODEL_CHARS] + "..."
+        line.update(model=shown, stream=bool(body.get("stream")))
         if head.session_id:  # an agent's step: its decisions can be followed session by session
             line.update(session=head.session_id, parent_session=head.parent_session_id)
         return Parsed(kind, body, head, raw, model, tokenizer)

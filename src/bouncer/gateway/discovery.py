@@ -36,6 +36,7 @@ log = logging.getLogger("bouncer.gateway")
 
 LOOKUP_TIMEOUT_S = 5.0  # one lookup's limit (and less, for a shorter interval)
 RETRY_FIRST_S = 0.5  # after a failure the next lookup comes sooner: 0.5 s, doubling up to interval_s
+FILE_SETTLE_S = 0.05  # a file that changed is read again this much later, and believed if the same
 
 
 class LookupFailed(Exception):
@@ -192,7 +193,14 @@ class Finder:
         timeout = min(LOOKUP_TIMEOUT_S, max(1.0, d.interval_s))
         if d.dns is not None:
             return await lookup_dns(self.model, d, timeout)
-        return await asyncio.to_thread(lookup_file, self.model, d)  # a mounted volume may be slow
+        found = await asyncio.to_thread(lookup_file, self.model, d)  # a mounted volume may be slow
+        if found != self.current:
+            # a file written in place (not renamed over) can be read half-written, and a list cut
+            # short still parses: a change counts once a second read, a moment later, agrees
+            await asyncio.sleep(min(FILE_SETTLE_S, d.interval_s / 2))
+            if await asyncio.to_thread(lookup_file, self.model, d) != found:
+                raise LookupFailed(f"{d.file.path} changed as it was read: read again at the next lookup")  # type: ignore[union-attr]
+        return found
 
     async def once(self) -> bool:
         """One lookup, acted on; True when it gave an answer to trust."""

@@ -29,7 +29,11 @@ _STANDARD = frozenset(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) 
 RATE_BURST = 20  # records of one kind let through per second
 
 
-_NEEDS_QUOTES = re.compile(r'[ "=\\\n\t]')
+_NEEDS_QUOTES = re.compile(r'[ "=\\\x00-\x1f\x7f]')
+# a value's control characters written as escapes: a client's text (a session id, a model name)
+# cannot start a forged line or hide part of one (`\r` rewinds a terminal's line)
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+_ESCAPES = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
 _second: list = [None, ""]  # the last whole second formatted, and its text: every access line asks
 
 
@@ -67,7 +71,9 @@ def _logfmt_value(value) -> str:
     text = value if kind is str else str(value)
     if text and _NEEDS_QUOTES.search(text) is None:
         return text
-    return '"' + text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+    escaped = text.replace("\\", "\\\\").replace('"', '\\"')
+    escaped = _CONTROL.sub(lambda m: _ESCAPES.get(m.group(), f"\\x{ord(m.group()):02x}"), escaped)
+    return '"' + escaped + '"'
 
 
 class LogfmtFormatter(logging.Formatter):

@@ -16,8 +16,10 @@ background succeeds again, requests do not wait on Redis at all. Fail-open admit
 reserving, but a tenant the last levels read showed past a limit stays past it (refused, demoted or
 diverted as it says), and the spend of what it served is settled once Redis answers again: summed
 per limit and window, so the backlog is as large as the lines in force however long Redis is away,
-and written once (a batch sent again after a timeout counts once). Fail-closed refuses limited
-tenants' requests with 503 until Redis answers.
+and written once (a batch sent again after a timeout counts once). A settle that was sent when
+Redis failed may have run (a frozen Redis runs what waited in its socket when it thaws): it is sent
+again under its own id, which counts once. Fail-closed refuses limited tenants' requests with 503
+until Redis answers.
 """
 
 from __future__ import annotations
@@ -41,6 +43,9 @@ from bouncer.quotas.plan import Charge
 log = logging.getLogger("bouncer.gateway")
 
 REFRESH_S = 5.0
+# settles sent when the store failed, kept to send again under their own ids (each counts once);
+# past this many, the oldest are summed into the backlog (a Redis that thaws could then count one twice)
+IN_DOUBT_KEPT = 10_000
 UNAVAILABLE = OverQuota("unavailable", 0, 1.0, "the quota store (Redis) is unreachable")
 
 
@@ -62,6 +67,7 @@ class QuotaKeeper:
         self._backlog_requests = 0
         self._writing: tuple[str, dict[str, list[float]], int] | None = None
         self._batches = itertools.count()
+        self._in_doubt: list[tuple[str, list[tuple[str, float, float]]]] = []  # settles sent that failed
         self._tasks: set[asyncio.Task] = set()
         self.reconfigure(config)
 
@@ -131,6 +137,15 @@ class QuotaKeeper:
                 return
             except (RedisError, OSError, TimeoutError) as exc:
                 self._failed("settle", exc)
+                # sent, and maybe run (a frozen Redis runs what waited in its socket once it thaws):
+                # sent again under its own id, which counts once
+                self._in_doubt.append((sid, used))
+                if len(self._in_doubt) > IN_DOUBT_KEPT:
+                    self._add_to_backlog(self._in_doubt.pop(0)[1])
+                return
+        self._add_to_backlog(used)  # never sent: summed with the rest
+
+    def _add_to_backlog(self, used: list[tuple[str, float, float]]) -> None:
         # its reservation, if it made one, goes back when its lease runs out (no one renews it)
         for key, amount, expire_at in used:
             line = self._backlog.setdefault(key, [0.0, expire_at])
@@ -161,6 +176,10 @@ class QuotaKeeper:
             try:
                 held = [self._id(rid) for rid, h in self.book.held.items() if h.reserved]
                 await self.store.renew(held, self.lease_s)
+                while self._in_doubt:
+                    sid, used = self._in_doubt[0]
+                    await self.store.settle(sid, used)  # a settle sent twice counts once
+                    self._in_doubt.pop(0)
                 await self._write_backlog()
                 if time.monotonic() >= next_refresh:
                     await self.refresh()
@@ -196,7 +215,7 @@ class QuotaKeeper:
     @property
     def unsettled(self) -> int:
         """Requests whose spend waits for the store."""
-        return self._backlog_requests + (self._writing[2] if self._writing is not None else 0)
+        return len(self._in_doubt) + self._backlog_requests + (self._writing[2] if self._writing is not None else 0)
 
     def _failed(self, what: str, exc: BaseException) -> None:
         self.failures += 1

@@ -18,6 +18,7 @@ dispatch, because the engine needs its id. Spans are exported in batches off the
 
 from __future__ import annotations
 
+import random
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -26,7 +27,7 @@ from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
-from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+from opentelemetry.sdk.trace.sampling import Decision, Sampler, SamplingResult
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from yarl import URL
@@ -42,15 +43,41 @@ _PROPAGATOR = TraceContextTextMapPropagator()
 
 
 def protos_overwritten() -> str | None:
-    """Why the OTLP exporter cannot load, where that is the known clash: xds-protos (the picker's
-    Envoy protos) ships its own, older copy of opentelemetry-proto's modules, and whichever
-    package pip unpacked last wins (`make` and the Containerfile reinstall opentelemetry-proto)."""
+    """Why the OTLP exporter cannot load, where that is the known clash: xds-protos (Envoy's
+    generated protos, which Bouncer no longer depends on, but another package of the environment
+    may) ships its own, older copy of opentelemetry-proto's modules, and whichever package pip
+    unpacked last wins."""
     from opentelemetry.proto.common.v1 import common_pb2
 
     if hasattr(common_pb2, "InstrumentationScope"):
         return None
     return ("tracing: opentelemetry-proto's modules were overwritten by xds-protos' older copy (both packages "
             "ship opentelemetry/proto); reinstall it: pip install --force-reinstall --no-deps opentelemetry-proto")
+
+
+class RequestSampler(Sampler):
+    """Which requests are traced: `ratio` of them, drawn here. A client's traceparent is
+    continued (its trace id, its parent span) but its sampled flag decides only with
+    `follow_client_sampling`, and its trace id never does (a client picks its ids: one that marks
+    every request sampled, or picks ids a ratio sampler keeps, would have each request traced and
+    exported at the gateway's cost). A span under one of the gateway's own follows it."""
+
+    def __init__(self, ratio: float, follow_client: bool) -> None:
+        self.ratio = ratio
+        self.follow_client = follow_client
+
+    def should_sample(self, parent_context, trace_id, name, kind=None, attributes=None, links=None,
+                      trace_state=None) -> SamplingResult:
+        parent = trace.get_current_span(parent_context).get_span_context()
+        if parent.is_valid and (not parent.is_remote or self.follow_client):
+            sampled = parent.trace_flags.sampled
+        else:
+            sampled = random.random() < self.ratio
+        return SamplingResult(Decision.RECORD_AND_SAMPLE if sampled else Decision.DROP,
+                              attributes if sampled else None, parent.trace_state if parent.is_valid else None)
+
+    def get_description(self) -> str:
+        return f"RequestSampler{{{self.ratio}, follow_client={self.follow_client}}}"
 
 
 class Tracer:
@@ -63,7 +90,7 @@ class Tracer:
         self.cfg = cfg
         self.clock = clock
         self.provider = TracerProvider(resource=Resource.create({"service.name": cfg.service_name}),
-                                       sampler=ParentBased(TraceIdRatioBased(cfg.sample_ratio)))
+                                       sampler=RequestSampler(cfg.sample_ratio, cfg.follow_client_sampling))
         exporter = OTLPSpanExporter(endpoint=cfg.endpoint, insecure=cfg.endpoint.startswith("http://"),
                                     headers=cfg.headers or None, timeout=EXPORT_TIMEOUT_S)
         # a second's worth of spans at a few thousand requests/s, sent at least every second

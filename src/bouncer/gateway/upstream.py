@@ -15,6 +15,7 @@ client went away, that is what makes the engine abort the generation.
 from __future__ import annotations
 
 import asyncio
+import socket
 import ssl
 from collections import deque
 from collections.abc import AsyncIterator
@@ -31,6 +32,10 @@ class UpstreamTimeout(UpstreamError):
     """No connection, or no data, within the configured time."""
 
 
+# A kept-alive connection idle longer than this is not reused: the engines' own keep-alive
+# (uvicorn's 5 s: vLLM, SGLang) may be closing it as a request goes out on it
+IDLE_REUSE_S = 4.0
+PEEK_AFTER_S = 0.05  # one idle longer is checked for the backend's FIN before it is reused
 # A stream read chunk by chunk holds at most about this much unread before its backend's connection
 # stops being read (TCP then holds the rest back, up to the engine): a client that reads slowly,
 # or not at all, costs the gateway this much memory, not its whole answer
@@ -164,6 +169,7 @@ class _Connection(asyncio.Protocol):
         self.response: UpstreamResponse | None = None
         self.headers_done: asyncio.Future | None = None
         self.closed = False
+        self.idle_since = 0.0  # when it went back to the pool
 
     # protocol callbacks
     def connection_made(self, transport) -> None:
@@ -178,6 +184,7 @@ class _Connection(asyncio.Protocol):
     def connection_lost(self, exc) -> None:
         self.closed = True
         self._broken(UpstreamError("the backend closed the connection"))
+        self.pool._forget(self)
 
     # parser callbacks
     def on_header(self, name: bytes, value: bytes) -> None:
@@ -226,6 +233,21 @@ class _Connection(asyncio.Protocol):
         if self.transport is not None and not self.closed:
             self.transport.resume_reading()
 
+    def peer_closed(self) -> bool:
+        """Whether the backend has closed its side, its FIN not yet read (an idle connection the
+        backend timed out): a request must not go out on it. Peeked on a duplicate of the socket
+        (the event loop's own object does not read)."""
+        sock = self.transport.get_extra_info("socket") if self.transport is not None else None
+        if sock is None:
+            return self.closed
+        try:
+            with socket.fromfd(sock.fileno(), sock.family, sock.type) as dup:
+                return dup.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+        except (BlockingIOError, InterruptedError):
+            return False  # nothing to read: open
+        except OSError:
+            return True
+
     def send(self, head: bytes, body: bytes) -> UpstreamResponse:
         self.parser = httptools.HttpResponseParser(self)
         self.response = UpstreamResponse(self)
@@ -236,7 +258,11 @@ class _Connection(asyncio.Protocol):
 
 class UpstreamPool:
     """Keep-alive connections per backend (scheme, host, port); unbounded, as the core already
-    bounds how many requests are in flight per replica."""
+    bounds how many requests are in flight per replica. A request goes out once: a POST sent on
+    a connection the backend was closing may have reached it, and sent again would run twice, so
+    a kept-alive connection is reused only while it is young (`IDLE_REUSE_S`) and not closed on
+    the backend's side, and one that fails under a request is that request's failure. A backend
+    gone (discovery) leaves nothing behind: its connections close and leave the pool."""
 
     def __init__(self, connect_timeout: float, read_timeout: float) -> None:
         self.connect_timeout = connect_timeout
@@ -245,14 +271,26 @@ class UpstreamPool:
         self._ssl: ssl.SSLContext | None = None
 
     def _release(self, conn: _Connection) -> None:
+        conn.idle_since = conn.loop.time()
         self._idle.setdefault(conn.key, []).append(conn)
 
-    async def _connect(self, url: yarl.URL, key: tuple, reuse: bool = True) -> tuple[_Connection, bool]:
+    def _forget(self, conn: _Connection) -> None:
+        """A connection closed: out of the pool (and its backend's entry, if it was its last)."""
+        idle = self._idle.get(conn.key)
+        if idle is not None and conn in idle:
+            idle.remove(conn)
+            if not idle:
+                del self._idle[conn.key]
+
+    async def _connect(self, url: yarl.URL, key: tuple) -> _Connection:
         idle = self._idle.get(key)
-        while reuse and idle:
+        while idle:
             conn = idle.pop()
-            if not conn.closed:
-                return conn, True
+            idle_s = conn.loop.time() - conn.idle_since
+            # (a connection back in the pool this moment is in use, its backend's FIN not due)
+            if not conn.closed and idle_s < IDLE_REUSE_S and (idle_s < PEEK_AFTER_S or not conn.peer_closed()):
+                return conn
+            conn.abort()
         loop = asyncio.get_running_loop()
         if url.scheme == "https" and self._ssl is None:
             self._ssl = ssl.create_default_context()
@@ -265,7 +303,7 @@ class UpstreamPool:
             raise UpstreamTimeout(f"could not connect to {url.host}:{url.port} in time") from None
         except OSError as exc:
             raise UpstreamError(f"could not connect to {url.host}:{url.port}: {exc}") from None
-        return conn, False
+        return conn
 
     async def post_json(self, url: yarl.URL, body: bytes, extra_head: str = "") -> UpstreamResponse:
         """Send the request and wait for the status line and headers. `extra_head`: more header
@@ -273,29 +311,19 @@ class UpstreamPool:
         key = (url.scheme, url.host, url.port)
         head = (f"POST {url.raw_path_qs} HTTP/1.1\r\nHost: {url.raw_authority}\r\n"
                 f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n{extra_head}\r\n").encode("latin-1")
-        conn, reused = await self._connect(url, key)
-        while True:
-            resp = conn.send(head, body)
-            # a timer on the connection's future rather than asyncio.timeout: no task lookups and
-            # no cancellation to undo, on every request
-            timer = conn.loop.call_later(self.read_timeout, _no_headers, conn.headers_done)
-            try:
-                await conn.headers_done
-                return resp
-            except UpstreamTimeout:
-                conn.abort()
-                raise
-            except UpstreamError:
-                if not reused:
-                    raise
-                # a pooled connection the backend had just closed (idle timeout): the request
-                # never reached it, so one retry on a fresh connection is safe
-                conn, reused = await self._connect(url, key, reuse=False)
-            except BaseException:
-                conn.abort()  # cancelled (client gone): the request must not run on
-                raise
-            finally:
-                timer.cancel()
+        conn = await self._connect(url, key)
+        resp = conn.send(head, body)
+        # a timer on the connection's future rather than asyncio.timeout: no task lookups and no
+        # cancellation to undo, on every request
+        timer = conn.loop.call_later(self.read_timeout, _no_headers, conn.headers_done)
+        try:
+            await conn.headers_done
+            return resp
+        except BaseException:
+            conn.abort()  # failed, timed out or cancelled (client gone): the request must not run on
+            raise
+        finally:
+            timer.cancel()
 
     def close(self) -> None:
         for conns in self._idle.values():

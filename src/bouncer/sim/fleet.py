@@ -33,6 +33,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from bouncer.core.fleet.cache_salt import salt_root, salted
 from bouncer.core.fleet.replica import Telemetry
 from bouncer.sim.engine import EngineModel, EngineRequest, QueueFull, RequestTooLong
 from bouncer.sim.profiles import EngineProfile
@@ -60,6 +61,7 @@ class SimRequest:
     decode_replica: str | None = None  # disaggregated: where the answer is generated
     stage: str = ""  # disaggregated: "prefill", "transfer" or "decode" while at the engines
     parent_session: str | None = None  # a subagent's step: the session that launched it
+    cache_salt: str | None = None  # the gateway's for its current attempt (`Dispatched.cache_salt`)
     # progress
     attempt: int = 0
     attempt_id: str = ""
@@ -79,6 +81,7 @@ class Dispatched:
     attempt_id: str
     replica: str  # in a disaggregated fleet, the prefill worker
     decode_replica: str | None = None  # the decode worker, in a disaggregated fleet
+    cache_salt: str | None = None  # the `cache_salt` the gateway sets: the engine keys its prefix cache by it
 
 
 @dataclass(slots=True)
@@ -448,6 +451,7 @@ class FleetSim:
                 continue
             if isinstance(ev, Dispatched):
                 self.admissions.setdefault(req.tenant, []).append((req.attempt_at, now))
+                req.cache_salt = ev.cache_salt
                 self._send(req, ev.replica, now, ev.decode_replica)
             else:
                 self.refused_by_reason[ev.reason] += 1
@@ -468,7 +472,9 @@ class FleetSim:
         engine = self.engines[replica]
         # a prefill worker computes the prompt and one token, as vLLM's P/D proxy asks it to
         output = 1 if role == "prefill" else req.output_len
-        ereq = EngineRequest(req.attempt_id, req.prompt_len, output, req.block_digests, now,
+        # the engine keys its prefix cache by the request's cache salt, where the gateway sets one (vLLM)
+        digests = salted(req.block_digests, salt_root(req.cache_salt)) if req.cache_salt else req.block_digests
+        ereq = EngineRequest(req.attempt_id, req.prompt_len, output, digests, now,
                              priority=-req.priority, remote_tokens=remote_tokens)  # vLLM: lower value first
         try:
             engine.add_request(ereq)

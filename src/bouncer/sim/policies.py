@@ -84,7 +84,7 @@ class CorePolicy:
                     if others is not None:  # another gateway filled the replica first
                         out.extend(self._convert(self.core.unclaimed(e.request_id, others, now), now))
                         continue
-                out.append(Dispatched(e.request_id, e.replica, e.decode_replica))
+                out.append(Dispatched(e.request_id, e.replica, e.decode_replica, e.cache_salt))
             elif isinstance(e, Divert):
                 out.extend(self._diverted(e, now))
             else:
@@ -404,14 +404,17 @@ def tenant_config(name: str, priority: int, weight: float = 1.0, **kw) -> dict:
 def core_config(tenants: list[dict], replicas: int | dict[str, str], kv_blocks: int, block_size: int,
                 max_model_len: int, policy: dict, offload_blocks: int = 0, step_time: dict | None = None,
                 max_num_seqs: int | None = None, pools: dict[str, list[str]] | None = None,
-                extra: dict | None = None) -> BouncerConfig:
+                extra: dict | None = None, cache_isolation: bool = False) -> BouncerConfig:
     """`replicas`: how many (colocated, named r0...), or each one's name and role
     (`FleetConfig.roles`); `step_time`: the models' step_time config (a profile's
     `step_time_config` states it as given; without it, latency prediction is off: the baselines
     that use the core predict none); `max_num_seqs`: the engines', as an operator states it for the
     demand signal. `pools`: more models (`bench overflow`), each served by these of the replicas
     (the rest are SIM_MODEL's); `extra`: more of the config (quotas, a model's overflow targets
-    under `models`: {name: {...}})."""
+    under `models`: {name: {...}}). `cache_isolation` (the config's, on by default in production)
+    is off unless asked for: the scenarios' tenants draw their prompts from the same traces, so
+    what they share is the workload's making, and the peers' policies share it too; what
+    isolating tenants costs is measured on its own (`bench run --scenario prefix`, docs/benchmarks/routing.md)."""
     roles = replicas if isinstance(replicas, dict) else {f"r{i}": "both" for i in range(replicas)}
     pools = {SIM_MODEL: [n for n in roles if not any(n in p for p in (pools or {}).values())], **(pools or {})}
     extra = dict(extra or {})
@@ -426,6 +429,7 @@ def core_config(tenants: list[dict], replicas: int | dict[str, str], kv_blocks: 
                     **more.get(model, {})}
                    for model, names in pools.items()],
         "policy": policy,
+        "cache_isolation": cache_isolation,
         **extra,
     }, "simulated gateway")
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 
 from bouncer.sim.profiles import EngineProfile
 from bouncer.sim.servegen import client_traces, is_servegen, load_servegen
-from bouncer.sim.traces import TraceRequest, load_trace, trace_file
+from bouncer.sim.traces import MOONCAKE_BLOCK_TOKENS, TraceRequest, load_trace, trace_file
 from bouncer.sim.workloads import Burst, TenantSpec
 
 REPO_TRACES = pathlib.Path(__file__).resolve().parents[3] / "data" / "traces"  # <checkout>/src/bouncer/sim
@@ -233,6 +233,23 @@ def get_scenario(name: str, duration_s: float) -> Scenario:
                               max_tokens=2048)]
         return Scenario(name, "the Mooncake conversation trace, whose prompts share long prefixes", tenants,
                         {"mooncake": MOONCAKE_CONV}, max_model_len=131_072, cpu_offload_gib=200.0)
+    if name == "prefix-tenants":
+        # the same conversations as `prefix`, each conversation one tenant's (by its second block:
+        # every prompt opens with the same system prompt, then its conversation's own blocks), for
+        # what keeping tenants' caches apart costs (`cache_isolation`): within a tenant, nothing
+        # is lost to it; across tenants, only that shared system prompt, which each tenant's cache
+        # then holds for itself
+        conversations = load_trace(MOONCAKE_CONV)
+        first_own = MOONCAKE_BLOCK_TOKENS // 16  # the digest of a conversation's first block of its own
+        parts: list[list[TraceRequest]] = [[] for _ in range(PREFIX_TENANTS)]
+        for r in conversations:
+            key = r.block_digests[first_own] if len(r.block_digests) > first_own else 0
+            parts[key % PREFIX_TENANTS].append(r)
+        tenants = [TenantSpec(f"t{i}", priority=0, share=len(part) / len(conversations), trace=f"mooncake-{i}",
+                              ttft_slo=5.0, tpot_slo=0.1, max_tokens=2048) for i, part in enumerate(parts)]
+        return Scenario(name, "the Mooncake conversations, each conversation one of eight tenants'", tenants, {},
+                        max_model_len=131_072, cpu_offload_gib=200.0,
+                        loaded={f"mooncake-{i}": part for i, part in enumerate(parts)})
     if name == "flood":
         # the only sheddable band beside rogue-tenant's bursty free tier: a change that cost
         # this flood 3-5% went unseen for two days (docs/benchmarks/history/sheddable-bands.md)
@@ -240,6 +257,7 @@ def get_scenario(name: str, duration_s: float) -> Scenario:
     raise ValueError(f"unknown scenario {name!r}; known: {', '.join(SCENARIOS)}")
 
 
+PREFIX_TENANTS = 8  # the tenants `prefix-tenants` spreads the conversations over
 # `agents` is closed-loop and lives in bouncer.bench.agents
-SCENARIOS = ("rogue-tenant", "consolidation", "fairness", "gateways", "surge", "prefix", "disaggregated", "flood",
-             "agents")
+SCENARIOS = ("rogue-tenant", "consolidation", "fairness", "gateways", "surge", "prefix", "prefix-tenants",
+             "disaggregated", "flood", "agents")

@@ -20,6 +20,7 @@ from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
 
 from bouncer.core.fleet.blocks import ROOT_HASH, chain_block_hashes, leading_run
+from bouncer.core.fleet.cache_salt import salt_root
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +30,7 @@ class BlockStored:
     token_ids: list[int]  # the blocks' tokens, block_size per block (may be empty for an offload copy)
     block_size: int  # the engine's block size in tokens
     medium: str = "GPU"
+    salt: str | None = None  # the cache salt that keys a prompt's first block (vLLM's extra keys), and so its chain
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,9 +61,10 @@ class PreciseIndex:
     def __init__(self, block_size: int, capacity_blocks: int) -> None:
         self.block_size = block_size
         self.capacity = capacity_blocks
-        self._ours: dict[int, int] = {}  # our digest -> engine blocks (in any tier) holding it
-        # (medium, engine key) -> our digests; insertion order = age
-        self._by_engine_key: dict[tuple[str, Hashable], tuple[int, ...]] = {}
+        self._ours: dict[int, int] = {}  # our digest (salted) -> engine blocks (in any tier) holding it
+        # (medium, engine key) -> our digests before salting (a chain goes on from them), and the
+        # root of the salt that keys them (`fleet.cache_salt`); insertion order = age
+        self._by_engine_key: dict[tuple[str, Hashable], tuple[tuple[int, ...], int]] = {}
         self._media: list[str] = ["GPU"]  # tiers seen
         self.last_event_at: float | None = None
         self.events = 0
@@ -87,25 +90,29 @@ class PreciseIndex:
                 self.clear()
         self.last_event_at = now
 
-    def store(self, engine_key: tuple[str, Hashable], digests: tuple[int, ...]) -> None:
-        """The engine block `engine_key` (medium, key) holds our blocks `digests`."""
+    def store(self, engine_key: tuple[str, Hashable], digests: tuple[int, ...], root: int = 0) -> None:
+        """The engine block `engine_key` (medium, key) holds our blocks `digests`, keyed by a
+        salt with root `root`."""
         if engine_key in self._by_engine_key:
             return
         self.version += 1
-        self._by_engine_key[engine_key] = digests
+        self._by_engine_key[engine_key] = (digests, root)
         ours = self._ours
         for d in digests:
+            d ^= root
             ours[d] = ours.get(d, 0) + 1
         while len(self._by_engine_key) > self.capacity:
             self.remove(next(iter(self._by_engine_key)))
 
     def remove(self, engine_key: tuple[str, Hashable]) -> None:
-        digests = self._by_engine_key.pop(engine_key, None)
-        if digests is None:
+        held = self._by_engine_key.pop(engine_key, None)
+        if held is None:
             return
         self.version += 1
         ours = self._ours
+        digests, root = held
         for d in digests:
+            d ^= root
             left = ours[d] - 1
             if left:
                 ours[d] = left
@@ -117,12 +124,13 @@ class PreciseIndex:
         self._ours.clear()
         self._by_engine_key.clear()
 
-    def _known(self, key: Hashable) -> tuple[int, ...] | None:
-        """Our digests for an engine block, from whichever tier reported it."""
+    def _known(self, key: Hashable) -> tuple[tuple[int, ...], int] | None:
+        """Our digests for an engine block (unsalted) and its salt's root, from whichever tier
+        reported it."""
         for medium in self._media:
-            digests = self._by_engine_key.get((medium, key))
-            if digests is not None:
-                return digests
+            held = self._by_engine_key.get((medium, key))
+            if held is not None:
+                return held
         return None
 
     def _stored(self, ev: BlockStored) -> None:
@@ -130,26 +138,26 @@ class PreciseIndex:
             self._media.append(ev.medium)
         if not ev.token_ids:  # an offload copy reported without tokens: the same block elsewhere
             for key in ev.block_hashes:
-                digests = self._known(key)
-                if digests is None:
+                held = self._known(key)
+                if held is None:
                     self.unplaced += 1
                 else:
-                    self.store((ev.medium, key), digests)
+                    self.store((ev.medium, key), *held)
             return
         per = ev.block_size // self.block_size
         if per < 1 or ev.block_size % self.block_size or len(ev.token_ids) < per * self.block_size * len(
                 ev.block_hashes):
             self.unplaced += len(ev.block_hashes)  # cannot be cut into our blocks
             return
-        if ev.parent_block_hash is None:
-            parent = ROOT_HASH
+        if ev.parent_block_hash is None:  # a prompt's start: the salt that keys it, if any, keys its chain
+            parent, root = ROOT_HASH, salt_root(ev.salt) if ev.salt else 0
         else:
-            chain = self._known(ev.parent_block_hash)
-            if chain is None:
+            held = self._known(ev.parent_block_hash)
+            if held is None:
                 self.unplaced += len(ev.block_hashes)
                 return
-            parent = chain[-1]
+            parent, root = held[0][-1], held[1]
         digests = chain_block_hashes(ev.token_ids[: per * self.block_size * len(ev.block_hashes)],
                                      self.block_size, parent)
         for i, key in enumerate(ev.block_hashes):
-            self.store((ev.medium, key), tuple(digests[i * per:(i + 1) * per]))
+            self.store((ev.medium, key), tuple(digests[i * per:(i + 1) * per]), root)

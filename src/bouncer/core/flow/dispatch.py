@@ -165,7 +165,8 @@ def dispatch_event(adm: Admission, replica: ReplicaState, now: float) -> Dispatc
         ttft = adm.ttft_raw * replica.latency.ttft_factor
         tpot = adm.tpot_raw * replica.latency.tpot_factor
     return Dispatch(adm.request_id, replica.name, adm.info.model, adm.tenant, adm.priority, adm.max_tokens,
-                    adm.arrival, now, ttft, tpot, adm.predicted_infeasible, adm.decode_replica)
+                    adm.arrival, now, ttft, tpot, adm.predicted_infeasible, adm.decode_replica,
+                    cache_salt=adm.info.cache_salt)
 
 
 def grant(adm: Admission, replica: ReplicaState, cached: dict[str, int], ms: ModelState, finaliser: Finaliser,

@@ -1,5 +1,6 @@
 """The tenants a core knows, as the config last named them, and what it keeps per tenant.
 
+- each tenant's cache salt (`fleet.cache_salt`);
 - who a request is: its API key's digest names a tenant, or a fairness id a trusted gateway set
   (`access.trust_fairness_id`), or the configured default tenant takes it (`identify`);
 - each tenant's circuit breaker, kept across reloads that leave its settings alone;
@@ -14,6 +15,7 @@ breakers, placement the tenants): a reload refills them in place.
 from __future__ import annotations
 
 from bouncer.config import BouncerConfig, Tenant
+from bouncer.core.fleet.cache_salt import salt_of, salt_root
 from bouncer.core.intake.breaker import CircuitBreaker
 from bouncer.core.intake.quota import Demotions
 from bouncer.core.intake.rate_limit import RateLimitStore
@@ -39,6 +41,10 @@ class TenantBook:
             if config.access.trust_fairness_id else {}
         self._objectives = {o.name: o.priority for o in config.objectives}
         self._default = next((t for t in config.tenants if t.name == config.default_tenant), None)
+        # each tenant's cache salt, and the root it mixes into block digests (`fleet.cache_salt`)
+        self.cache_salts = {t.name: salt_of(t.cache_group or t.name) for t in config.tenants} \
+            if config.cache_isolation else {}
+        self.salt_roots = {name: salt_root(salt) for name, salt in self.cache_salts.items()}
         b = config.policy.breaker
         self.by_name.clear()
         for t in config.tenants:

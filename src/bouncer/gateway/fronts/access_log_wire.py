@@ -1,5 +1,5 @@
-"""Envoy's gRPC access log (`envoy.service.accesslog.v3`, the generated protos of `xds-protos`)
-as the picker reads it: how each request Envoy served ended.
+"""Envoy's gRPC access log (`envoy.service.accesslog.v3`, in Bouncer's own copy of its messages:
+`envoy_wire.proto`) as the picker reads it: how each request Envoy served ended.
 
 In the buffered setup the picker's own ext_proc stream closes at an answer's first chunk, so the
 end of the answer reaches the picker here instead, in batches: the status Envoy sent and its
@@ -8,14 +8,14 @@ and from a replica that failed (`UC`, `UF`, `UR`, `UT`...)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from urllib.parse import unquote
 
-from envoy.data.accesslog.v3 import accesslog_pb2
-from envoy.service.accesslog.v3 import als_pb2
+import grpc
 
 from bouncer.core.outcomes import Reason, Terminal
+from bouncer.gateway.fronts import envoy_wire_pb2 as pb
 from bouncer.gateway.relay import REFUSAL_STATUSES
 
 # the response flags that say the replica, or Envoy's way to it, failed the answer
@@ -25,7 +25,8 @@ _UPSTREAM_FAILED = ("upstream_connection_failure", "upstream_connection_terminat
 _UPSTREAM_TIMED_OUT = ("upstream_request_timeout", "stream_idle_timeout", "upstream_max_stream_duration_reached",
                        "duration_timeout")
 _CLIENT_LEFT = ("downstream_connection_termination", "downstream_remote_reset")
-CLIENT_LEFT_FLAGS = ("DC", "DR")  # the same, as Envoy's access log filters name them
+CLIENT_LEFT_FLAGS = ("DC", "DR")
+SERVICE = "envoy.service.accesslog.v3.AccessLogService"  # the same, as Envoy's access log filters name them
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,7 +45,7 @@ class Ended:
     answered_after_s: float | None = None
 
 
-def _answered_after(common: accesslog_pb2.AccessLogCommon) -> float | None:
+def _answered_after(common: pb.AccessLogCommon) -> float | None:
     if not (common.HasField("time_to_last_upstream_tx_byte") and common.HasField("time_to_first_upstream_rx_byte")):
         return None
     gap = common.time_to_first_upstream_rx_byte.ToNanoseconds() - common.time_to_last_upstream_tx_byte.ToNanoseconds()
@@ -62,7 +63,7 @@ def status_outcome(status: int | None) -> tuple[Terminal, Reason | None]:
     return Terminal.FAILED, Reason.UPSTREAM_ERROR
 
 
-def ended(entry: accesslog_pb2.HTTPAccessLogEntry, id_header: str) -> Ended | None:
+def ended(entry: pb.HTTPAccessLogEntry, id_header: str) -> Ended | None:
     """How the request of one log entry ended; None for an entry that is not a stream's end, or
     names no request of the picker's (Envoy's own replies, routes the picker answered itself)
     and is no client's leaving."""
@@ -85,7 +86,7 @@ def ended(entry: accesslog_pb2.HTTPAccessLogEntry, id_header: str) -> Ended | No
     return Ended(rid, envoy_id, status, *status_outcome(status), _answered_after(common))
 
 
-def ends_of(message: als_pb2.StreamAccessLogsMessage, id_header: str) -> Iterator[Ended]:
+def ends_of(message: pb.StreamAccessLogsMessage, id_header: str) -> Iterator[Ended]:
     for entry in message.http_logs.log_entry:
         if (e := ended(entry, id_header)) is not None:
             yield e
@@ -97,3 +98,10 @@ def peer_host(peer: str) -> str:
     if kind not in ("ipv4", "ipv6"):
         return peer
     return unquote(rest).rpartition(":")[0].strip("[]")  # newer gRPC escapes IPv6 brackets
+
+
+def access_log_service(stream: Callable) -> grpc.GenericRpcHandler:
+    """Envoy's AccessLogService, its one client-streaming method served by `stream`."""
+    return grpc.method_handlers_generic_handler(SERVICE, {"StreamAccessLogs": grpc.stream_unary_rpc_method_handler(
+        stream, request_deserializer=pb.StreamAccessLogsMessage.FromString,
+        response_serializer=pb.StreamAccessLogsResponse.SerializeToString)})

@@ -34,6 +34,7 @@ The HCM's `stream_idle_timeout` and the route's `idle_timeout` are at least the 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from yarl import URL
@@ -81,7 +82,35 @@ def _ext_proc(cluster: str, mode: dict[str, str], **extra: Any) -> dict[str, Any
             "processing_mode": mode, **extra}
 
 
-def _static_cluster(name: str, hosts: list[tuple[str, int]], http2: bool = False) -> dict[str, Any]:
+@dataclass(frozen=True)
+class PickerClientTLS:
+    """Envoy's side of the picker's TLS (`picker.tls`): the CA that signed the picker's
+    certificate, the name that certificate carries, and Envoy's own certificate where the picker
+    asks for one (mutual TLS)."""
+
+    ca_file: str
+    server_name: str | None = None
+    cert_file: str | None = None
+    key_file: str | None = None
+
+    def transport_socket(self) -> dict[str, Any]:
+        validation: dict[str, Any] = {"trusted_ca": {"filename": self.ca_file}}
+        if self.server_name:
+            validation["match_typed_subject_alt_names"] = [{"san_type": "DNS",
+                                                            "matcher": {"exact": self.server_name}}]
+        common: dict[str, Any] = {"alpn_protocols": ["h2"], "validation_context": validation}
+        if self.cert_file:
+            common["tls_certificates"] = [{"certificate_chain": {"filename": self.cert_file},
+                                           "private_key": {"filename": self.key_file}}]
+        tls: dict[str, Any] = {"@type": T + "envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
+                               "common_tls_context": common}
+        if self.server_name:
+            tls["sni"] = self.server_name
+        return {"name": "envoy.transport_sockets.tls", "typed_config": tls}
+
+
+def _static_cluster(name: str, hosts: list[tuple[str, int]], http2: bool = False,
+                    tls: PickerClientTLS | None = None) -> dict[str, Any]:
     cluster: dict[str, Any] = {
         "name": name, "type": "STRICT_DNS", "connect_timeout": "5s", "lb_policy": "ROUND_ROBIN",
         "dns_lookup_family": "V4_PREFERRED",
@@ -91,6 +120,8 @@ def _static_cluster(name: str, hosts: list[tuple[str, int]], http2: bool = False
         cluster["typed_extension_protocol_options"] = {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
             "@type": T + "envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
             "explicit_http_config": {"http2_protocol_options": {}}}}
+    if tls is not None:
+        cluster["transport_socket"] = tls.transport_socket()
     return cluster
 
 
@@ -117,12 +148,13 @@ def _access_logs(pickers: list[str]) -> list[dict[str, Any]]:
 
 def bootstrap(config: BouncerConfig, *, listen_host: str = "127.0.0.1", listen_port: int = 10000,
               pickers: list[str] | None = None, fail_open: bool = False, admin_port: int | None = 9901,
-              duplex: bool = False) -> dict[str, Any]:
+              duplex: bool = False, picker_tls: PickerClientTLS | None = None) -> dict[str, Any]:
     """The bootstrap as a dict (YAML-ready). `pickers`: each picker's `host:port` as Envoy
     reaches it (default: `picker.host:picker.port` of the config); several share the state in
     Redis (`shared_state`) and Envoy spreads its streams over them. `duplex`: the setup GIE's
     gateways and llm-d use instead, every body chunk both ways through the picker
-    (FULL_DUPLEX_STREAMED, trailers sent, no access log)."""
+    (FULL_DUPLEX_STREAMED, trailers sent, no access log). `picker_tls`: the picker serves TLS
+    (`picker.tls`), and how Envoy checks it and proves itself to it."""
     hold = longest_hold_s(config) + HOLD_MARGIN_S
     idle = max(IDLE_FLOOR_S, hold)
     pickers = pickers or [config.picker.advertise or f"{config.picker.host}:{config.picker.port}"]
@@ -183,10 +215,10 @@ def bootstrap(config: BouncerConfig, *, listen_host: str = "127.0.0.1", listen_p
     clusters = [
         {"name": "bouncer-picked", "type": "ORIGINAL_DST", "lb_policy": "CLUSTER_PROVIDED", "connect_timeout": "5s",
          "original_dst_lb_config": {"use_http_header": True, "http_header_name": DESTINATION}},
-        _static_cluster("bouncer-picker", [(host, int(port)) for host, _, port in where], http2=True),
+        _static_cluster("bouncer-picker", [(host, int(port)) for host, _, port in where], http2=True, tls=picker_tls),
     ]
     if len(pickers) > 1 and not duplex:
-        clusters += [_static_cluster(f"bouncer-picker-{i}", [(host, int(port))], http2=True)
+        clusters += [_static_cluster(f"bouncer-picker-{i}", [(host, int(port))], http2=True, tls=picker_tls)
                      for i, (host, _, port) in enumerate(where)]
     if fail_open:
         clusters.append(_static_cluster("bouncer-backends", backends))

@@ -37,6 +37,7 @@ import asyncio
 import dataclasses
 import ipaddress
 import logging
+import pathlib
 import socket
 from collections import Counter
 from collections.abc import Callable
@@ -44,22 +45,22 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
-from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
-from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
-from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc
-from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
 from google.protobuf import struct_pb2
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from multidict import CIMultiDict
 from yarl import URL
 
+from bouncer.config import ConfigError, PickerTLS
 from bouncer.core.outcomes import Dispatch, Layer, Reason, Refusal, Terminal
 from bouncer.gateway import logs
 from bouncer.gateway.control_plane import ControlPlane, serve_http
 from bouncer.gateway.exchange import Outcome, Parsed
-from bouncer.gateway.fronts.access_log_wire import Ended, ends_of, peer_host, status_outcome
+from bouncer.gateway.fronts import envoy_wire_pb2 as ext_proc
+from bouncer.gateway.fronts.access_log_wire import Ended, access_log_service, ends_of, peer_host, status_outcome
 from bouncer.gateway.fronts.ext_proc_wire import (
+    SERVICE,
     BodyTooLarge,
+    ext_proc_service,
     header_of,
     headers_of,
     immediate,
@@ -81,7 +82,6 @@ RATELIMIT_NAMESPACE = "bouncer.ratelimit"  # dynamic metadata: the x-ratelimit-*
 REQUEST_ID = "x-bouncer-request-id"  # set on the request by the picker: how its access log entry finds it
 PICKED_BY = "x-bouncer-picker"  # the picker that routed it: Envoy sends its access log entry to that one
 GENERATION = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
-SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 HEALTH_SERVICES = ("", "liveness", "readiness", SERVICE)
 USAGE_TAIL_BYTES = 8192  # of a stream read whole, kept for its usage event
 READY_EVERY_S = 1.0
@@ -96,6 +96,7 @@ ACCESS_LOG_DUE_S = 5.0
 # Unloaded, one at a time would be every answer; a new one begins at most this often, which
 # leaves up to ten a second for what they teach (output lengths, TPOT) and most answers unheld.
 READ_WHOLE_EVERY_S = 0.1
+ENDPOINTS_KEPT = 4096  # replicas' resolved addresses kept
 # the largest ext_proc message taken: a body of up to max(limits.max_body_bytes, the floor; a reload
 # may raise the limit) and what goes with it (headers, metadata)
 GRPC_MESSAGE_FLOOR_BYTES = 64 * 1024 * 1024
@@ -120,7 +121,7 @@ class _Served:
     done: bool = False  # its permit went back
 
 
-class Picker(ext_proc_grpc.ExternalProcessorServicer):
+class Picker:
     """The ext_proc service. Holds no policy: the control plane decides, this translates."""
 
     def __init__(self, plane: ControlPlane) -> None:
@@ -159,7 +160,7 @@ class Picker(ext_proc_grpc.ExternalProcessorServicer):
         plane = self.plane
         # GIE's gateways stream bodies both ways (FULL_DUPLEX_STREAMED): every chunk passes
         # through here; `bouncer envoy-config`'s setup buffers the request
-        duplex = first.protocol_config.request_body_mode == ProcessingMode.FULL_DUPLEX_STREAMED
+        duplex = first.protocol_config.request_body_mode == ext_proc.ProcessingMode.FULL_DUPLEX_STREAMED
         headers = headers_of(first.request_headers)
         path = headers.get(":path", "").partition("?")[0]
         kind = GENERATION.get(path) if headers.get(":method") == "POST" else None
@@ -268,8 +269,9 @@ class Picker(ext_proc_grpc.ExternalProcessorServicer):
             served.out.terminal, served.out.reason = Terminal.FAILED, Reason.UPSTREAM_ERROR
             line["status"] = 502
             self._ended(served)
+            line["upstream_error"] = str(exc)  # the operator's to read: it names the replica's host
             await context.write(refused(Refusal(Layer.UPSTREAM, Reason.UPSTREAM_ERROR,
-                                                 f"backend address unknown: {exc}", 1.0)))
+                                                 "the backend's address is not known", 1.0)))
         finally:
             if duplex:
                 # Envoy ends a stream by half-closing and resetting it at once: a reset after the
@@ -314,18 +316,19 @@ class Picker(ext_proc_grpc.ExternalProcessorServicer):
                 self._read_to_end_at.setdefault(served.envoy, self.clock())
                 self._ended(served)
 
-    def ended(self, e: Ended) -> None:
-        """The access log's word on how a request ended (the buffered setup). One whose client
-        left before Envoy took the picker's answer carries no id of the picker's: it is found by
-        Envoy's. A whole answer not read whole was not seen at all: `answered_after_s`, Envoy's
-        time from sending the request to the replica to its answer's first byte, dates that
-        answer on the picker's clock."""
+    def ended(self, e: Ended, envoy: str) -> None:
+        """The access log's word on how a request ended (the buffered setup), from the Envoy host
+        `envoy`: only the Envoy that carried a request can end it. One whose client left before
+        Envoy took the picker's answer carries no id of the picker's: it is found by Envoy's. A
+        whole answer not read whole was not seen at all: `answered_after_s`, Envoy's time from
+        sending the request to the replica to its answer's first byte, dates that answer on the
+        picker's clock."""
         rid = e.request_id
         if rid is None and len(ids := self._by_envoy_id.get(e.envoy_request_id, ())) == 1:
             (rid,) = ids
         served = self._served.get(rid) if rid is not None else None
-        if served is None or served.done:
-            return  # ended already (read whole), or not this picker's
+        if served is None or served.done or served.envoy != envoy:
+            return  # ended already (read whole), not this picker's, or not that Envoy's to end
         served.line["status"] = e.status
         out = served.out
         out.terminal, out.reason = e.terminal, e.reason
@@ -429,7 +432,8 @@ class Picker(ext_proc_grpc.ExternalProcessorServicer):
         metadata), and the body as the replica must get it."""
         model = self.plane.prepared.models[d.model]
         body = parsed.body
-        changed, dropped = upstream_body(body, model.upstream_model or model.name, d.max_tokens, usage=read_whole)
+        changed, dropped = upstream_body(body, model.upstream_model or model.name, d.max_tokens, usage=read_whole,
+                                         cache_salt=d.cache_salt)
         if dropped:
             line["dropped"] = ",".join(dropped)
         new = dumps(changed) if changed != body else None
@@ -469,6 +473,8 @@ class Picker(ext_proc_grpc.ExternalProcessorServicer):
             except ValueError:
                 infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
                 ip = infos[0][4][0]
+            if len(self._endpoints) >= ENDPOINTS_KEPT:  # replicas come and go (discovery): start over
+                self._endpoints.clear()
             endpoint = self._endpoints[url] = f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
         return endpoint
 
@@ -496,7 +502,7 @@ class Picker(ext_proc_grpc.ExternalProcessorServicer):
         return plain_error(404, f"{headers.get(':method', '')} {path}: Not Found", "invalid_request_error", "not_found")
 
 
-class AccessLog(als_pb2_grpc.AccessLogServiceServicer):
+class AccessLog:
     """Envoy's gRPC access log: each routed request's end, for the picker."""
 
     def __init__(self, picker: Picker) -> None:
@@ -508,10 +514,10 @@ class AccessLog(als_pb2_grpc.AccessLogServiceServicer):
         try:
             async for message in request_iterator:
                 for e in ends_of(message, REQUEST_ID):
-                    self.picker.ended(e)
+                    self.picker.ended(e, envoy)
         finally:
             self.picker.log_closed(envoy)
-        return als_pb2.StreamAccessLogsResponse()
+        return ext_proc.StreamAccessLogsResponse()
 
 
 async def _keep_ready(plane: ControlPlane, servicer: health.aio.HealthServicer) -> None:
@@ -533,6 +539,18 @@ async def _sweep(plane: ControlPlane, picker: Picker) -> None:
         plane.metrics.picker_envoys_without_access_log.set(len(picker.envoys_without_log()))
 
 
+def _credentials(tls: PickerTLS) -> grpc.ServerCredentials:
+    """The picker's TLS, and with a client CA, no client without a certificate it signed."""
+    def read(path: str) -> bytes:
+        try:
+            return pathlib.Path(path).read_bytes()
+        except OSError as exc:
+            raise ConfigError(f"picker.tls: cannot read {path}: {exc}") from None
+    ca = read(tls.client_ca_file) if tls.client_ca_file else None
+    return grpc.ssl_server_credentials([(read(tls.key_file), read(tls.cert_file))], root_certificates=ca,
+                                       require_client_auth=ca is not None)
+
+
 async def serve_picker(plane: ControlPlane, host: str, port: int, ready: asyncio.Event | None = None,
                        on_listening: Callable[[], None] | None = None) -> None:
     """The picker's gRPC server (ext_proc, Envoy's access log and the standard health service) on
@@ -542,19 +560,19 @@ async def serve_picker(plane: ControlPlane, host: str, port: int, ready: asyncio
     # body Bouncer accepts (and a failing-open Envoy then sends it on unchecked); the picker itself
     # refuses bodies over `limits.max_body_bytes` (413)
     size = max(plane.config.limits.max_body_bytes, GRPC_MESSAGE_FLOOR_BYTES) + GRPC_MESSAGE_HEADROOM_BYTES
+    if plane.front != "picker":
+        raise ValueError("serve_picker needs a control plane made for the picker (ControlPlane(front='picker'))")
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", size),
                                       ("grpc.max_send_message_length", size)])
     picker = Picker(plane)
-    # past its first token, an answer goes by unseen but for the few read whole: the engines' own
-    # inter-token latency says how fast they decode
-    plane.core.decodes_from_engines = True
-    ext_proc_grpc.add_ExternalProcessorServicer_to_server(picker, server)
-    als_pb2_grpc.add_AccessLogServiceServicer_to_server(AccessLog(picker), server)
+    server.add_generic_rpc_handlers((ext_proc_service(picker.Process),
+                                     access_log_service(AccessLog(picker).StreamAccessLogs)))
     servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
     cfg = plane.config.picker
-    if not server.add_insecure_port(f"{cfg.host}:{cfg.port}"):
-        raise OSError(f"cannot listen on {cfg.host}:{cfg.port}")
+    where = f"{cfg.host}:{cfg.port}"
+    if not (server.add_secure_port(where, _credentials(cfg.tls)) if cfg.tls else server.add_insecure_port(where)):
+        raise OSError(f"cannot listen on {where}")
     await server.start()
     for name in HEALTH_SERVICES:
         await servicer.set(name, health_pb2.HealthCheckResponse.SERVING)

@@ -50,6 +50,7 @@ if TYPE_CHECKING:
 
 UPSTREAM_CONNECT_TIMEOUT_S = 5.0
 UPSTREAM_READ_TIMEOUT_S = 300.0  # silence on an upstream stream this long is a timeout
+URLS_KEPT = 4096  # parsed upstream URLs (replica x path) kept
 
 
 class Proxy:
@@ -154,7 +155,7 @@ class Proxy:
             url = plane.core.view.replica(d.replica).url
             every_chunk = model.engine in USAGE_EVERY_CHUNK  # what it used so far, known wherever it stops
             sent, dropped = upstream_body(body, model.upstream_model or model.name, d.max_tokens, usage=True,
-                                          usage_every_chunk=every_chunk)
+                                          usage_every_chunk=every_chunk, cache_salt=d.cache_salt)
             if dropped:
                 line["dropped"] = ",".join(dropped)
 
@@ -194,7 +195,8 @@ class Proxy:
             return error_response(Refusal(Layer.UPSTREAM, out.reason, "the backend timed out", 1.0))
         except UpstreamError as exc:
             out.reason = Reason.UPSTREAM_ERROR
-            return error_response(Refusal(Layer.UPSTREAM, out.reason, f"backend connection failed: {exc}", 1.0))
+            line["upstream_error"] = str(exc)  # the operator's to read: it names the replica's address
+            return error_response(Refusal(Layer.UPSTREAM, out.reason, "the backend could not be reached", 1.0))
         except (asyncio.CancelledError, ConnectionResetError):
             out.terminal, out.reason = Terminal.CANCELLED, Reason.CLIENT_DISCONNECTED
             raise
@@ -250,11 +252,17 @@ class Proxy:
             out.reason = Reason.UPSTREAM_REFUSED
             return error_response(d.refusal)
         except UpstreamFailure as exc:
+            # a provider's own words are the operator's (its account, its limits), not the client's
             out.reason = exc.reason
-            return error_response(Refusal(Layer.UPSTREAM, exc.reason, exc.message, exc.retry_after))
+            line["upstream_error"] = exc.message
+            what = "rejected the request" if exc.reason is Reason.UPSTREAM_REJECTED else "failed"
+            return error_response(Refusal(Layer.UPSTREAM, exc.reason, f"the overflow endpoint {what}",
+                                          exc.retry_after))
         except UpstreamError as exc:
             out.reason = Reason.UPSTREAM_TIMEOUT if isinstance(exc, UpstreamTimeout) else Reason.UPSTREAM_ERROR
-            return error_response(Refusal(Layer.UPSTREAM, out.reason, f"overflow endpoint failed: {exc}", 1.0))
+            line["upstream_error"] = str(exc)
+            return error_response(Refusal(Layer.UPSTREAM, out.reason, "the overflow endpoint could not be reached",
+                                          1.0))
         except (asyncio.CancelledError, ConnectionResetError):
             out.terminal, out.reason = Terminal.CANCELLED, Reason.CLIENT_DISCONNECTED
             raise
@@ -306,6 +314,8 @@ class Proxy:
         """Parsed once per backend and path: URL parsing is a visible cost per request."""
         url = self._urls.get((base, path))
         if url is None:
+            if len(self._urls) >= URLS_KEPT:  # replicas come and go (discovery): start over
+                self._urls.clear()
             url = self._urls[(base, path)] = yarl.URL(base + path)
         return url
 

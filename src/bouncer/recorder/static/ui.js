@@ -309,7 +309,9 @@
       const box = document.createElement("section");
       box.className = "chart";
       box.id = `chart-${spec.id}`;
-      box.innerHTML = `<h3>${spec.title}</h3>`;
+      const title = document.createElement("h3");
+      title.textContent = spec.title;
+      box.appendChild(title);
       holder.appendChild(box);
       const opts = {
         width, height: 150,
@@ -392,11 +394,15 @@
   const fmt = (v, digits = 2) => v === null || v === undefined ? "–" :
     typeof v === "number" ? (Number.isInteger(v) ? String(v) : v.toFixed(digits)) : String(v);
 
+  // names (tenants, replicas found by discovery, reasons) are text, never markup
+  const ESCAPES = {"&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;"};
+  const esc = (s) => String(s).replace(/[&<>"']/g, (c) => ESCAPES[c]);
+
   function table(caption, cols, rows) {
-    const head = cols.map((c) => `<th>${c[1]}</th>`).join("");
-    const body = rows.map(([name, row, cls]) => `<tr class="${cls || ""}"><td>${name}</td>` +
-      cols.slice(1).map(([k]) => `<td data-k="${k}">${fmt(row[k])}</td>`).join("") + "</tr>").join("");
-    return `<table data-table="${caption}"><caption>${caption}</caption><tr>${head}</tr>${body}</table>`;
+    const head = cols.map((c) => `<th>${esc(c[1])}</th>`).join("");
+    const body = rows.map(([name, row, cls]) => `<tr class="${esc(cls || "")}"><td>${esc(name)}</td>` +
+      cols.slice(1).map(([k]) => `<td data-k="${esc(k)}">${esc(fmt(row[k]))}</td>`).join("") + "</tr>").join("");
+    return `<table data-table="${esc(caption)}"><caption>${esc(caption)}</caption><tr>${head}</tr>${body}</table>`;
   }
 
   function renderMoment() {
@@ -443,8 +449,12 @@
       if (holder.querySelector(`input[value="${CSS.escape(tenant)}"]`)) continue;
       const label = document.createElement("label");
       label.className = "tenant";
-      label.innerHTML = `<input type="checkbox" checked value="${tenant}"> ${tenant}`;
-      label.firstChild.onchange = (e) => {
+      const box = document.createElement("input");
+      box.type = "checkbox";
+      box.checked = true;
+      box.value = tenant;
+      label.append(box, ` ${tenant}`);
+      box.onchange = (e) => {
         if (e.target.checked) state.filters.hidden.delete(tenant);
         else state.filters.hidden.add(tenant);
         scheduleRedraw();
