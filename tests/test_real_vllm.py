@@ -284,7 +284,7 @@ def test_another_tenants_cached_prompt_is_a_cold_prompt_for_it(vllm_url):
     words = "admission control decides whether and when a request runs on the pool".split()
 
     def prompt() -> str:
-        return " ".join(rng.choice(words) for _ in range(300))  # about 400 tokens: three 128-token blocks
+        return " ".join(rng.choice(words) for _ in range(180))  # about 380 tokens: two whole 128-token blocks and more
 
     def ask(key: str, text: str) -> tuple[float, int]:
         client = openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=120)
@@ -314,7 +314,10 @@ def test_another_tenants_cached_prompt_is_a_cold_prompt_for_it(vllm_url):
             other.append(ttft)
         print(f"TTFT medians: cold {statistics.median(cold):.4f} warm {statistics.median(warm):.4f} "
               f"other tenant {statistics.median(other):.4f}")
-        assert statistics.median(other) > 0.8 * statistics.median(cold)  # a cold prompt's, within noise
+        # a cold prompt's, within noise. On this tiny model a warm prompt saves only ~10% of the
+        # time to first token (process overheads dominate), so the cached-token counts above are
+        # what tell the caches apart; this timing check catches only a gross difference.
+        assert statistics.median(other) > 0.8 * statistics.median(cold)
     finally:
         cleanup()
         loop.close()
