@@ -30,6 +30,8 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 # a relative path in the environment is from the repository
 VLLM_PYTHON = REPO / os.environ.get("BOUNCER_VLLM_PYTHON", ".venv-vllm/bin/python")
 MODEL_DIR = REPO / ".cache/tiny-model"
+VISION_MODEL_DIR = REPO / ".cache/tiny-vision-model"
+VISION_IMAGE_TOKENS = 8  # scripts/make_tiny_model.py's IMAGE_TOKENS
 KV_BLOCKS = 16  # of 128 tokens on the CPU backend: 2,048 tokens, so a burst overloads it
 MAX_QUEUED = 6  # vLLM refuses (503) beyond this many running + waiting requests
 
@@ -55,23 +57,20 @@ def _healthy(url: str, proc: subprocess.Popen) -> bool:
         return resp.status == 200
 
 
-@pytest.fixture(scope="module")
-def vllm_url(tmp_path_factory, kv_events_endpoint):
-    template = MODEL_DIR / "chat_template.jinja"  # a model built before the chat template changed is built again
-    if not (MODEL_DIR / "config.json").exists() or not template.exists() or \
+def _serve(model_dir: pathlib.Path, build_args: list[str], log: pathlib.Path, args: list[str]):
+    """vLLM serving `model_dir` (built again when missing or built with another chat template),
+    as `tiny`; yields its URL, stops it after."""
+    template = model_dir / "chat_template.jinja"
+    if not (model_dir / "config.json").exists() or not template.exists() or \
             template.read_text() != (REPO / "src/bouncer/data/chat_template.jinja").read_text():
-        subprocess.run([str(VLLM_PYTHON), str(REPO / "scripts/make_tiny_model.py"), str(MODEL_DIR)], check=True,
-                       timeout=600)
+        subprocess.run([str(VLLM_PYTHON), str(REPO / "scripts/make_tiny_model.py"), *build_args, str(model_dir)],
+                       check=True, timeout=600)
     port = free_port()
-    log = tmp_path_factory.mktemp("vllm") / "vllm.log"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
            "VLLM_CPU_KVCACHE_SPACE": "1"}
-    cmd = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(MODEL_DIR),
+    cmd = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
            "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
-           "--max-model-len", "512", "--max-num-seqs", "4", "--num-gpu-blocks-override", str(KV_BLOCKS),
-           "--max-num-queued-reqs", str(MAX_QUEUED), "--enable-prompt-tokens-details",
-           "--kv-events-config", json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
-                                             "endpoint": kv_events_endpoint})]  # vLLM binds ipc://
+           "--max-model-len", "512", *args]
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
@@ -87,6 +86,23 @@ def vllm_url(tmp_path_factory, kv_events_endpoint):
         proc.wait(30)
     except subprocess.TimeoutExpired:
         proc.kill()
+
+
+@pytest.fixture(scope="module")
+def vllm_url(tmp_path_factory, kv_events_endpoint):
+    yield from _serve(MODEL_DIR, [], tmp_path_factory.mktemp("vllm") / "vllm.log", [
+        "--max-num-seqs", "4", "--num-gpu-blocks-override", str(KV_BLOCKS),
+        "--max-num-queued-reqs", str(MAX_QUEUED), "--enable-prompt-tokens-details",
+        "--kv-events-config", json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
+                                          "endpoint": kv_events_endpoint})])  # vLLM binds ipc://
+
+
+@pytest.fixture(scope="module")
+def vision_vllm_url(tmp_path_factory):
+    """A tiny BLIP-2 (scripts/make_tiny_model.py --vision): each image is VISION_IMAGE_TOKENS of
+    the prompt, by vLLM's count."""
+    yield from _serve(VISION_MODEL_DIR, ["--vision"], tmp_path_factory.mktemp("vllm-vision") / "vllm.log",
+                      ["--max-num-seqs", "2", "--num-gpu-blocks-override", "16"])
 
 
 @pytest.fixture
@@ -258,6 +274,82 @@ def test_prompt_tokens_settled_are_vllms_own_for_tools_and_tool_calls(vllm_url, 
         assert spent()[0] == whole.usage.prompt_tokens + streamed.prompt_tokens
         for line in (r.__dict__ for r in caplog.records if getattr(r, "event", None) == "request"):
             assert line["prompt_tokens"] == whole.usage.prompt_tokens and "prompt_tokens_counted" not in line, line
+    finally:
+        cleanup()
+        loop.close()
+        server.stop()
+
+
+def _png(width: int, height: int) -> str:
+    """A solid red PNG as a data URL (written here: no imaging library needed)."""
+    import base64
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+    rows = b"".join(b"\x00" + b"\xc8\x1e\x1e" * width for _ in range(height))
+    png = (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
+           + chunk(b"IDAT", zlib.compress(rows)) + chunk(b"IEND", b""))
+    return "data:image/png;base64," + base64.b64encode(png).decode()
+
+
+def test_prompt_tokens_settled_are_vllms_own_for_images(vision_vllm_url, caplog):
+    """A chat with an image, tools and a tool-call round trip, to a vision model: whole, streamed,
+    streamed without asking for usage, and hung up after its first chunk, each is charged vLLM's
+    own `usage.prompt_tokens` (the image's tokens included), never the gateway's estimate (an
+    image counts `media_tokens` there, its marker text more)."""
+    import logging
+
+    import redis
+
+    from bouncer.bench.loopback import RedisServer
+
+    server = RedisServer()
+    loop = BackgroundLoop()
+    config = {
+        "tenants": [{"name": "t", "api_keys_sha256": [key_digest("t")], "quota": {"limits": [
+            {"window": "month", "unit": "prompt_tokens", "limit": 1e9}]}}],
+        "models": [{"name": "tiny", "engine": "vllm", "tokenizer": str(default_tokenizer_path()),
+                    "max_model_len": 512, "block_size": 128, "media_tokens": VISION_IMAGE_TOKENS,
+                    "backends": [{"url": vision_vllm_url, "name": "vllm"}]}],
+        "quotas": {"url": server.url, "key_prefix": "images:"},
+        "policy": {"telemetry": {"scrape_interval_s": 0.1, "staleness_s": 2.0}},
+    }
+    image = {"type": "image_url", "image_url": {"url": _png(64, 48)}}
+    messages = [{"role": "user", "content": [{"type": "text", "text": TOOL_ROUND_TRIP[0]["content"]}, image]},
+                *TOOL_ROUND_TRIP[1:]]
+    ask = {"model": "tiny", "messages": messages, "tools": TOOLS, "tool_choice": "none",
+           "extra_body": {"ignore_eos": True}}
+    # the image is in vLLM's prompt: the same chat without it is VISION_IMAGE_TOKENS shorter
+    direct = openai.OpenAI(base_url=vision_vllm_url + "/v1", api_key="-", max_retries=0, timeout=120)
+    without = direct.chat.completions.create(**{**ask, "messages": TOOL_ROUND_TRIP}, max_tokens=1).usage.prompt_tokens
+    url, gw, cleanup = start_gateway(loop, config)
+    try:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="t", max_retries=0, timeout=120)
+        with caplog.at_level(logging.INFO):
+            whole = client.chat.completions.create(**ask, max_tokens=4)
+            streamed = list(client.chat.completions.create(**ask, max_tokens=4, stream=True,
+                                                           stream_options={"include_usage": True}))[-1].usage
+            quiet = list(client.chat.completions.create(**ask, max_tokens=4, stream=True))
+            assert all(c.usage is None for c in quiet)  # usage the client did not ask for is not sent to it
+            with client.chat.completions.create(**ask, max_tokens=240, stream=True) as cut:
+                next(iter(cut))  # one chunk, then hang up
+            poll_until(lambda: len([r for r in caplog.records if getattr(r, "event", None) == "request"]) == 4,
+                       what="four access lines")
+        assert whole.usage.prompt_tokens == streamed.prompt_tokens == without + VISION_IMAGE_TOKENS
+        r = redis.Redis.from_url(server.url)
+
+        def spent() -> tuple[float, float]:
+            [key] = list(r.scan_iter("images:quota:tenant:*"))
+            s, held = r.hmget(key, "spent", "reserved")
+            return float(s or 0), float(held or 0)
+        poll_until(lambda: spent()[1] == 0, what="all four settled")
+        assert spent()[0] == 4 * whole.usage.prompt_tokens
+        for line in (r.__dict__ for r in caplog.records if getattr(r, "event", None) == "request"):
+            assert line["prompt_tokens"] == whole.usage.prompt_tokens, line
+            # the gateway admitted it by its own count, which an image's marker text makes larger
+            assert line["prompt_tokens_counted"] >= whole.usage.prompt_tokens, line
     finally:
         cleanup()
         loop.close()
