@@ -7,6 +7,7 @@ import json
 import pytest
 from tests.core_helpers import admission_of, dispatched, info, make_core, observe_idle, tenant
 
+from bouncer.core.fleet.cache_salt import salt_root, salted
 from bouncer.core.outcomes import Dispatch, Terminal
 from bouncer.core.sharing.peers import HEAD_ORDER_SLACK_S, FleetShares, GatewayShare, ReplicaLoad
 
@@ -268,15 +269,18 @@ def test_what_one_gateway_sent_a_replica_reaches_the_others_prefix_index_once_an
     exchange([a, b], 0.0)  # sharing from now on: a logs what it is first to send
     first = list(range(100, 110))
     (d,) = dispatched(a.offer(info(prompt=160, block_digests=first), 0.1))
-    assert b.replicas[d.replica].prefix.match(first, 0.1) == 0
+    assert d.cache_salt  # indexed, and shared, under its tenant's salt (`cache_isolation`)
+    root = salt_root(d.cache_salt)
+    assert b.replicas[d.replica].prefix.match(salted(first, root), 0.1) == 0
     exchange([a, b], 0.12)
-    assert b.replicas[d.replica].prefix.match(first, 0.12) == 10  # b routes this conversation there too
+    assert b.replicas[d.replica].prefix.match(salted(first, root), 0.12) == 10  # b routes it there too
+    assert b.replicas[d.replica].prefix.match(first, 0.12) == 0  # not for another tenant
     exchange([a, b], 0.14)  # the entry is still in a's part (KEEP_S): recorded once, not again
     assert len(b.peer_prefixes._applied) == 1
     # the conversation's next turn extends it: only its new blocks are logged
     (d2,) = dispatched(a.offer(info(prompt=240, block_digests=first + [110, 111, 112, 113, 114]), 0.2))
     assert d2.replica == d.replica
-    assert [e[2] for e in a.own_share(0.2).prefixes][-1] == [110, 111, 112, 113, 114]
+    assert [e[2] for e in a.own_share(0.2).prefixes][-1] == salted([110, 111, 112, 113, 114], root)
     assert a.own_share(0.2 + 1.0).prefixes == []  # older than KEEP_S: out of the part
 
 

@@ -478,15 +478,17 @@ class ControlPlane:
 
     def _settle_quota(self, rid: str, out: Outcome, line: dict[str, Any], d: Dispatch | None = None) -> None:
         """Its reservation replaced by what it used, at the price of whoever served it: the
-        engine's usage where its answer said (the prompt as the engine counted it); the tokens
-        streamed where a stream was cut before its usage came; for a request dispatched to the
-        pool whose client left before the engine said anything, what the core's predictions say
-        was done by then (`bouncer.core.usage`); an answer the front did not see (behind an
-        endpoint picker) is charged what it reserved (completion None)."""
+        engine's usage where it said (the prompt as the engine counted it; a stream's usage in
+        every chunk says it before its first token); the tokens streamed where a stream was cut
+        before its usage came; for a request dispatched to the pool whose client left before the
+        engine said anything, what the core's predictions say was done by then
+        (`bouncer.core.usage`); an answer the front did not see (behind an endpoint picker) is
+        charged what it reserved (completion None)."""
         if self.quotas is None:
             return
-        prompt = out.prompt_tokens if out.prompt_tokens is not None else line.get("prompt_tokens", 0)
-        if out.terminal is Terminal.COMPLETED or out.first_token_at is not None:  # its answer began
+        engine_said = out.prompt_tokens is not None  # only the engine's usage sets it
+        prompt = out.prompt_tokens if engine_said else line.get("prompt_tokens", 0)
+        if out.terminal is Terminal.COMPLETED or out.first_token_at is not None or engine_said:
             self.quotas.settle(rid, prompt, out.completion_tokens, line.get("overflow"))
         elif out.terminal is Terminal.CANCELLED and d is not None:  # it ran, and its client left unanswered
             self.quotas.settle(rid, *estimated_usage(d, prompt, self.clock()))
