@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from bouncer.bench.goodput import fleet_capacity, fleet_config, tenant_configs
 from bouncer.config import BouncerConfig
 from bouncer.core.arrivals import Exemption
-from bouncer.core.outcomes import Dispatch, Reject
+from bouncer.core.journey import Go, Refuse
 from bouncer.sim.fleet import FleetSim, PolicyEvent, SimRequest
 from bouncer.sim.policies import BOUNCER_POLICY, CorePolicy, core_config
 from bouncer.sim.profiles import DEFAULT_PROFILE
@@ -74,29 +74,29 @@ class LoggingCorePolicy(CorePolicy):
     def offer(self, req: SimRequest, now: float) -> list[PolicyEvent]:
         a = self.attempts[req.attempt_id] = Attempt(now, req.ttft_slo)
         t0 = time.perf_counter()
-        events = self.core.offer(self._info(req), now)
+        steps = self.journey.offer(self._info(req), now)
         a.offer_s = time.perf_counter() - t0
-        if any(isinstance(e, Reject) and e.request_id == req.attempt_id and e.refusal.reason == "deadline_infeasible"
-               for e in events):
+        if any(isinstance(s, Refuse) and s.reject.request_id == req.attempt_id
+               and s.reject.refusal.reason == "deadline_infeasible" for s in steps):
             a.refused_at_arrival = True
-        events = self._convert(events, now)
+        events = self._convert(steps, now)
         queued = self.core.view.queued_request(req.attempt_id)
         if queued is not None and queued.predicted_late:
             a.flagged = True
         return events
 
-    def _convert(self, events, now: float) -> list[PolicyEvent]:
-        for e in events:
-            a = self.attempts.get(e.request_id)
-            if a is None:
-                continue
-            if isinstance(e, Dispatch):
-                a.dispatched_at = e.dispatched_at
-                a.predicted_ttft, a.predicted_tpot = e.predicted_ttft_s, e.predicted_tpot_s
-                a.flagged = a.flagged or e.predicted_late
-            elif isinstance(e, Reject) and e.refusal.reason == "deadline_infeasible":
-                a.flagged = a.refused_infeasible = True
-        return super()._convert(events, now)
+    def _convert(self, steps, now: float) -> list[PolicyEvent]:
+        for step in steps:
+            if isinstance(step, Go):
+                e = step.dispatch
+                if (a := self.attempts.get(e.request_id)) is not None:
+                    a.dispatched_at = e.dispatched_at
+                    a.predicted_ttft, a.predicted_tpot = e.predicted_ttft_s, e.predicted_tpot_s
+                    a.flagged = a.flagged or e.predicted_late
+            elif isinstance(step, Refuse) and step.reject.refusal.reason == "deadline_infeasible":
+                if (a := self.attempts.get(step.reject.request_id)) is not None:
+                    a.flagged = a.refused_infeasible = True
+        return super()._convert(steps, now)
 
     def started(self, attempt_id, now):
         a = self.attempts.get(attempt_id)

@@ -7,11 +7,13 @@ recorder, config reloads, the ticker that runs the core's deadlines, and the ope
 
 A front hands it a parsed request (`admit`), then what it sees of the answer (`started`,
 `finish`) or the client leaving (cancelling `admit`'s wait, or `finish` with CANCELLED); each
-front says what it cannot see. Every admitted request is finished in the core on every path:
-the front that got its `Dispatch` owns its permit in one `try/finally` and marks it `live` while
-it serves it, which renews its lease (`_renew_leases`). A permit that still got lost (a bug) is
-taken back by the core when its lease runs out, counted in `bouncer_permits_reclaimed_total` and
-logged. Nothing policy-shaped lives here.
+front says what it cannot see. What follows each of the core's decisions (diverts, claims, the
+quota's settling, lease renewal) is the journey's (`bouncer.core.journey`), which the simulator
+runs too: this plane does its waiting. Every admitted request is finished on every path: the
+front that got its `Dispatch` owns its permit in one `try/finally`, and the journey renews its
+lease while it is served. A permit that still got lost (a bug) is taken back by the core when its
+lease runs out, counted in `bouncer_permits_reclaimed_total` and logged. Nothing policy-shaped
+lives here.
 """
 
 from __future__ import annotations
@@ -36,18 +38,18 @@ from bouncer.core.admission import AdmissionCore
 from bouncer.core.fleet.replica import Telemetry
 from bouncer.core.intake import checks
 from bouncer.core.intake.retries import retry_key
+from bouncer.core.journey import Claim, Go, Journey, Outcome, Refuse, Relay, Step
 from bouncer.core.model_state import backend_name
 from bouncer.core.outcomes import Dispatch, Divert, Event, Layer, Reason, Reclaimed, Refusal, Reject, Terminal
 from bouncer.core.sharing.rate_limits import SharedRateLimits
 from bouncer.core.sharing.retries import SharedRetries
 from bouncer.core.stores import Stores
-from bouncer.core.usage import estimated_usage
 from bouncer.gateway import kv_events, pressure_feeds
 from bouncer.gateway.admin import Admin
 from bouncer.gateway.connections import GuardedSite, Limits
 from bouncer.gateway.discovery import Finders
 from bouncer.gateway.errors import error_response, plain_error
-from bouncer.gateway.exchange import Outcome, Parsed
+from bouncer.gateway.exchange import Parsed
 from bouncer.gateway.metrics import GatewayMetrics
 from bouncer.gateway.prepared import Front, Prepared, check_front, prepare
 from bouncer.gateway.quota_keeper import QuotaKeeper
@@ -107,6 +109,8 @@ class ControlPlane:
         else:
             self.core = AdmissionCore(config, clock(), decodes_from_engines=decodes_from_engines)
         self.quotas = QuotaKeeper(config) if config.quotas is not None else None  # spend over days and months
+        # what follows each decision, as the simulator runs it too (`bouncer.core.journey`)
+        self.journey = Journey(self.core, self.quotas, claims=self.shared is not None)
         self._install(prepared)
         self.connections = Limits(config.listen.header_timeout_s, config.listen.max_connections)
         self.metrics = GatewayMetrics(lambda: self.core, clock, lambda: self.kv_event_stats, lambda: self.connections,
@@ -124,7 +128,6 @@ class ControlPlane:
         self._id_prefix = f"bq-{secrets.token_hex(3)}-"
         self._ids = itertools.count()
         self._waiters: dict[str, asyncio.Future] = {}
-        self._live: set[str] = set()  # admitted requests being served: their permits' leases are renewed
         self._tasks: list[asyncio.Task] = []
         self._background: set[asyncio.Task] = set()  # work past a request's end (`background`)
         self._scrapers: dict[str, asyncio.Task] = {}
@@ -267,23 +270,28 @@ class ControlPlane:
 
     # -- core events -------------------------------------------------------------------------------
     def apply(self, events: list[Event]) -> None:
-        """Act on the core's decisions: each waiting request hears its own."""
+        """Act on the core's decisions, through the journey around them."""
+        self.deliver(self.journey.steps(events, self.clock()))
+
+    def deliver(self, steps: list[Step]) -> None:
+        """Each waiting request hears its own step."""
         if self.shared is not None:
             self.shared.settle()  # charges the core did not take, or gave back
-        for event in events:
-            if isinstance(event, Reclaimed):
+        for step in steps:
+            if isinstance(step, Reclaimed):
                 log.warning("permit reclaimed: its lease ran out unrenewed", extra={
-                    "event": "permit_reclaimed", "rid": event.request_id, "tenant": event.tenant, "band": event.band,
-                    "replica": event.replica, "age_s": round(event.age_s, 3)})
+                    "event": "permit_reclaimed", "rid": step.request_id, "tenant": step.tenant, "band": step.band,
+                    "replica": step.replica, "age_s": round(step.age_s, 3)})
                 continue
-            rid = event.request_id
+            rid = step[0].request_id
             fut = self._waiters.pop(rid, None)
             if fut is not None and not fut.done():
-                fut.set_result(event)
-            elif isinstance(event, Dispatch):
-                # its client is gone already: give the permit straight back
-                self.apply(self.core.finished(rid, self.clock(), Terminal.CANCELLED,
-                                               reason=Reason.CLIENT_DISCONNECTED))
+                fut.set_result(step)
+            elif isinstance(step, Go | Claim):  # its client is gone already: the permit goes straight back
+                self.deliver(self.journey.finished(rid, self.clock(), Outcome(Terminal.CANCELLED,
+                                                                             Reason.CLIENT_DISCONNECTED)))
+            elif isinstance(step, Relay):
+                self.journey.relayed(rid, Outcome(Terminal.CANCELLED, Reason.CLIENT_DISCONNECTED))
 
     # -- what a front hands over ------------------------------------------------------------------
     def request_id(self) -> str:
@@ -344,8 +352,10 @@ class ControlPlane:
         return refusal
 
     @staticmethod
-    def refused(decision: Reject, line: dict[str, Any]) -> Refusal:
-        r = decision.refusal
+    def refused(step: Refuse, line: dict[str, Any]) -> Refusal:
+        r, decision = step.reject.refusal, step.reject
+        if step.via is not None:  # refused by the pool it was diverted to
+            line["overflow"] = step.via.target
         line.update(tenant=decision.tenant, band=decision.band, outcome=decision.terminal.value, layer=r.layer.value,
                     reason=str(r.reason))
         return r
@@ -360,7 +370,7 @@ class ControlPlane:
         # full tenant queue, sheddable traffic while saturated) is never tokenized
         checked = self.core.precheck(head, self.clock())
         if isinstance(checked, Reject):
-            return self.refused(checked, line)
+            return self.refused(Refuse(checked), line)
         block_size = parsed.model.block_size if parsed.model else 16
         media_tokens = parsed.model.media_tokens if parsed.model else 0
         args = (head, parsed.kind, parsed.body, parsed.tokenizer, block_size, media_tokens)
@@ -373,76 +383,70 @@ class ControlPlane:
                 info, checked, parsed.model, self.config.limits)) is not None:
             await self.shared.charge(checked.name, charge)  # the rate verdict, from the gateways' Redis
         rid = head.request_id
-        quota = self.quotas if self.quotas is not None and self.quotas.applies(checked.name) else None
-        if quota is not None:  # its expected cost reserved, or its tenant found over (`quota_keeper`)
-            info.over_quota = await quota.reserve(rid, checked.name, info.model, info.prompt_tokens,
-                                                  self.core.view.predicted_output(checked.name, info))
-        try:
-            decision = await self.decision(rid, lambda: self.core.offer(info, self.clock(), checked))
-            while isinstance(decision, Divert):
-                target = self.overflow_target(info.model, decision.target)
-                line.update(outcome=Terminal.DIVERTED.value, reason=str(decision.refusal.reason),
-                            overflow=target.name)
-                if target.model is None:
-                    return decision  # an external endpoint: the front relays it
-                # another model's pool: admitted there as usual (never diverted again)
-                info = dataclasses.replace(info, model=target.model, diverted_from=info.model, over_quota=None)
-                decision = await self.decision(rid, lambda i=info: self.core.offer(i, self.clock()))
-            result = await self._claimed(decision, line)
-        except BaseException:
-            if quota is not None:
-                quota.release(rid)
-            raise
-        if quota is not None and isinstance(result, Refusal):
-            quota.release(rid)
-        return result
-
-    def overflow_target(self, model: str, name: str) -> OverflowTarget:
-        return next(t for t in self.prepared.models[model].overflow if t.name == name)
+        if self.quotas is not None and self.quotas.applies(checked.name):
+            # its expected cost reserved, or its tenant found over (`quota_keeper`); settled by the journey
+            info.over_quota = await self.quotas.reserve(rid, checked.name, info.model, info.prompt_tokens,
+                                                        self.core.view.predicted_output(checked.name, info))
+        return await self._served(rid, lambda: self.journey.offer(info, self.clock(), checked), line)
 
     async def requeue(self, rid: str, retry_after: float | None, line: dict[str, Any]) -> Dispatch | Refusal:
         """The replica refused the dispatched request before its client saw anything: the core
         holds it again until it fits elsewhere, or ends it (its quota's reservation given back)."""
-        self._live.discard(rid)
-        try:
-            result = await self._claimed(
-                await self.decision(rid, lambda: self.core.requeue(rid, self.clock(), retry_after)), line)
-        except BaseException:
-            if self.quotas is not None:
-                self.quotas.release(rid)
-            raise
-        if self.quotas is not None and isinstance(result, Refusal):
-            self.quotas.release(rid)
+        result = await self._served(rid, lambda: self.journey.requeue(rid, self.clock(), retry_after), line)
+        assert not isinstance(result, Divert)  # a request diverts only when it is first offered
         return result
 
-    async def _claimed(self, decision: Dispatch | Reject | Divert, line: dict[str, Any]) -> Dispatch | Refusal:
-        while True:
-            if isinstance(decision, Divert):  # diverted a second time: a target pool never diverts
-                decision = Reject(decision.request_id, decision.refusal, Terminal.REFUSED, decision.tenant,
-                                  decision.band)
-            if isinstance(decision, Reject):
-                return self.refused(decision, line)
-            if decision.claim is None or self.shared is None:
-                break
-            others = await self._claim(decision)
-            if others is None:
-                break
-            # another gateway filled the replica first: held again
-            rid = decision.request_id
-            decision = await self.decision(rid, lambda o=others, r=rid: self.core.unclaimed(r, o, self.clock()))
-        line.update(tenant=decision.tenant, band=decision.band)
-        wait = decision.dispatched_at - decision.arrival
-        self.metrics.observe_queue_wait(decision.tenant, decision.band, wait)
-        line.update(queue_wait_s=round(wait, 4), replica=decision.replica)
-        self._live.add(decision.request_id)
-        return decision
+    async def _served(self, rid: str, call: Callable[[], list[Step]],
+                      line: dict[str, Any]) -> Dispatch | Divert | Refusal:
+        """Follow the journey's steps for `rid` until it is to be served, relayed or refused."""
+        try:
+            step = await self.decision(rid, call)
+            while isinstance(step, Claim):
+                d = step.dispatch
+                others = await self._claim(d)
+                step = await self.decision(rid, lambda d=d, o=others: self.journey.claimed(d, o, self.clock()))
+        except BaseException:
+            self.journey.forget(rid)
+            raise
+        if isinstance(step, Refuse):
+            return self.refused(step, line)
+        if isinstance(step, Relay):
+            line.update(outcome=Terminal.DIVERTED.value, reason=str(step.divert.refusal.reason),
+                        overflow=step.target.name)
+            return step.divert
+        d = step.dispatch
+        if step.via is not None:
+            line.update(outcome=Terminal.DIVERTED.value, reason=step.via.reason, overflow=step.via.target)
+        line.update(tenant=d.tenant, band=d.band)
+        wait = d.dispatched_at - d.arrival
+        self.metrics.observe_queue_wait(d.tenant, d.band, wait)
+        line.update(queue_wait_s=round(wait, 4), replica=d.replica)
+        return d
+
+    def overflow_target(self, model: str, name: str) -> OverflowTarget:
+        return next(t for t in self.prepared.models[model].overflow if t.name == name)
+
+    def replica_url(self, name: str) -> str:
+        return self.core.view.replica(name).url
+
+    def replicas_of(self, model: str) -> list[tuple[str, str]]:
+        """The live replicas serving `model`: (name, URL)."""
+        view = self.core.view
+        return [(name, r.url) for name in view.replica_names(live_only=True)
+                if (r := view.replica(name)).model == model]
+
+    def started(self, rid: str, at: float, measured: bool = True) -> None:
+        """Its first token reached the front (`measured`: at the time the front saw it)."""
+        self.journey.started(rid, at, measured)
+
+    def handed_over(self, rid: str) -> None:
+        """Its prefill worker is done: its KV goes to its decode worker."""
+        self.deliver(self.journey.handed_over(rid, self.clock()))
 
     def finish(self, d: Dispatch, out: Outcome, streamed: bool, line: dict[str, Any]) -> None:
-        """An admitted request is over, as its front saw it end: its permit goes back, and what
-        was seen of it is learnt and counted. `out.completion_tokens` None: the front did not see
-        the answer's length, and nothing is learnt from it."""
-        rid = d.request_id
-        self._live.discard(rid)
+        """An admitted request is over, as its front saw it end: its permit goes back, its quota
+        is settled, and what was seen of it is learnt and counted. `out.completion_tokens` None:
+        the front did not see the answer's length, and nothing is learnt from it."""
         now = self.clock()
         if out.terminal is Terminal.COMPLETED:
             tokens = out.completion_tokens or 0
@@ -456,8 +460,7 @@ class ControlPlane:
         self._note_usage(out, line)
         line.update(ttft_s=None if out.first_token_at is None else round(out.first_token_at - d.arrival, 4),
                     layer=Layer.UPSTREAM.value if out.terminal is Terminal.FAILED else None)
-        self._settle_quota(rid, out, line, d)
-        self.apply(self.core.finished(rid, now, out.terminal, out.completion_tokens, out.reason))
+        self.deliver(self.journey.finished(d.request_id, now, out))
 
     def finish_diverted(self, d: Divert, model: str, out: Outcome, line: dict[str, Any]) -> None:
         """A request diverted to an external endpoint is over (the core counted it when it
@@ -465,7 +468,7 @@ class ControlPlane:
         self.metrics.overflow.labels(model, d.target, out.terminal.value).inc()
         self._note_usage(out, line)
         line["overflow_outcome"] = out.terminal.value
-        self._settle_quota(d.request_id, out, line)
+        self.journey.relayed(d.request_id, out)
 
     @staticmethod
     def _note_usage(out: Outcome, line: dict[str, Any]) -> None:
@@ -475,25 +478,6 @@ class ControlPlane:
         counted = line.get("prompt_tokens")
         if out.prompt_tokens is not None and out.prompt_tokens != counted:
             line.update(prompt_tokens=out.prompt_tokens, prompt_tokens_counted=counted)
-
-    def _settle_quota(self, rid: str, out: Outcome, line: dict[str, Any], d: Dispatch | None = None) -> None:
-        """Its reservation replaced by what it used, at the price of whoever served it: the
-        engine's usage where it said (the prompt as the engine counted it; a stream's usage in
-        every chunk says it before its first token); the tokens streamed where a stream was cut
-        before its usage came; for a request dispatched to the pool whose client left before the
-        engine said anything, what the core's predictions say was done by then
-        (`bouncer.core.usage`); an answer the front did not see (behind an endpoint picker) is
-        charged what it reserved (completion None)."""
-        if self.quotas is None:
-            return
-        engine_said = out.prompt_tokens is not None  # only the engine's usage sets it
-        prompt = out.prompt_tokens if engine_said else line.get("prompt_tokens", 0)
-        if out.terminal is Terminal.COMPLETED or out.first_token_at is not None or engine_said:
-            self.quotas.settle(rid, prompt, out.completion_tokens, line.get("overflow"))
-        elif out.terminal is Terminal.CANCELLED and d is not None:  # it ran, and its client left unanswered
-            self.quotas.settle(rid, *estimated_usage(d, prompt, self.clock()))
-        else:  # it never ran, or its replica failed it before its answer began: nothing used
-            self.quotas.settle(rid, 0, 0)
 
     def background(self, work: Awaitable[None]) -> None:
         """Run `work` past the request that started it (kept until done; stopped with the plane)."""
@@ -508,27 +492,27 @@ class ControlPlane:
         try:
             return await self.shared.claim(d.replica, d.claim)
         except asyncio.CancelledError:
-            self.apply(self.core.finished(d.request_id, self.clock(), Terminal.CANCELLED,
-                                          reason=Reason.CLIENT_DISCONNECTED))
+            self.deliver(self.journey.finished(d.request_id, self.clock(), Outcome(Terminal.CANCELLED,
+                                                                                 Reason.CLIENT_DISCONNECTED)))
             raise
 
-    async def decision(self, rid: str, call: Callable[[], list[Event]]) -> Dispatch | Reject:
-        """Run a core call and wait for this request's decision; a client that goes away while
+    async def decision(self, rid: str, call: Callable[[], list[Step]]) -> Step:
+        """Take the journey's steps and wait for this request's; a client that goes away while
         its request is queued takes it out of the queue."""
         fut = asyncio.get_running_loop().create_future()
         self._waiters[rid] = fut
-        self.apply(call())
+        self.deliver(call())
         try:
             return await fut
         except asyncio.CancelledError:
             self._waiters.pop(rid, None)
             now = self.clock()
-            if fut.done() and not fut.cancelled() and isinstance(fut.result(), Dispatch):
+            if fut.done() and not fut.cancelled() and isinstance(fut.result(), Go | Claim):
                 # dispatched in the very turn the client left (the result was set, the task was
                 # cancelled before it ran on): its permit goes straight back
-                self.apply(self.core.finished(rid, now, Terminal.CANCELLED, reason=Reason.CLIENT_DISCONNECTED))
+                self.deliver(self.journey.finished(rid, now, Outcome(Terminal.CANCELLED, Reason.CLIENT_DISCONNECTED)))
             else:
-                self.apply(self.core.cancel(rid, now))
+                self.deliver(self.journey.cancel(rid, now))
             raise
 
     async def _ticker(self) -> None:
@@ -550,8 +534,8 @@ class ControlPlane:
     async def _renew_leases(self) -> None:
         """The admitted requests this gateway is serving keep their permits."""
         while True:
-            await asyncio.sleep(self.config.policy.permit_lease_s / 4)
-            self.core.renew(self._live, self.clock())
+            await asyncio.sleep(max(TICK_MIN_S, self.journey.next_renewal - self.clock()))
+            self.journey.renew(self.clock())
 
     async def _scrape_loop(self, name: str) -> None:
         healthy: bool | None = None
@@ -632,7 +616,7 @@ class ControlPlane:
     @property
     def serving(self) -> int:
         """Admitted requests being served now."""
-        return len(self._live)
+        return len(self.journey.live)
 
     def reconfigure(self, prepared: Prepared) -> None:
         """Swap in a new config, validated and prepared (`admin.py`'s reload): the core's

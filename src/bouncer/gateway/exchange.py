@@ -1,5 +1,5 @@
-"""What a front and the control plane hand each other: a parsed request going in, and how an
-admitted request ended coming back (`bouncer.gateway.control_plane`)."""
+"""What a front hands the control plane: a parsed request going in (how an admitted request
+ended comes back as `bouncer.core.journey.Outcome`)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from bouncer.config import ModelConfig
-from bouncer.core.outcomes import Reason, Terminal
 from bouncer.core.requests import RequestInfo
 from bouncer.tokenizer import PromptTokenizer
 
@@ -22,17 +21,3 @@ class Parsed:
     raw: bytes  # its body as it came
     model: ModelConfig | None
     tokenizer: PromptTokenizer | None
-
-
-@dataclass(slots=True)
-class Outcome:
-    """How an admitted request ended, for the core's `finished` and its quota. `completion_tokens`
-    None: the front did not see the answer's length (an endpoint picker that let it pass, a
-    client that left before a whole answer came). `prompt_tokens`: the engine's own count, where
-    its usage said (the gateway's count stands in otherwise)."""
-
-    terminal: Terminal = Terminal.FAILED
-    reason: Reason | None = Reason.UPSTREAM_ERROR
-    completion_tokens: int | None = 0
-    first_token_at: float | None = None
-    prompt_tokens: int | None = None

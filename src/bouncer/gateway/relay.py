@@ -25,8 +25,8 @@ from typing import Any, NamedTuple
 import orjson
 from aiohttp import web
 
+from bouncer.core.journey import Outcome
 from bouncer.core.outcomes import Reason, Terminal
-from bouncer.gateway.exchange import Outcome
 from bouncer.gateway.upstream import UpstreamError, UpstreamResponse, UpstreamTimeout
 from bouncer.openai_wire import ApiError, dumps
 

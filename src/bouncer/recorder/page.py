@@ -167,3 +167,20 @@ def recording_app(timeline: Timeline) -> web.Application:
     app.router.add_get("/admin/timeline", handle)
     add_page_routes(app)
     return app
+
+
+def serve_recording(path: str, host: str, port: int) -> None:
+    """`bouncer recorder FILE`: the page over a recorded file, until Ctrl-C."""
+    from bouncer.recorder.timeline import TimelineFormatError
+
+    try:
+        timeline = Timeline.read(path)
+    except (OSError, TimelineFormatError) as exc:
+        raise SystemExit(f"bouncer recorder: {exc}") from None
+    span = f"{timeline.newest() - timeline.oldest():.1f} s" if len(timeline) else "no samples"
+    print(f"bouncer recorder: {len(timeline)} samples ({span}, {timeline.source}) on http://{host}:{port}/ui",
+          flush=True)
+    try:
+        web.run_app(recording_app(timeline), host=host, port=port, print=None, access_log=None)
+    except OSError as exc:
+        raise SystemExit(f"bouncer recorder: cannot listen on {host}:{port}: {exc}") from None

@@ -10,7 +10,6 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable
-from dataclasses import replace
 
 import xxhash
 
@@ -23,7 +22,9 @@ from bouncer.core.fleet.prefix_index import ApproxPrefixIndex
 from bouncer.core.fleet.replica import ReplicaState, Telemetry
 from bouncer.core.fleet.routing import RoundRobinRouter, Router, cached_tokens
 from bouncer.core.flow.dispatch import blocks_and_prefill
-from bouncer.core.outcomes import Claim, Dispatch, Divert, Reject, Terminal
+from bouncer.core.journey import Claim as ClaimStep
+from bouncer.core.journey import Go, Journey, Outcome, Refuse, Step
+from bouncer.core.outcomes import Claim, Reason, Terminal
 from bouncer.core.requests import Admission, RequestInfo
 from bouncer.core.sharing.peers import GatewayShare
 from bouncer.core.stores import Stores
@@ -51,21 +52,27 @@ class CorePolicy:
         """`quota_epoch`: where the config has quotas, the wall-clock time of simulated second 0."""
         self.name = name
         self.advises_clients = advises_clients
-        # quotas and overflow (`sim.quotas`): the requests offered and not yet ended, for a
-        # divert to another pool and the quota's settling
-        self.quotas = SimQuotas(config, quota_epoch) if config.quotas is not None else None
-        self._offered: dict[str, RequestInfo] | None = {} if self.quotas or any(
-            m.overflow for m in config.models) else None
+        self.quotas = SimQuotas(config, quota_epoch) if config.quotas is not None else None  # `sim.quotas`
         # routes as config.policy.routing says; `stores`: what it shares with other gateways
         self.core = AdmissionCore(config, 0.0, stores, exemption=exemption)
+        # what follows each decision, as the gateway runs it (`bouncer.core.journey`); an
+        # external overflow endpoint is outside the simulated fleet, and refuses as the pool would
+        self.journey = Journey(self.core, self.quotas, relays=False)
         self._keys = {t.name: t.api_keys_sha256[0] for t in config.tenants}
-        self._renew_every = config.policy.permit_lease_s / 4
-        self._next_renew = 0.0
         # several gateways sharing state (`sim.gateways`): a dispatch's claim, checked there
         # (None: it holds; else the blocks the others hold on its replica)
         self.claimer: Callable[[str, Claim], int | None] | None = None
         # what a replica found later looks like (`set_replicas`): the config's first backend
         self._template = config.models[0].backends[0]
+
+    @property
+    def claimer(self) -> Callable[[str, Claim], int | None] | None:
+        return self._claimer
+
+    @claimer.setter
+    def claimer(self, claimer: Callable[[str, Claim], int | None] | None) -> None:
+        self._claimer = claimer
+        self.journey.claims = claimer is not None
 
     @property
     def replica_names(self) -> list[str]:
@@ -75,45 +82,23 @@ class CorePolicy:
     def queued(self) -> int:
         return self.core.view.queued
 
-    def _convert(self, events, now: float) -> list[PolicyEvent]:
+    def _convert(self, steps: list[Step], now: float) -> list[PolicyEvent]:
         out: list[PolicyEvent] = []
-        for e in events:
-            if isinstance(e, Dispatch):
-                if e.claim is not None and self.claimer is not None:
-                    others = self.claimer(e.replica, e.claim)
-                    if others is not None:  # another gateway filled the replica first
-                        out.extend(self._convert(self.core.unclaimed(e.request_id, others, now), now))
-                        continue
-                out.append(Dispatched(e.request_id, e.replica, e.decode_replica, e.cache_salt))
-            elif isinstance(e, Divert):
-                out.extend(self._diverted(e, now))
-            else:
-                assert isinstance(e, Reject)
-                self._ended(e.request_id)
-                r = e.refusal
+        for step in steps:
+            if isinstance(step, Go):
+                d = step.dispatch
+                out.append(Dispatched(d.request_id, d.replica, d.decode_replica, d.cache_salt))
+            elif isinstance(step, ClaimStep):
+                others = self._claimer(step.dispatch.replica, step.dispatch.claim)  # type: ignore[misc,arg-type]
+                out.extend(self._convert(self.journey.claimed(step.dispatch, others, now), now))
+            elif isinstance(step, Refuse):
+                e, r = step.reject, step.reject.refusal
                 advice = self.advises_clients
                 out.append(Refused(e.request_id, r.status, f"{r.layer.value}/{r.reason}",
                                    r.retry_after if advice else None, final=e.terminal is Terminal.EXPIRED,
                                    should_retry=r.should_retry if advice else True))
+            # (`Relay` never comes: this driver does not relay; `Reclaimed`: its request ends as usual)
         return out
-
-    def _diverted(self, e: Divert, now: float) -> list[PolicyEvent]:
-        """Offered again to the overflow pool, as the gateway does; a target outside the
-        simulated fleet (an external endpoint) answers as the pool would have."""
-        info = self._offered.get(e.request_id) if self._offered is not None else None
-        target = next((t for m in self.core.config.models for t in m.overflow if t.name == e.target), None)
-        if info is None or target is None or target.model is None:
-            return self._convert([Reject(e.request_id, e.refusal, Terminal.REFUSED, e.tenant, e.band)], now)
-        again = replace(info, model=target.model, diverted_from=info.model, over_quota=None)
-        self._offered[e.request_id] = again  # type: ignore[index]
-        return self._convert(self.core.offer(again, now), now)
-
-    def _ended(self, attempt_id: str, completion_tokens: int | None = None) -> None:
-        """It is over: its quota settled (None: it never ran, its reservation given back)."""
-        info = self._offered.pop(attempt_id, None) if self._offered is not None else None
-        if self.quotas is not None and info is not None:
-            self.quotas.settle(attempt_id, info.prompt_tokens if completion_tokens is not None else 0,
-                               completion_tokens or 0)
 
     def _info(self, req: SimRequest) -> RequestInfo:
         # as an OpenAI SDK client sends it: each attempt says how many came before
@@ -126,42 +111,37 @@ class CorePolicy:
 
     def offer(self, req: SimRequest, now: float) -> list[PolicyEvent]:
         info = self._info(req)
-        if self._offered is not None:
-            self._offered[info.request_id] = info
-            if self.quotas is not None:
-                info.over_quota = self.quotas.reserve(info.request_id, req.tenant, info.model, info.prompt_tokens,
-                                                      self.core.view.predicted_output(req.tenant, info), now)
-        return self._convert(self.core.offer(info, now), now)
+        if self.quotas is not None:
+            info.over_quota = self.quotas.reserve(info.request_id, req.tenant, info.model, info.prompt_tokens,
+                                                  self.core.view.predicted_output(req.tenant, info), now)
+        return self._convert(self.journey.offer(info, now), now)
 
     def tick(self, now):
-        return self._convert(self.core.tick(now), now)
+        return self._convert(self.journey.steps(self.core.tick(now), now), now)
 
     def next_wakeup(self):
         return self.core.next_wakeup()
 
     def started(self, attempt_id, now):
-        self.core.started(attempt_id, now)
+        self.journey.started(attempt_id, now)
 
     def handed_over(self, attempt_id, now):
-        return self._convert(self.core.handed_over(attempt_id, now), now)
+        return self._convert(self.journey.handed_over(attempt_id, now), now)
 
     def finished(self, attempt_id, now, completed, completion_tokens):
-        terminal = Terminal.COMPLETED if completed else Terminal.CANCELLED
-        self._ended(attempt_id, completion_tokens)
-        return self._convert(self.core.finished(attempt_id, now, terminal, completion_tokens), now)
+        out = Outcome(Terminal.COMPLETED, None, completion_tokens) if completed \
+            else Outcome(Terminal.CANCELLED, Reason.CLIENT_DISCONNECTED, completion_tokens)
+        return self._convert(self.journey.finished(attempt_id, now, out), now)
 
     def cancel(self, attempt_id, now):
-        self._ended(attempt_id)
-        return self._convert(self.core.cancel(attempt_id, now), now)
+        return self._convert(self.journey.cancel(attempt_id, now), now)
 
     def engine_refused(self, attempt_id, now):
-        return self._convert(self.core.requeue(attempt_id, now), now)
+        return self._convert(self.journey.requeue(attempt_id, now), now)
 
     def observe(self, replica: str, telemetry: Telemetry, now: float):
-        if now >= self._next_renew:  # as the gateway does: what runs keeps its permit
-            self._next_renew = now + self._renew_every
-            self.core.renew(self.core.view.inflight_ids(), now)
-        return self._convert(self.core.observe(replica, telemetry, now), now)
+        self.journey.renew(now)  # what runs keeps its permit
+        return self._convert(self.journey.steps(self.core.observe(replica, telemetry, now), now), now)
 
     def kv_events(self, replica: str, stored: list[tuple[str, int]], removed: list[tuple[str, int]],
                   now: float) -> None:
@@ -172,11 +152,11 @@ class CorePolicy:
         ones the config listed, under these names."""
         model = self.core.config.models[0]
         backends = [self._template.model_copy(update={"name": n, "url": f"http://sim-{n}"}) for n in names]
-        return self._convert(self.core.set_backends(model.with_backends(backends), now), now)
+        return self._convert(self.journey.steps(self.core.set_backends(model.with_backends(backends), now), now), now)
 
     def peers(self, others: list[GatewayShare], now: float) -> list[PolicyEvent]:
         """Several gateways (`bouncer.sim.gateways`): the others' parts of the shared state."""
-        return self._convert(self.core.peers(others, now), now)
+        return self._convert(self.journey.steps(self.core.peers(others, now), now), now)
 
 
 class _Passthrough:

@@ -1,7 +1,7 @@
 """Quotas and overflow in the simulator, as the gateway keeps them: the same book
 (`bouncer.quotas.book`) over an in-process ledger, on simulated time (`epoch`: the wall-clock
-time of simulated second 0, so calendar windows fall where a scenario wants them), and a
-request diverted to another model's pool offered there again, as `ControlPlane.admit` does."""
+time of simulated second 0, so calendar windows fall where a scenario wants them). What is
+reserved and settled when is the journey's (`bouncer.core.journey`), as in the gateway."""
 
 from __future__ import annotations
 
@@ -33,8 +33,10 @@ class SimQuotas:
             self.over.add(rid)
         return self.book.answered(rid, asked, full, at)
 
-    def settle(self, rid: str, prompt_tokens: int, completion_tokens: int) -> None:
-        used = self.book.used(rid, prompt_tokens, completion_tokens)
+    def settle(self, rid: str, prompt_tokens: int, completion_tokens: int | None,
+               overflow_target: str | None = None) -> None:
+        """As `QuotaKeeper.settle`, at once."""
+        used = self.book.used(rid, prompt_tokens, completion_tokens, overflow_target)
         if used is not None:
             self.ledger.settle(rid, [(key, amount) for key, amount, _ in used])
 

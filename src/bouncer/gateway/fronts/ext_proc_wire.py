@@ -13,9 +13,9 @@ import grpc
 import orjson
 from multidict import CIMultiDict
 
+from bouncer.core.journey import Outcome
 from bouncer.core.outcomes import Refusal
 from bouncer.gateway.errors import refusal_answer
-from bouncer.gateway.exchange import Outcome
 from bouncer.gateway.fronts import envoy_wire_pb2 as ext_proc
 from bouncer.gateway.relay import read_usage
 from bouncer.openai_wire import ApiError, dumps

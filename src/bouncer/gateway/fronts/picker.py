@@ -51,10 +51,11 @@ from multidict import CIMultiDict
 from yarl import URL
 
 from bouncer.config import ConfigError, PickerTLS
+from bouncer.core.journey import Outcome
 from bouncer.core.outcomes import Dispatch, Layer, Reason, Refusal, Terminal
 from bouncer.gateway import logs
 from bouncer.gateway.control_plane import ControlPlane, serve_http
-from bouncer.gateway.exchange import Outcome, Parsed
+from bouncer.gateway.exchange import Parsed
 from bouncer.gateway.fronts import envoy_wire_pb2 as ext_proc
 from bouncer.gateway.fronts.access_log_wire import Ended, access_log_service, ends_of, peer_host, status_outcome
 from bouncer.gateway.fronts.ext_proc_wire import (
@@ -235,7 +236,7 @@ class Picker:
             self._by_envoy_id.setdefault(served.envoy_id, set()).add(rid)
         cut = False
         try:
-            endpoint = await self._endpoint(self.plane.core.view.replica(d.replica).url)
+            endpoint = await self._endpoint(self.plane.replica_url(d.replica))
             for response in self._route(parsed, d, endpoint, read_whole, duplex, line):
                 await context.write(response)
             if not (read_whole or streaming):
@@ -300,7 +301,7 @@ class Picker:
             token = body.startswith(b"data:") if served.streaming else True
             if token:
                 served.out.first_token_at = at
-                self.plane.core.started(served.dispatch.request_id, at, measured=served.streaming)
+                self.plane.started(served.dispatch.request_id, at, measured=served.streaming)
         if not served.read_whole:
             return
         served.tail += body
@@ -417,7 +418,7 @@ class Picker:
         if out.first_token_at is None and out.terminal is Terminal.COMPLETED:
             # an answer that came whole (or whose first chunk was missed): its prefill is over
             now = self.clock()
-            self.plane.core.started(rid, now, measured=False)  # (the core's clock only goes forward)
+            self.plane.started(rid, now, measured=False)  # (the core's clock only goes forward)
             if answered_at is not None:  # for the TTFT metric and the access line
                 out.first_token_at = min(now, answered_at)
         line = served.line
@@ -482,14 +483,12 @@ class Picker:
         """The replicas of `model` at any of `endpoints` (`ip:port`)."""
         wanted = set(endpoints)
         names = []
-        for name in self.plane.core.view.replica_names(live_only=True):
-            replica = self.plane.core.view.replica(name)
-            if replica.model == model:
-                try:
-                    if await self._endpoint(replica.url) in wanted:
-                        names.append(name)
-                except OSError:
-                    continue  # a name that does not resolve is at no endpoint
+        for name, url in self.plane.replicas_of(model):
+            try:
+                if await self._endpoint(url) in wanted:
+                    names.append(name)
+            except OSError:
+                continue  # a name that does not resolve is at no endpoint
         return names
 
     def _not_generation(self, headers: CIMultiDict[str], path: str) -> ext_proc.ProcessingResponse:

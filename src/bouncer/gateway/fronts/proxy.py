@@ -24,12 +24,12 @@ import orjson
 import yarl
 from aiohttp import web
 
+from bouncer.core.journey import Outcome
 from bouncer.core.outcomes import Dispatch, Divert, Layer, Reason, Refusal, Terminal
 from bouncer.gateway import logs
 from bouncer.gateway.control_plane import ControlPlane, serve_http
 from bouncer.gateway.disaggregated import kv_transfer_params, prefill_body
 from bouncer.gateway.errors import error_response, plain_error
-from bouncer.gateway.exchange import Outcome
 from bouncer.gateway.relay import (
     ClientUsage,
     Requeue,
@@ -152,7 +152,7 @@ class Proxy:
         dispatched = self.clock()
         try:
             model = plane.prepared.models[d.model]
-            url = plane.core.view.replica(d.replica).url
+            url = plane.replica_url(d.replica)
             every_chunk = model.engine in USAGE_EVERY_CHUNK  # what it used so far, known wherever it stops
             sent, dropped = upstream_body(body, model.upstream_model or model.name, d.max_tokens, usage=True,
                                           usage_every_chunk=every_chunk, cache_salt=d.cache_salt)
@@ -161,7 +161,7 @@ class Proxy:
 
             def first_token(at: float) -> None:
                 # a stream's first token is measured; a whole answer only says its prefill is over
-                plane.core.started(rid, at, measured=streaming)
+                plane.started(rid, at, measured=streaming)
                 if root is not None:
                     first_at.append(at)
 
@@ -303,9 +303,9 @@ class Proxy:
             params = await kv_transfer_params(up, self.upstream.read_timeout)
         finally:
             up.close()
-        self.plane.apply(self.plane.core.handed_over(rid, self.clock()))
+        self.plane.handed_over(rid)
         sent["kv_transfer_params"] = params
-        return self.plane.core.view.replica(decode).url
+        return self.plane.replica_url(decode)
 
     def _timeouts(self) -> Timeouts:
         return Timeouts(self.upstream.read_timeout, self.plane.config.listen.send_timeout_s)
