@@ -47,7 +47,7 @@ from bouncer.bench.envoy_peers import envoy_binary, start_envoy
 from bouncer.bench.loopback import cpu_seconds, free_port, pinned, stop, wait_ok
 from bouncer.bench.overhead import BENCH_KEY, _gateway_config_for, _wrk
 from bouncer.bench.paced_streams import PACE_MS, PACED_TOKENS, measure
-from bouncer.bench.peers import start_vllm_router
+from bouncer.bench.peer_proxies import start_vllm_router
 from bouncer.config import parse_config
 from bouncer.gateway.fronts.envoy_bootstrap import BUFFERED, bootstrap
 from bouncer.tokenizer import default_tokenizer_path
@@ -118,7 +118,7 @@ import json, sys
 from bouncer.gateway.fronts import envoy_wire_pb2 as pb
 from bouncer.cli import main
 from bouncer.core.outcomes import Refusal, Terminal
-from bouncer.gateway.exchange import Outcome
+from bouncer.gateway.parsed_request import Outcome
 from bouncer.gateway.fronts import picker
 from bouncer.gateway.fronts.ext_proc_wire import header_of, headers_of, refused, request_body, set_header
 
@@ -247,7 +247,7 @@ def hot_loop(up_port: int, n: int) -> float:
     from bouncer.bench.overhead import BODY
     from bouncer.core.outcomes import Terminal
     from bouncer.gateway.control_plane import ControlPlane
-    from bouncer.gateway.exchange import Outcome
+    from bouncer.gateway.parsed_request import Outcome
 
     async def run() -> float:
         cfg = json.loads(_gateway_config_for(up_port, str(default_tokenizer_path()), free_port()))

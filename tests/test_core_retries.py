@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from bouncer.core.intake.retries import RetryLedger
 from bouncer.core.outcomes import Terminal
-from bouncer.core.sharing.retries import SharedRetries
+from bouncer.core.sharing.first_attempts import SharedRetries
 from core_helpers import admission_of, dispatched, info, make_core, observe_idle, tenant
 
 FIRST_ATTEMPT = {"retries": {"deadline": "first-attempt"}}  # the default, stated

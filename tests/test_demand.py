@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from bouncer.bench.demand import WITHIN, measure
+from bouncer.bench.demand_signal import WITHIN, measure
 from bouncer.core.fleet.demand import Demand
 from bouncer.core.learning.step_time import StepTimeModel
 from bouncer.core.model_state import WAITING_FLOOR

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from bouncer.bench import goodput, overflow
+from bouncer.bench import goodput, quotas_overflow
 from bouncer.core.journey import Outcome, settlement
 from bouncer.core.outcomes import Dispatch, Reason, Refusal, Terminal
 from bouncer.gateway.control_plane import ControlPlane
@@ -147,7 +147,7 @@ def m_mid_at_load_3() -> set[str]:
 
 
 def overflow_to_a_spare_pool() -> set[str]:
-    r = overflow.divert("divert", 2.0, duration_s=120.0)
+    r = quotas_overflow.divert("divert", 2.0, duration_s=120.0)
     assert r["diverted"] > 0
     return {"diverted"}
 
@@ -155,7 +155,7 @@ def overflow_to_a_spare_pool() -> set[str]:
 @pytest.mark.parametrize("run", [m_mid_at_load_3, overflow_to_a_spare_pool])
 def test_a_recorded_run_decides_the_same_through_the_simulator_and_the_control_plane(run, monkeypatch, tmp_path):
     tape = Tape()
-    for module in (goodput, overflow):
+    for module in (goodput, quotas_overflow):
         monkeypatch.setattr(module, "CorePolicy", taped(tape))
     monkeypatch.setattr(goodput, "CACHE_DIR", tmp_path / "capacity")
     run()

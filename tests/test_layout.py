@@ -130,3 +130,29 @@ def test_no_folder_of_the_core_holds_more_than_about_15_modules():
     for folder in [CORE, *[p for p in CORE.rglob("*") if p.is_dir() and p.name != "__pycache__"]]:
         modules = [p for p in folder.glob("*.py") if p.name != "__init__.py"]
         assert len(modules) <= MOST_MODULES_PER_FOLDER, f"{folder.relative_to(SRC)}: {len(modules)} modules"
+
+
+def test_no_two_modules_share_a_name():
+    """A module's name says what it holds; two of one name make every mention of it ambiguous
+    (in a traceback, a doc, a review)."""
+    by_name: dict[str, list[str]] = {}
+    for path in PACKAGE.rglob("*.py"):
+        if path.name != "__init__.py":
+            by_name.setdefault(path.name, []).append(str(path.relative_to(PACKAGE)))
+    assert {name: paths for name, paths in by_name.items() if len(paths) > 1} == {}
+
+
+MOST_LINES_PER_FUNCTION = 80
+
+
+def test_no_function_is_too_long_to_hold_in_ones_head():
+    long = []
+    for path in PACKAGE.rglob("*.py"):
+        if path.name.endswith("_pb2.py"):
+            continue  # generated
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                lines = node.end_lineno - node.lineno + 1  # type: ignore[operator]
+                if lines > MOST_LINES_PER_FUNCTION:
+                    long.append(f"{path.relative_to(PACKAGE)}:{node.name} ({lines} lines)")
+    assert long == []

@@ -4,7 +4,7 @@ overflow without taking from the others."""
 
 from __future__ import annotations
 
-from bouncer.bench.overflow import demote, divert
+from bouncer.bench.quotas_overflow import demote, divert
 
 
 def test_diverting_a_saturated_pools_refusals_to_a_spare_pool_serves_more_within_slo():

@@ -19,9 +19,9 @@ import pytest
 from bouncer.bench.loopback import RedisServer
 from bouncer.config import SharedState as SharedStateConfig
 from bouncer.config import key_digest
+from bouncer.core.sharing.first_attempts import SharedRetries
 from bouncer.core.sharing.peers import GatewayShare, ReplicaLoad
-from bouncer.core.sharing.rate_limits import SharedRateLimits
-from bouncer.core.sharing.retries import SharedRetries
+from bouncer.core.sharing.shared_rate_limits import SharedRateLimits
 from bouncer.gateway.shared_state import SharedState
 from bouncer.tokenizer import default_tokenizer_path
 from conftest import start_engine, start_gateway

@@ -22,7 +22,7 @@ from bouncer.bench.loopback import RedisServer
 from bouncer.config import RateLimit, key_digest
 from bouncer.config import SharedState as SharedStateConfig
 from bouncer.core.outcomes import Reason
-from bouncer.core.sharing.rate_limits import SharedRateLimits
+from bouncer.core.sharing.shared_rate_limits import SharedRateLimits
 from bouncer.gateway.shared_state import SharedState
 from bouncer.tokenizer import default_tokenizer_path
 from conftest import start_engine, start_gateway
@@ -284,7 +284,7 @@ def test_a_shared_state_that_is_not_redis_is_a_config_error():
 
 @pytest.mark.slow
 def test_bench_gateways_shows_the_limit_once_when_shared_and_once_per_gateway_alone():
-    from bouncer.bench.gateways import report, run
+    from bouncer.bench.gateway_processes import report, run
 
     result = run(gateways=2, engines=1, seconds=4.0)
     alone, shared = ({name: t["admitted_over_allowed"] for name, t in r["tenants"].items()

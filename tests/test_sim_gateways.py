@@ -1,4 +1,4 @@
-"""Several gateways in the fleet simulator (`bouncer.sim.gateways`): sharing against not."""
+"""Several gateways in the fleet simulator (`bouncer.sim.several_gateways`): sharing against not."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from bouncer.bench.goodput import run
-from bouncer.sim.gateways import GatewaySetup
+from bouncer.sim.several_gateways import GatewaySetup
 
 
 def surge(setup: GatewaySetup) -> dict:

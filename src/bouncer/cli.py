@@ -8,18 +8,7 @@ import json
 import pathlib
 import sys
 
-
-def run_async(coro) -> None:
-    """Run `coro` on uvloop where it is installed, until it ends or Ctrl-C."""
-    try:
-        import uvloop
-        uvloop.install()
-    except ImportError:  # uvloop is optional off Linux/macOS
-        pass
-    try:
-        asyncio.run(coro)
-    except KeyboardInterrupt:
-        pass
+from bouncer.event_loop import run_async
 
 
 def _engine_ports(text: str) -> tuple[int, ...]:
@@ -200,6 +189,48 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8090)
     p.set_defaults(func=cmd_recorder)
 
+    _add_gateway_commands(sub)
+
+    config = sub.add_parser("config", help="configuration helpers").add_subparsers(dest="config_cmd", required=True)
+    p = config.add_parser("example", help="print a commented example config")
+    p.set_defaults(func=cmd_config_example)
+    p = config.add_parser("check", help="validate a config file")
+    p.add_argument("file")
+    p.set_defaults(func=cmd_config_check)
+    p = config.add_parser("hash-key", help="SHA-256 digest of an API key, for api_keys_sha256")
+    p.add_argument("key")
+    p.set_defaults(func=cmd_config_hash_key)
+
+    quota = sub.add_parser("quota", help="tenants' spend over hours, days, weeks and months, in the quota store"
+                           ).add_subparsers(dest="quota_cmd", required=True)
+    p = quota.add_parser("show", help="a tenant's spend and what is left, on each limit that applies to it")
+    p.add_argument("tenant")
+    p.add_argument("--config", required=True, help="the gateway's config (it names the store)")
+    p.add_argument("--json", action="store_true", help="print JSON rows")
+    p.set_defaults(func=cmd_quota)
+    p = quota.add_parser("reset", help="forget a tenant's (or its group's) spend in the current window (admin)")
+    p.add_argument("tenant")
+    p.add_argument("--config", required=True, help="the gateway's config (it names the store)")
+    p.add_argument("--group", metavar="NAME", help="reset this group of the tenant instead of the tenant's own")
+    p.add_argument("--window", choices=["hour", "day", "week", "month"], help="only this window's limit")
+    p.add_argument("--json", action="store_true", help="print JSON rows")
+    p.set_defaults(func=cmd_quota)
+
+    p = sub.add_parser("reference", help="write the reference pages generated from the code (docs/reference: "
+                       "configuration, metrics, CLI, HTTP API)")
+    p.add_argument("--check", action="store_true", help="write nothing; exit 1 naming the pages that differ from "
+                   "what the code generates now")
+    p.add_argument("--out", metavar="DIR", help="the pages' folder (default: docs/reference of this checkout)")
+    p.set_defaults(func=cmd_reference)
+
+    from bouncer.bench.commands import add_lab_commands
+
+    add_lab_commands(sub)
+    return parser
+
+
+def _add_gateway_commands(sub) -> None:
+    """`bouncer serve` and `bouncer envoy-config`: the gateway, and Envoy in front of its picker."""
     p = sub.add_parser("serve", help="run the gateway (no --config: the embedded demo)")
     p.add_argument("--config", help="YAML config; without it the embedded demo starts")
     p.add_argument("--host", help="listen address (default: the config's, or 127.0.0.1)")
@@ -239,43 +270,6 @@ def build_parser() -> argparse.ArgumentParser:
                                                                 "picker.tls.client_ca_file signed it), PEM")
     p.add_argument("--picker-client-key", metavar="FILE", help="its private key, PEM")
     p.set_defaults(func=cmd_envoy_config)
-
-    config = sub.add_parser("config", help="configuration helpers").add_subparsers(dest="config_cmd", required=True)
-    p = config.add_parser("example", help="print a commented example config")
-    p.set_defaults(func=cmd_config_example)
-    p = config.add_parser("check", help="validate a config file")
-    p.add_argument("file")
-    p.set_defaults(func=cmd_config_check)
-    p = config.add_parser("hash-key", help="SHA-256 digest of an API key, for api_keys_sha256")
-    p.add_argument("key")
-    p.set_defaults(func=cmd_config_hash_key)
-
-    quota = sub.add_parser("quota", help="tenants' spend over hours, days, weeks and months, in the quota store"
-                           ).add_subparsers(dest="quota_cmd", required=True)
-    p = quota.add_parser("show", help="a tenant's spend and what is left, on each limit that applies to it")
-    p.add_argument("tenant")
-    p.add_argument("--config", required=True, help="the gateway's config (it names the store)")
-    p.add_argument("--json", action="store_true", help="print JSON rows")
-    p.set_defaults(func=cmd_quota)
-    p = quota.add_parser("reset", help="forget a tenant's (or its group's) spend in the current window (admin)")
-    p.add_argument("tenant")
-    p.add_argument("--config", required=True, help="the gateway's config (it names the store)")
-    p.add_argument("--group", metavar="NAME", help="reset this group of the tenant instead of the tenant's own")
-    p.add_argument("--window", choices=["hour", "day", "week", "month"], help="only this window's limit")
-    p.add_argument("--json", action="store_true", help="print JSON rows")
-    p.set_defaults(func=cmd_quota)
-
-    p = sub.add_parser("reference", help="write the reference pages generated from the code (docs/reference: "
-                       "configuration, metrics, CLI, HTTP API)")
-    p.add_argument("--check", action="store_true", help="write nothing; exit 1 naming the pages that differ from "
-                   "what the code generates now")
-    p.add_argument("--out", metavar="DIR", help="the pages' folder (default: docs/reference of this checkout)")
-    p.set_defaults(func=cmd_reference)
-
-    from bouncer.bench.commands import add_lab_commands
-
-    add_lab_commands(sub)
-    return parser
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,4 +1,4 @@
-"""`bouncer bench run --scenario agents`: agentic sessions in a closed loop (issue #6).
+"""`bouncer bench run --scenario agents`: agentic sessions in a closed loop.
 
 Real Claude Code sessions (WEKA's traces, data/traces/weka-claude-code) replayed as agents:
 each step is a request whose prompt extends the previous step's (contexts of ~90k tokens), sent
@@ -25,10 +25,10 @@ import time
 
 from bouncer.core.stores import Stores
 from bouncer.sim.fleet import FleetConfig, FleetSim, SimRequest
-from bouncer.sim.gateways import Gateways, GatewaySetup
 from bouncer.sim.policies import BOUNCER_POLICY, CorePolicy, NoAdmission, core_config, merged, tenant_config
 from bouncer.sim.profiles import get_profile
 from bouncer.sim.scenarios import WEKA_SESSIONS
+from bouncer.sim.several_gateways import Gateways, GatewaySetup
 from bouncer.sim.traces import AgentSession, AgentStep, SessionDigests, load_weka
 
 AGENT_POLICIES = ("none", "request-cap", "bouncer")

@@ -8,7 +8,7 @@ import json
 import pathlib
 import sys
 
-from bouncer.cli import run_async as _run
+from bouncer.event_loop import run_async as _run
 
 
 def _engine_model_from_args(args):
@@ -114,7 +114,7 @@ def cmd_bench_flood(args) -> None:
 
 
 def cmd_bench_gateways(args) -> None:
-    from bouncer.bench.gateways import main as gateways
+    from bouncer.bench.gateway_processes import main as gateways
 
     gateways(args.gateways, args.engines, args.seconds, args.out, args.contention_seconds, args.faults,
              args.faults_only)
@@ -127,7 +127,7 @@ def cmd_bench_long_prompts(args) -> None:
 
 
 def _gateway_setup(args):
-    from bouncer.sim.gateways import GatewaySetup
+    from bouncer.sim.several_gateways import GatewaySetup
 
     if args.gateways == 1 and (args.state_delay_ms is not None or args.spread != "request"):
         raise SystemExit("bouncer bench run: --state-delay-ms and --spread need --gateways 2 or more")
@@ -234,7 +234,7 @@ def cmd_bench_feasibility(args) -> None:
 
 
 def cmd_bench_demand(args) -> None:
-    from bouncer.bench.demand import main as demand
+    from bouncer.bench.demand_signal import main as demand
 
     demand(args.scenario, args.load, args.arrivals, args.duration, args.seed, args.trace, args.out)
 
@@ -246,9 +246,9 @@ def cmd_bench_autoscaling(args) -> None:
 
 
 def cmd_bench_overflow(args) -> None:
-    from bouncer.bench import overflow
+    from bouncer.bench import quotas_overflow
 
-    overflow.main(args.scenario, args.load, args.spare, args.seed, args.out)
+    quotas_overflow.main(args.scenario, args.load, args.spare, args.seed, args.out)
 
 
 def cmd_bench_provisioner(args) -> None:
@@ -319,10 +319,6 @@ def add_lab_commands(sub) -> None:
     _add_engine_args(p)
     p.set_defaults(func=cmd_engine)
 
-    from bouncer.bench.goodput import POLICIES, STEP_TIMES
-    from bouncer.core.registry import ROUTERS
-    from bouncer.sim.scenarios import SCENARIOS, SERVEGEN_TENANCIES
-
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     p = bench.add_parser("engine", help="replay a trace against one engine model in virtual time")
     p.add_argument("--trace", help="an Azure LLM trace CSV (default: the Azure 2023 conversation trace in data/traces)")
@@ -330,6 +326,17 @@ def add_lab_commands(sub) -> None:
     p.add_argument("--out", help="write the summary as JSON")
     _add_engine_args(p)
     p.set_defaults(func=cmd_bench_engine)
+    _add_bench_run(bench)
+    _add_simulated_benches(bench)
+    _add_real_time_benches(bench)
+    _add_process_benches(bench)
+
+
+def _add_bench_run(bench) -> None:
+    from bouncer.bench.goodput import POLICIES, STEP_TIMES
+    from bouncer.core.registry import ROUTERS
+    from bouncer.sim.scenarios import SCENARIOS, SERVEGEN_TENANCIES
+
     p = bench.add_parser("run", help="one goodput run in the fleet simulator")
     p.add_argument("--scenario", required=True, choices=SCENARIOS)
     p.add_argument("--policy", required=True, choices=POLICIES + ("request-cap",),
@@ -376,6 +383,11 @@ def add_lab_commands(sub) -> None:
                    ".gz to compress) for `bouncer recorder FILE`")
     p.add_argument("--record-step", type=float, default=0.25, metavar="S", help="seconds between samples")
     p.set_defaults(func=cmd_bench_run)
+
+
+def _add_simulated_benches(bench) -> None:
+    """Benchmarks in the fleet simulator, apart from `bench run`."""
+    from bouncer.sim.scenarios import SCENARIOS
 
     p = bench.add_parser("hashing", help="chained block hashes against tokenizing, on one long prompt")
     p.add_argument("--tokens", type=int, default=131_072, help="prompt length")
@@ -430,6 +442,12 @@ def add_lab_commands(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="write the rows as JSON here")
     p.set_defaults(func=cmd_bench_overflow)
+
+
+def _add_real_time_benches(bench) -> None:
+    """Benchmarks in real time, against `bouncer engine` processes."""
+    from bouncer.sim.scenarios import SCENARIOS
+
     p = bench.add_parser("provisioner", help="a stand-in for KEDA: starts and stops `bouncer engine` replicas on "
                                              "the gateways' demand gauge, listing them in a discovery file")
     p.add_argument("--metrics", nargs="+", required=True, metavar="URL", help="each gateway's /metrics URL")
@@ -489,6 +507,9 @@ def add_lab_commands(sub) -> None:
     p.add_argument("--out", required=True, help="output folder")
     p.set_defaults(func=cmd_bench_report)
 
+
+def _add_process_benches(bench) -> None:
+    """The gateway's own cost, as processes under load."""
     p = bench.add_parser("flood", help="the rogue drill: 300 sheddable clients looping on long prompts against "
                          "the demo's fleet, one interactive client; its TTFT and the gateway's CPU per refusal")
     p.add_argument("--clients", type=int, default=300)

@@ -22,7 +22,6 @@ from bouncer.core.stores import Stores
 from bouncer.recorder.sampler import Sampler
 from bouncer.recorder.timeline import Timeline
 from bouncer.sim.fleet import FleetConfig, FleetSim, SimRequest
-from bouncer.sim.gateways import Gateways, GatewaySetup
 from bouncer.sim.pd_policies import PdCurrentLoad, PdDynamoBusy, PdRoundRobin
 from bouncer.sim.policies import (
     BOUNCER_POLICY,
@@ -38,6 +37,7 @@ from bouncer.sim.policies import (
 )
 from bouncer.sim.profiles import EngineProfile, get_profile
 from bouncer.sim.scenarios import Scenario, get_scenario
+from bouncer.sim.several_gateways import Gateways, GatewaySetup
 from bouncer.sim.workloads import TenantSpec, make_requests, measure_capacity
 
 POLICIES = ("none", "tgi-cap", "vllm-queue-cap", "llmd-flow-control", "dynamo-busy", "pd-current-load", "bouncer")
@@ -251,7 +251,7 @@ def run(scenario_name: str, policy: str, load: float, seed: int = 0, replicas: i
     `only_tenants` drops the other tenants' requests (capacity and arrivals stay those of the
     whole mix); `policy_set` changes policy settings (nested, as in the config's `policy`);
     `step_time` is what Bouncer knows of the engine's step time (`make_policy`); `gateways`: several
-    gateways, each with its own core, sharing state or not (`bouncer.sim.gateways`);
+    gateways, each with its own core, sharing state or not (`bouncer.sim.several_gateways`);
     `trace_start_h`: the hour of a ServeGen trace replayed, from that many hours in (default:
     its busiest); `tenancy`: how its clients become tenants (`servegen_tenants`); `cache_isolation`:
     Bouncer keeps each tenant's prefixes in a cache of its own on the engines (`core_config` says

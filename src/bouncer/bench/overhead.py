@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass
 from bouncer.bench.loopback import cpu_seconds, free_port, pinned, stop, wait_ok
 from bouncer.bench.paced_streams import PACE_MS, PACED_TOKENS, PacedRun, measure
 from bouncer.bench.paced_streams import report as paced_report
-from bouncer.bench.peers import start_peers
+from bouncer.bench.peer_proxies import start_peers
 from bouncer.config import key_digest
 
 BENCH_KEY = "bench-key"
@@ -154,7 +154,7 @@ def run_paced(seconds: float = 8.0, stream_counts: tuple[int, ...] = (64, 256),
 def run_overhead(seconds: int = 5, concurrencies: tuple[int, ...] = (1, 16, 64), tokenizer: str | None = None,
                  rounds: int = 3) -> tuple[list[Run], dict, dict[str, str]]:
     """The runs; what one flight-recorder sample cost the recording gateway (its own count, CPU
-    time of the sampling thread); and the peers that are missing (`bouncer.bench.peers`). The
+    time of the sampling thread); and the peers that are missing (`bouncer.bench.peer_proxies`). The
     two gateways are measured in `rounds` alternating rounds (the report takes each one's
     median), the upstream alone and each peer once."""
     if not shutil.which("wrk"):

@@ -41,16 +41,16 @@ from bouncer.core.intake.retries import retry_key
 from bouncer.core.journey import Claim, Go, Journey, Outcome, Refuse, Relay, Step
 from bouncer.core.model_state import backend_name
 from bouncer.core.outcomes import Dispatch, Divert, Event, Layer, Reason, Reclaimed, Refusal, Reject, Terminal
-from bouncer.core.sharing.rate_limits import SharedRateLimits
-from bouncer.core.sharing.retries import SharedRetries
+from bouncer.core.sharing.first_attempts import SharedRetries
+from bouncer.core.sharing.shared_rate_limits import SharedRateLimits
 from bouncer.core.stores import Stores
-from bouncer.gateway import kv_events, pressure_feeds
+from bouncer.gateway import kv_event_feed, pressure_feeds
 from bouncer.gateway.admin import Admin
 from bouncer.gateway.connections import GuardedSite, Limits
 from bouncer.gateway.discovery import Finders
 from bouncer.gateway.errors import error_response, plain_error
-from bouncer.gateway.exchange import Parsed
 from bouncer.gateway.metrics import GatewayMetrics
+from bouncer.gateway.parsed_request import Parsed
 from bouncer.gateway.prepared import Front, Prepared, check_front, prepare
 from bouncer.gateway.quota_keeper import QuotaKeeper
 from bouncer.gateway.ratelimit_headers import ratelimit_headers
@@ -63,7 +63,7 @@ from bouncer.gateway.request_parsing import (
 )
 from bouncer.gateway.scrapers import PARSERS
 from bouncer.gateway.shared_state import SharedState
-from bouncer.openai_wire import ApiError, dumps, parse_json_object
+from bouncer.openai_wire import ApiError, dumps, models_list, parse_json_object
 from bouncer.quotas.settings import OverflowTarget
 from bouncer.recorder.page import add_page_routes
 
@@ -72,10 +72,8 @@ log = logging.getLogger("bouncer.gateway")
 TICK_MIN_S = 0.005
 TICK_MAX_S = 0.1  # the core's TTL deadlines are checked at least this often
 # Bodies larger than this are tokenized off the event loop. The tokenizer lets go of the GIL, so
-# in a thread a prompt of a few thousand tokens (1-3 ms) no longer holds up every other request
-# queued on the loop: in the rogue drill (300 clients on ~3,000-token prompts) the interactive
-# tenant's TTFT p99 went from 1.0-2.4 s (at 32 KB) to 0.36-0.40 s, for 50-400 us more gateway CPU
-# per refusal (bench flood, three alternating runs each).
+# in a thread a prompt of a few thousand tokens no longer holds up every other request queued on
+# the loop (docs/benchmarks/long-prompts-and-floods.md has what it bought in the rogue drill).
 TOKENIZE_IN_THREAD_BYTES = 4 * 1024
 SCRAPE_TIMEOUT_S = 5.0  # a scrape that has not answered in this long failed
 LOOP_LAG_PROBE_S = 0.1
@@ -135,8 +133,8 @@ class ControlPlane:
         self.finders = Finders(self._found, clock)  # the replicas of models with `discovery:`
         # KV-event subscriptions: replica -> ((endpoint, topic), task), and their counters
         self._kv_subs: dict[str, tuple[tuple[str, str], asyncio.Task]] = {}
-        self.kv_event_stats: dict[str, kv_events.SubscriberStats] = {}
-        self._zmq: kv_events.zmq.asyncio.Context | None = None
+        self.kv_event_stats: dict[str, kv_event_feed.SubscriberStats] = {}
+        self._zmq: kv_event_feed.zmq.asyncio.Context | None = None
         self.session: aiohttp.ClientSession | None = None  # scrapes
 
     def _install(self, prepared: Prepared) -> None:
@@ -259,13 +257,13 @@ class ControlPlane:
         for name, where in wanted.items():
             if name in live and name not in self._kv_subs:
                 if self._zmq is None:
-                    self._zmq = kv_events.zmq.asyncio.Context()
-                stats = self.kv_event_stats.setdefault(name, kv_events.SubscriberStats())
+                    self._zmq = kv_event_feed.zmq.asyncio.Context()
+                stats = self.kv_event_stats.setdefault(name, kv_event_feed.SubscriberStats())
 
                 def deliver(events, name=name):
                     self.core.kv_events(name, events, self.clock())
                 task = asyncio.get_running_loop().create_task(
-                    kv_events.subscribe(where[0], where[1], deliver, stats, self._zmq))
+                    kv_event_feed.subscribe(where[0], where[1], deliver, stats, self._zmq))
                 self._kv_subs[name] = (where, task)
 
     # -- core events -------------------------------------------------------------------------------
@@ -328,6 +326,14 @@ class ControlPlane:
         if head.session_id:  # an agent's step: its decisions can be followed session by session
             line.update(session=head.session_id, parent_session=head.parent_session_id)
         return Parsed(kind, body, head, raw, model, tokenizer)
+
+    def models_answer(self, headers) -> tuple[int, bytes]:
+        """`GET /v1/models`, as both fronts answer it: (status, JSON body)."""
+        names = self.visible_models(headers)
+        if names is None:
+            return 401, dumps(ApiError(401, "invalid or missing API key", "authentication_error",
+                                       code="unauthenticated").body())
+        return 200, dumps(models_list(names))
 
     def visible_models(self, headers) -> list[str] | None:
         """The models `GET /v1/models` lists for a request with these headers; None: it needs a

@@ -33,8 +33,18 @@ class _CoreCollector:
 
     def collect(self):
         view = self.core_ref().view
-        stats = view.stats
         snap = view.snapshot(self.clock())
+        yield from self._counts(view, snap)
+        yield from self._listener(view)
+        yield from self._models(snap)
+        yield from self._learning(snap)
+        yield from self._replicas(snap)
+        yield from self._kv_events()
+        yield from self._slos(view)
+
+    def _counts(self, view, snap):
+        """What was decided and served: decisions, arrivals, tokens, permits."""
+        stats = view.stats
         decisions = CounterMetricFamily(
             "bouncer_decisions", "Admission decisions and terminal outcomes by layer and reason.",
             labels=["outcome", "layer", "reason", "tenant", "band"])
@@ -57,6 +67,9 @@ class _CoreCollector:
                                 value=snap["inflight"])
         yield CounterMetricFamily("bouncer_permits_reclaimed", "Permits taken back after their lease ran out "
                                   "unrenewed (each one a request the gateway lost track of).", value=stats.reclaimed)
+
+    def _listener(self, view):
+        """The client connections, and the outside pressure signals."""
         conns = self.connections()
         if conns is not None:
             yield GaugeMetricFamily("bouncer_connections_open", "Open client connections.", value=conns.open)
@@ -79,6 +92,9 @@ class _CoreCollector:
             yield value
             yield age
             yield shedding
+
+    def _models(self, snap):
+        """Each model's waiting room, saturation, agents and demand."""
         depth = GaugeMetricFamily("bouncer_queue_depth", "Queued requests.", labels=["model", "band"])
         queued_tokens = GaugeMetricFamily("bouncer_queue_tokens", "Queued prompt tokens.", labels=["model", "band"])
         sat = GaugeMetricFamily("bouncer_saturation", "Fleet saturation (>= 1 saturated).", labels=["model"])
@@ -140,6 +156,9 @@ class _CoreCollector:
         yield active_agents
         yield agents_elsewhere
         yield active_subagents
+
+    def _learning(self, snap):
+        """What each model has learnt of its engines: step time, TTFT margins."""
         step = GaugeMetricFamily("bouncer_model_step_time_coefficient",
                                  "The engine step-time model the core predicts with (a: s per step, b: s per batched "
                                  "token, c: s per context token, d: s per attention pair): given, or learned.",
@@ -157,6 +176,9 @@ class _CoreCollector:
                 if m["margin"] is not None:
                     margin.add_metric([name, str(band)], m["margin"])
         yield margin
+
+    def _replicas(self, snap):
+        """Each replica as the core sees it."""
         age = GaugeMetricFamily("bouncer_replica_telemetry_age_seconds", "Age of the last good scrape.",
                                 labels=["replica"])
         kv = GaugeMetricFamily("bouncer_replica_kv_usage", "Projected KV usage (scraped blended with own).",
@@ -201,6 +223,9 @@ class _CoreCollector:
         yield precise
         yield blocks
         yield correction
+
+    def _kv_events(self):
+        """The engines' KV-event feeds."""
         batches = CounterMetricFamily("bouncer_kv_event_batches", "KV-event batches received.", labels=["replica"])
         gaps = CounterMetricFamily("bouncer_kv_event_gaps", "KV-event batches missed (sequence gaps).",
                                    labels=["replica"])
@@ -213,6 +238,10 @@ class _CoreCollector:
         yield batches
         yield gaps
         yield bad
+
+    def _slos(self, view):
+        """SLO attainment per tenant."""
+        stats = view.stats
         met = CounterMetricFamily("bouncer_slo_met", "Completed requests within their TTFT and TPOT SLO (goodput).",
                                   labels=["tenant"])
         total = CounterMetricFamily("bouncer_slo_requests", "Completed requests that carry an SLO.",

@@ -84,13 +84,24 @@ def _backend_message(raw: bytes) -> str | None:
     return None
 
 
-def failure_for_status(status: int, headers: dict[str, str], raw: bytes) -> UpstreamFailure | Requeue:
+def failure_reason(status: int | None) -> Reason:
+    """What an answer other than 200 says of its replica, by its status alone (both fronts' rule):
+    full for now, the request found invalid, or failed."""
     if status in REFUSAL_STATUSES:
+        return Reason.UPSTREAM_REFUSED
+    if status is not None and 400 <= status < 500:
+        return Reason.UPSTREAM_REJECTED
+    return Reason.UPSTREAM_ERROR
+
+
+def failure_for_status(status: int, headers: dict[str, str], raw: bytes) -> UpstreamFailure | Requeue:
+    reason = failure_reason(status)
+    if reason is Reason.UPSTREAM_REFUSED:  # before anything reached the client: held again
         return Requeue(retry_after_header(headers))
-    if 400 <= status < 500:
+    if reason is Reason.UPSTREAM_REJECTED:
         message = _backend_message(raw) or f"the backend rejected the request ({status})"
-        return UpstreamFailure(400, Reason.UPSTREAM_REJECTED, message)
-    return UpstreamFailure(502, Reason.UPSTREAM_ERROR, f"the backend answered {status}")
+        return UpstreamFailure(400, reason, message)
+    return UpstreamFailure(502, reason, f"the backend answered {status}")
 
 
 def _count(usage: Any, field: str) -> int | None:

@@ -49,9 +49,9 @@ from bouncer.config import SharedState as SharedStateConfig
 from bouncer.core.intake.rate_limit import Bucket
 from bouncer.core.outcomes import Claim, Reason
 from bouncer.core.requests import RetryKey
+from bouncer.core.sharing.first_attempts import SharedRetries
 from bouncer.core.sharing.peers import GatewayShare
-from bouncer.core.sharing.rate_limits import SharedRateLimits, Verdict
-from bouncer.core.sharing.retries import SharedRetries
+from bouncer.core.sharing.shared_rate_limits import SharedRateLimits, Verdict
 
 log = logging.getLogger("bouncer.gateway")
 

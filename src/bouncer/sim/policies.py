@@ -59,7 +59,7 @@ class CorePolicy:
         # external overflow endpoint is outside the simulated fleet, and refuses as the pool would
         self.journey = Journey(self.core, self.quotas, relays=False)
         self._keys = {t.name: t.api_keys_sha256[0] for t in config.tenants}
-        # several gateways sharing state (`sim.gateways`): a dispatch's claim, checked there
+        # several gateways sharing state (`sim.several_gateways`): a dispatch's claim, checked there
         # (None: it holds; else the blocks the others hold on its replica)
         self.claimer: Callable[[str, Claim], int | None] | None = None
         # what a replica found later looks like (`set_replicas`): the config's first backend
@@ -155,7 +155,7 @@ class CorePolicy:
         return self._convert(self.journey.steps(self.core.set_backends(model.with_backends(backends), now), now), now)
 
     def peers(self, others: list[GatewayShare], now: float) -> list[PolicyEvent]:
-        """Several gateways (`bouncer.sim.gateways`): the others' parts of the shared state."""
+        """Several gateways (`bouncer.sim.several_gateways`): the others' parts of the shared state."""
         return self._convert(self.journey.steps(self.core.peers(others, now), now), now)
 
 

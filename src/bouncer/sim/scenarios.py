@@ -166,6 +166,18 @@ def flood(top_share: float = FLOOD_TOP_SHARE) -> Scenario:
 
 
 def get_scenario(name: str, duration_s: float) -> Scenario:
+    scenario = _azure_scenario(name, duration_s) or _shared_prefix_scenario(name, duration_s)
+    if scenario is not None:
+        return scenario
+    if name == "flood":
+        # the only sheddable band beside rogue-tenant's bursty free tier: a change that cost
+        # this flood 3-5% went unseen for two days (docs/benchmarks/history/sheddable-bands.md)
+        return flood()
+    raise ValueError(f"unknown scenario {name!r}; known: {', '.join(SCENARIOS)}")
+
+
+def _azure_scenario(name: str, duration_s: float) -> Scenario | None:
+    """The scenarios on Azure's conversation and code traces; None: not one of them."""
     if name == "rogue-tenant":
         tenants = [
             TenantSpec("sla", priority=10, share=0.4, trace="conv", ttft_slo=1.0, tpot_slo=0.1, max_tokens=1024),
@@ -193,7 +205,7 @@ def get_scenario(name: str, duration_s: float) -> Scenario:
                         _bursting(tenants, "bursty", duration_s, 10.0), {"conv": AZURE_CONV},
                         contention_window=(1 / 3, 2 / 3))
     if name == "gateways":
-        # What several gateways must keep as one would (issue #19): with each tenant on its own
+        # What several gateways must keep as one would: with each tenant on its own
         # gateway (`--spread tenant`: top, steady, bursty on gateways 0, 1, 2), the burst arrives
         # at one gateway while the tenant it must not crowd out waits at another.
         tenants = [
@@ -209,6 +221,11 @@ def get_scenario(name: str, duration_s: float) -> Scenario:
                               max_tokens=1024)]
         return Scenario(name, "the Azure conversation trace replayed at load factors 0.5 to 3", tenants,
                         {"conv": AZURE_CONV})
+    return None
+
+
+def _shared_prefix_scenario(name: str, duration_s: float) -> Scenario | None:
+    """The scenarios of long, shared prompts (Mooncake, a RAG and reasoning mix); None: not one of them."""
     if name == "disaggregated":
         # Separate prefill and decode pools (vLLM / llm-d / Dynamo P/D) under a prefill-heavy
         # tenant and a decode-heavy one: Kimi's long-context conversations (Mooncake: 12k-token
@@ -250,11 +267,7 @@ def get_scenario(name: str, duration_s: float) -> Scenario:
         return Scenario(name, "the Mooncake conversations, each conversation one of eight tenants'", tenants, {},
                         max_model_len=131_072, cpu_offload_gib=200.0,
                         loaded={f"mooncake-{i}": part for i, part in enumerate(parts)})
-    if name == "flood":
-        # the only sheddable band beside rogue-tenant's bursty free tier: a change that cost
-        # this flood 3-5% went unseen for two days (docs/benchmarks/history/sheddable-bands.md)
-        return flood()
-    raise ValueError(f"unknown scenario {name!r}; known: {', '.join(SCENARIOS)}")
+    return None
 
 
 PREFIX_TENANTS = 8  # the tenants `prefix-tenants` spreads the conversations over

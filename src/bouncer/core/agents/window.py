@@ -37,35 +37,28 @@ recomputes it, and throughput collapses (thrashing). So a window W bounds the *a
 - an agent lives on one replica, its *home*: the one that ran its latest step and holds its
   context. A new agent is placed only where the contexts of the agents already living there
   leave room for its own (`room`), so the agents of a replica keep their prefixes between
-  steps. Measured in the `agents` scenario: a window on the pool's total alone let one replica
-  take more agents than it holds while the other ran half-empty, and 31% of the steps that came
-  back within the idle timeout found their prefix evicted or were sent to the other replica;
+  steps (a window on the pool's total alone let one replica take more agents than it holds
+  while another ran half-empty);
 - keeping those contexts is worth a wait, not the request. A step with a TTFT SLO goes to
   another replica with room when its place cannot start it in time (refused as late, it would be
   lost), and waits for its place (its home, or room beside the agents living on a replica) half
   its time in the queue at most, then goes wherever there is room (`agent_gate.waited_half`):
-  its SLO leaves no time for the agents living there to idle out (`idle_timeout_s`). Live under
-  WEKA's kv-cache-tester (10 s TTFT SLO), held to their places, new agents expired in the queue
-  and active agents' steps were refused as late at a busy home: the window served 20% fewer
-  steps than no window, 9% fewer since (docs/benchmarks/agents.md, "Agents under WEKA's
-  kv-cache-tester"). A step without a TTFT SLO waits for its place until its queue TTL (bounding
-  that wait too cost 18% of sessions per hour with subagents at 128 agents in the `agents`
-  scenario: new agents placed beside busy ones evicted their contexts);
+  its SLO leaves no time for the agents living there to idle out (`idle_timeout_s`); held to
+  their places, new agents expired in the queue and active agents' steps were refused as late
+  at a busy home. A step without a TTFT SLO waits for its place until its queue TTL: bounding
+  that wait too placed new agents beside busy ones, evicting their contexts;
 - an agent that idled out is remembered for `memory_s`: when it comes back its session is
   half done, so its step goes before those of agents not yet started. Left behind new agents,
   such steps outwaited their clients' timeouts and their sessions failed in the middle, the
   work already done for them wasted;
 - agents waiting for a slot take it in their order (the core passes over none of them);
 - a new agent held back waits, while its queue TTL allows, and is never refused on a guess of
-  its wait: refusing a new agent costs its whole session. Refused at once when the rate agents
-  had recently taken a slot put its wait past its TTL, new agents whose replica would soon have
-  run idle were turned away: on sessions it was not tuned on, 120 of them in two hours at 128
-  agents on 4 replicas, and fewer sessions per hour than a plain request cap (issue 51);
+  its wait: refusing a new agent costs its whole session, and a guess of its wait turned away
+  agents whose replica would soon have run idle (docs/benchmarks/agents.md);
 - a new agent that no replica has room for (`room`) goes to a replica that runs nothing,
   whatever the contexts living there: they are worth keeping while the replica is busy with
-  others, but an idle replica is pure loss (`WindowGate.where`). Held for room alone, replicas
-  ran idle 16% of the time at 256 agents on 2 replicas, and a request cap that thrashed
-  (prefix hit rate 0) completed more sessions per hour;
+  others, but an idle replica is pure loss (`WindowGate.where`; held for room alone, replicas
+  ran idle while a request cap that thrashed completed more sessions);
 - with several gateways sharing state, each tells the others the agents holding a slot there,
   with their homes and contexts (`own_agents`), and counts theirs (`seen_elsewhere`): the window
   bounds the fleet's agents, not each gateway's (N gateways alone let N windows of agents in,
@@ -73,6 +66,7 @@ recomputes it, and throughput collapses (thrashing). So a window W bounds the *a
   when a step of it comes here; and the agents living on a replica leave room for a new one
   counted over every gateway.
 
+What each of these rules bought, and the alternatives tried, measured: docs/benchmarks/agents.md.
 Pure: every method takes `now`. One instance per model.
 """
 

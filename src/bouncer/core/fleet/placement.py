@@ -305,18 +305,13 @@ class Placement:
             return why
         if adm.ttft_deadline is not None and candidates[0].latency is not None:
             budget = adm.ttft_deadline - now
-            ttfts = [r.predict_ttft(adm, adm.info.prompt_tokens - cached[r.name]) or 0.0 for r in candidates]
-            in_time = [r for r, ttft in zip(candidates, ttfts, strict=True) if ttft <= budget]
-            if not in_time and instead:  # its agent's place would start it late: where it is in time, instead
-                more = [r.predict_ttft(adm, adm.info.prompt_tokens - cached[r.name]) or 0.0 for r in instead]
-                in_time = [r for r, ttft in zip(instead, more, strict=True) if ttft <= budget]
-                ttfts += more
-            if not in_time:
+            timely = _in_time(adm, candidates, instead, cached, budget)
+            if isinstance(timely, float):
                 if acts_on_late:
-                    return Late(min(ttfts) - budget)
+                    return Late(timely)
                 adm.predicted_infeasible = True  # only flagged: it goes where the router says
             else:
-                candidates = in_time
+                candidates = timely
                 backlogged = [r for r in backlogged
                               if (r.predict_ttft(adm, adm.info.prompt_tokens - cached[r.name]) or 0.0) <= budget]
         chosen = self.router.choose(adm, candidates, view, self.policy.prefill_busy_tokens, backlogged, cached)
@@ -375,3 +370,16 @@ class Placement:
                             for name, share in shares if name != adm.tenant)
         need = num_blocks(adm.info.prompt_tokens + adm.expected_output, model.block_size)
         return used + need <= pool * self.policy.kv_busy_threshold - reserved_idle or used == 0
+
+
+def _in_time(adm: Admission, candidates: list[ReplicaState], instead: list[ReplicaState], cached: dict[str, int],
+             budget: float) -> list[ReplicaState] | float:
+    """The candidates that would start `adm` within `budget` seconds (where its agent's place
+    would start it late, those of `instead`); none: how late the best of them all would be."""
+    ttfts = [r.predict_ttft(adm, adm.info.prompt_tokens - cached[r.name]) or 0.0 for r in candidates]
+    in_time = [r for r, ttft in zip(candidates, ttfts, strict=True) if ttft <= budget]
+    if not in_time and instead:
+        more = [r.predict_ttft(adm, adm.info.prompt_tokens - cached[r.name]) or 0.0 for r in instead]
+        in_time = [r for r, ttft in zip(instead, more, strict=True) if ttft <= budget]
+        ttfts += more
+    return in_time if in_time else float(min(ttfts) - budget)

@@ -16,24 +16,15 @@ unanswered, and the estimate grows with them; `Backlog.retry_after` caps it).
   follows the few, where the client wants the typical wait.
 - **Twice the wait so far**: a refusal still waiting after `w` has a lag of at least `w`, and
   with nothing known of how long the stretch it waits in lasts, the even guess is that it is as
-  likely to be over before `2w` as after. Counted at `w` (its least), a tenant entering a
-  starved stretch is told a fraction of it: rogue-tenant's `deadline_infeasible` at load 3,
-  seed 1, was told 0.38x its lags at the median, 0.60x counted at twice (its research band,
-  starved from the start, 0.09x and 0.30x: a stretch that has just begun shows in no lag yet).
+  likely to be over before `2w` as after; counted at `w` (its least), a tenant entering a
+  starved stretch is told a fraction of it.
 
-Measured on the saved runs' 42 refusal reasons with more than 100 refusals (the matrix, ServeGen's
-pools, the Mooncake trace), the median Retry-After over the lag went from 0.52-2.08x with the
-mean of answered lags and waits so far (m-mid's `ttl_expired` at load 2 outside the target) to
-0.88-1.59x (docs/benchmarks/retry-after.md, with the seeds not looked at while choosing).
-
-Estimated instead from the backlog ahead over the rate the waiting room turns over (what
-Retry-After said before, and still says where a tenant has too few refusals followed), the
-median Retry-After was 0.03x the lag on ServeGen's m-large pool at load 2, where the room turned
-over fast by refusals while one heavy tenant waited tens of seconds, and 2.6-3.2x it on m-mid;
-from each tenant's dispatch rate and its dispatched requests' mean wait, 4.2x in `fairness` (the
-first of a tenant's later requests to get in waits far less than the mean) and 0.26-0.35x on
-DeepSeek-R1; from answered refusals alone, 0.28-0.30x on DeepSeek-R1 at load 3 (issue 51;
-`retry_after_accuracy` in `bench run` measures the ratio).
+Retry-After was estimated other ways before (the backlog ahead over the rate the waiting room
+turns over, which it still is where a tenant has too few refusals followed; each tenant's
+dispatch rate and mean wait; answered refusals alone; the mean of lags): each was off by 3x or
+more on some pool. What each gave against the lags, on which runs, and with which seeds held out
+while choosing, is in docs/benchmarks/retry-after.md (`retry_after_accuracy` in `bench run`
+measures it).
 
 A tenant of one client that retries on every refusal answers its refusals with its own retries,
 so their lags include the Retry-After it was given: the estimate grows by a wait each round,

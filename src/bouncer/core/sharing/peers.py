@@ -153,9 +153,8 @@ class FleetShares:
     may always go. An agent's step is not held for a sooner head of its tenant elsewhere: in one
     gateway too, agents of one tenant do not wait behind each other (the agent window, shared,
     orders them); held so, a gateway's active agents waited behind another's new agent that was
-    itself waiting for room, and the `agents` scenario through three gateways sharing state
-    kept 8% fewer steps an hour than one gateway. Inside one gateway the fairness policy (WDRR)
-    orders tenants as before."""
+    itself waiting for room (docs/benchmarks/several-gateways.md). Inside one gateway the
+    fairness policy (WDRR) orders tenants as before."""
 
     def __init__(self, window_s: float, slack_tokens: float) -> None:
         self.window_s = window_s

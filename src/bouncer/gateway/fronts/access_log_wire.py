@@ -16,7 +16,7 @@ import grpc
 
 from bouncer.core.outcomes import Reason, Terminal
 from bouncer.gateway.fronts import envoy_wire_pb2 as pb
-from bouncer.gateway.relay import REFUSAL_STATUSES
+from bouncer.gateway.relay import failure_reason
 
 # the response flags that say the replica, or Envoy's way to it, failed the answer
 _UPSTREAM_FAILED = ("upstream_connection_failure", "upstream_connection_termination", "upstream_remote_reset",
@@ -56,11 +56,7 @@ def status_outcome(status: int | None) -> tuple[Terminal, Reason | None]:
     """An answer by its status alone: anything but 200 is the replica's failure."""
     if status == 200:
         return Terminal.COMPLETED, None
-    if status in REFUSAL_STATUSES:
-        return Terminal.FAILED, Reason.UPSTREAM_REFUSED
-    if status is not None and 400 <= status < 500:
-        return Terminal.FAILED, Reason.UPSTREAM_REJECTED
-    return Terminal.FAILED, Reason.UPSTREAM_ERROR
+    return Terminal.FAILED, failure_reason(status)
 
 
 def ended(entry: pb.HTTPAccessLogEntry, id_header: str) -> Ended | None:

@@ -55,7 +55,6 @@ from bouncer.core.journey import Outcome
 from bouncer.core.outcomes import Dispatch, Layer, Reason, Refusal, Terminal
 from bouncer.gateway import logs
 from bouncer.gateway.control_plane import ControlPlane, serve_http
-from bouncer.gateway.exchange import Parsed
 from bouncer.gateway.fronts import envoy_wire_pb2 as ext_proc
 from bouncer.gateway.fronts.access_log_wire import Ended, access_log_service, ends_of, peer_host, status_outcome
 from bouncer.gateway.fronts.ext_proc_wire import (
@@ -73,8 +72,9 @@ from bouncer.gateway.fronts.ext_proc_wire import (
     set_header,
     subset_hint,
 )
+from bouncer.gateway.parsed_request import Parsed
 from bouncer.gateway.upstream_body import upstream_body
-from bouncer.openai_wire import dumps, models_list
+from bouncer.openai_wire import dumps
 
 log = logging.getLogger("bouncer.gateway")
 
@@ -494,10 +494,8 @@ class Picker:
     def _not_generation(self, headers: CIMultiDict[str], path: str) -> ext_proc.ProcessingResponse:
         """What Bouncer answers itself, as the proxy does."""
         if path == "/v1/models" and headers.get(":method") == "GET":
-            names = self.plane.visible_models(headers)
-            if names is None:
-                return plain_error(401, "invalid or missing API key", "authentication_error", "unauthenticated")
-            return immediate(200, {}, dumps(models_list(names)), "models")
+            status, body = self.plane.models_answer(headers)
+            return immediate(status, {}, body, "models" if status == 200 else "unauthenticated")
         return plain_error(404, f"{headers.get(':method', '')} {path}: Not Found", "invalid_request_error", "not_found")
 
 

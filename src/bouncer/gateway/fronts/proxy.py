@@ -29,7 +29,7 @@ from bouncer.core.outcomes import Dispatch, Divert, Layer, Reason, Refusal, Term
 from bouncer.gateway import logs
 from bouncer.gateway.control_plane import ControlPlane, serve_http
 from bouncer.gateway.disaggregated import kv_transfer_params, prefill_body
-from bouncer.gateway.errors import error_response, plain_error
+from bouncer.gateway.errors import error_response
 from bouncer.gateway.relay import (
     ClientUsage,
     Requeue,
@@ -43,7 +43,7 @@ from bouncer.gateway.relay import (
 )
 from bouncer.gateway.upstream import UpstreamError, UpstreamPool, UpstreamTimeout
 from bouncer.gateway.upstream_body import USAGE_EVERY_CHUNK, upstream_body
-from bouncer.openai_wire import dumps, models_list
+from bouncer.openai_wire import dumps
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Span  # only where tracing is configured (gateway/tracing.py)
@@ -320,10 +320,8 @@ class Proxy:
         return url
 
     async def handle_models(self, request: web.Request) -> web.Response:
-        names = self.plane.visible_models(request.headers)
-        if names is None:
-            return plain_error(401, "invalid or missing API key", "authentication_error", "unauthenticated")
-        return web.Response(body=dumps(models_list(names)), content_type="application/json")
+        status, body = self.plane.models_answer(request.headers)
+        return web.Response(status=status, body=body, content_type="application/json")
 
 
 def _ignore(_at: float) -> None:
