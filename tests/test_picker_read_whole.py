@@ -6,19 +6,19 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from bouncer.gateway.fronts.picker import READ_WHOLE_EVERY_S, Picker
+from bouncer.gateway.fronts.picker_ledger import READ_WHOLE_EVERY_S, Ledger
 
 
-def _picker(at_once: int) -> Picker:
-    picker_cfg = SimpleNamespace(answers_read_whole=at_once, advertise=None, host="127.0.0.1", port=9002)
-    return Picker(SimpleNamespace(clock=lambda: 0.0, config=SimpleNamespace(picker=picker_cfg)))
+def _picker(at_once: int) -> Ledger:
+    picker_cfg = SimpleNamespace(answers_read_whole=at_once)
+    return Ledger(SimpleNamespace(clock=lambda: 0.0, config=SimpleNamespace(picker=picker_cfg)))
 
 
 def test_one_at_a_time_and_no_sooner_than_the_interval():
     p = _picker(1)
     assert p._reads_whole(1.0)
     assert not p._reads_whole(1.0 + 2 * READ_WHOLE_EVERY_S)  # the first is still being read
-    p._reading_whole -= 1  # it ended (`_ended`)
+    p._reading_whole -= 1  # it ended (`Ledger.end`)
     assert not p._reads_whole(1.0 + READ_WHOLE_EVERY_S / 2)  # room, but too soon after it began
     assert p._reads_whole(1.0 + READ_WHOLE_EVERY_S)
 
