@@ -44,13 +44,13 @@ from bouncer.core.outcomes import Dispatch, Divert, Event, Layer, Reason, Reclai
 from bouncer.core.sharing.first_attempts import SharedRetries
 from bouncer.core.sharing.shared_rate_limits import SharedRateLimits
 from bouncer.core.stores import Stores
-from bouncer.gateway import kv_event_feed, pressure_feeds
+from bouncer.gateway import kv_event_feed, logs, pressure_feeds
 from bouncer.gateway.admin import Admin
 from bouncer.gateway.connections import GuardedSite, Limits
 from bouncer.gateway.discovery import Finders
 from bouncer.gateway.errors import error_response, plain_error
 from bouncer.gateway.metrics import GatewayMetrics
-from bouncer.gateway.parsed_request import Parsed
+from bouncer.gateway.parsed_request import Exchange, Parsed
 from bouncer.gateway.prepared import Front, Prepared, check_front, prepare
 from bouncer.gateway.quota_keeper import QuotaKeeper
 from bouncer.gateway.ratelimit_headers import ratelimit_headers
@@ -296,6 +296,31 @@ class ControlPlane:
         """Unique and not guessable: an id names a request wherever it goes (logs, traces, the
         engine, Envoy's access log), and one that could be guessed could be ended by another."""
         return f"{self._id_prefix}{next(self._ids)}-{os.urandom(4).hex()}"
+
+    def open_exchange(self, path: str, front: str | None = None, headers=None, kind: str | None = None) -> Exchange:
+        """A request arrived at a front: its exchange, with a fresh id, its access line begun and,
+        where tracing is on and the front traces (`headers` and `kind` given), its span."""
+        rid = self.request_id()
+        line: dict[str, Any] = {"rid": rid, "path": path, "tenant": "-", "outcome": Terminal.CANCELLED.value}
+        if front is not None:
+            line["front"] = front
+        at = self.clock()
+        span = self.tracer.begin(headers, kind, path, at) if self.tracer is not None and kind is not None else None
+        return Exchange(rid, at, line, span)
+
+    def close_exchange(self, ex: Exchange, status: int | None) -> None:
+        """The request is over for its front: its access line is written (once) with the status
+        its client got, and its span ended."""
+        if ex.closed:
+            return
+        ex.closed = True
+        ex.line["status"] = status
+        now = self.clock()
+        if self.config.logging.access_log:
+            ex.line["duration_s"] = round(now - ex.began, 4)
+            logs.access(ex.line)
+        if ex.span is not None:
+            self.tracer.end(ex.span, ex.line, ex.began, now)  # type: ignore[union-attr]
 
     def unauthenticated(self, rid: str, headers, line: dict[str, Any]) -> Refusal | None:
         """The refusal of a request whose headers name no tenant (and that no default tenant

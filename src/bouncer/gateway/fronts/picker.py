@@ -50,7 +50,6 @@ from yarl import URL
 
 from bouncer.config import ConfigError, PickerTLS
 from bouncer.core.outcomes import Dispatch, Layer, Reason, Refusal, Terminal
-from bouncer.gateway import logs
 from bouncer.gateway.control_plane import ControlPlane, serve_http
 from bouncer.gateway.fronts import envoy_wire_pb2 as ext_proc
 from bouncer.gateway.fronts.access_log_wire import access_log_service, ends_of, peer_host, status_outcome
@@ -69,7 +68,7 @@ from bouncer.gateway.fronts.ext_proc_wire import (
     subset_hint,
 )
 from bouncer.gateway.fronts.picker_ledger import Ledger
-from bouncer.gateway.parsed_request import Parsed
+from bouncer.gateway.parsed_request import Exchange, Parsed
 from bouncer.gateway.upstream_body import upstream_body
 from bouncer.openai_wire import dumps
 
@@ -127,10 +126,8 @@ class Picker:
         if kind is None:
             await context.write(self._not_generation(headers, path))
             return
-        rid = plane.request_id()
-        line: dict[str, Any] = {"rid": rid, "path": path, "tenant": "-", "outcome": Terminal.CANCELLED.value,
-                                "front": "picker"}
-        t0 = self.clock()
+        ex = plane.open_exchange(path, front="picker")
+        rid, line = ex.rid, ex.line
         served = False
         try:
             refusal = plane.unauthenticated(rid, headers, line)  # before its body is sent here
@@ -158,12 +155,10 @@ class Picker:
                 await context.write(refused(decision, plane.ratelimit_headers(line["tenant"])))
                 return
             served = True
-            await self._serve(*decision, context, line, duplex, t0, headers.get("x-request-id"))
+            await self._serve(*decision, context, ex, duplex, headers.get("x-request-id"))
         finally:
-            if not served and plane.config.logging.access_log:  # a served one's line is written at its end
-                line.setdefault("status", None)
-                line["duration_s"] = round(self.clock() - t0, 4)
-                logs.access(line)
+            if not served:  # a served one's exchange is closed at its end (`Ledger.end`)
+                plane.close_exchange(ex, line.get("status"))
 
     async def _admit(self, rid: str, kind: str, raw: bytes, headers: CIMultiDict[str], line: dict[str, Any],
                      subset: list[str] | None) -> tuple[Parsed, Dispatch] | Refusal:
@@ -181,13 +176,14 @@ class Picker:
         decision = await plane.admit(parsed, line)  # cancelled here: the client left while held
         return decision if isinstance(decision, Refusal) else (parsed, decision)
 
-    async def _serve(self, parsed: Parsed, d: Dispatch, context: grpc.aio.ServicerContext, line: dict[str, Any],
-                     duplex: bool, began: float, envoy_id: str | None) -> None:
+    async def _serve(self, parsed: Parsed, d: Dispatch, context: grpc.aio.ServicerContext, ex: Exchange,
+                     duplex: bool, envoy_id: str | None) -> None:
         """Send the dispatched request where the core chose, and read its answer's first chunk
         (or, where it is read whole, every chunk). The request is `_served` until its end: the
         stream's in full duplex, the access log's otherwise (or its answer read to the end)."""
         streaming = bool(parsed.body.get("stream"))
-        served = self.ledger.open(d, streaming, duplex, peer_host(context.peer()), envoy_id, line, began)
+        line = ex.line
+        served = self.ledger.open(d, streaming, duplex, peer_host(context.peer()), envoy_id, ex)
         read_whole = served.read_whole
         cut = False
         try:

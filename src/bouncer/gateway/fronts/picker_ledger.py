@@ -14,14 +14,13 @@ import asyncio
 import logging
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
 
 from bouncer.core.journey import Outcome
 from bouncer.core.outcomes import Dispatch, Reason, Terminal
-from bouncer.gateway import logs
 from bouncer.gateway.control_plane import ControlPlane
 from bouncer.gateway.fronts.access_log_wire import Ended
 from bouncer.gateway.fronts.ext_proc_wire import read_usage_of
+from bouncer.gateway.parsed_request import Exchange
 
 log = logging.getLogger("bouncer.gateway")
 
@@ -48,8 +47,7 @@ class Served:
     read_whole: bool  # its answer is read to its end (for its usage)
     envoy: str  # the host of the Envoy that asked (`peer_host`): its access log says when the request ends
     envoy_id: str | None  # Envoy's `x-request-id` for it: its end where the picker's own header never reached it
-    line: dict[str, Any]  # its access log line
-    began: float  # when the picker got it (for its access line's duration)
+    ex: Exchange  # its exchange: its access line, closed at its end
     out: Outcome = field(default_factory=lambda: Outcome(Terminal.COMPLETED, None, None))
     tail: bytearray = field(default_factory=bytearray)  # the answer's last bytes (a whole one's, not streamed)
     read_to_end: bool = False  # the answer was read to its end
@@ -74,11 +72,11 @@ class Ledger:
         self._warned: set[str] = set()  # hosts warned of as having no access log
 
     def open(self, d: Dispatch, streaming: bool, duplex: bool, envoy: str, envoy_id: str | None,
-             line: dict[str, Any], began: float) -> Served:
+             ex: Exchange) -> Served:
         """A dispatched request Envoy now serves; in full duplex every answer is read whole."""
         read_whole = duplex or self._reads_whole(self.clock())
         served = self._served[d.request_id] = Served(d, streaming, duplex, read_whole, envoy,
-                                                     None if duplex else envoy_id, line, began)
+                                                     None if duplex else envoy_id, ex)
         if served.envoy_id is not None:
             self._by_envoy_id.setdefault(served.envoy_id, set()).add(d.request_id)
         return served
@@ -114,7 +112,7 @@ class Ledger:
             served.out.completion_tokens = None
             if read_usage_of(served.tail, served.streaming, served.out) and not served.duplex:
                 # a usage is a completed answer's: no need to wait for the access log
-                served.line["status"] = 200
+                served.ex.line["status"] = 200
                 self._read_to_end_at.setdefault(served.envoy, self.clock())
                 self.end(served)
 
@@ -131,7 +129,7 @@ class Ledger:
         served = self._served.get(rid) if rid is not None else None
         if served is None or served.done or served.envoy != envoy:
             return  # ended already (read whole), not this picker's, or not that Envoy's to end
-        served.line["status"] = e.status
+        served.ex.line["status"] = e.status
         out = served.out
         out.terminal, out.reason = e.terminal, e.reason
         if e.terminal is not Terminal.COMPLETED or not served.read_to_end:
@@ -181,7 +179,7 @@ class Ledger:
                         extra={"event": "picker_envoy_gone", "envoy": envoy, "requests": len(gone)})
 
     def _unseen(self, served: Served) -> None:
-        served.line["end_unseen"] = True
+        served.ex.line["end_unseen"] = True
         served.out.completion_tokens = None
         self.end(served)
 
@@ -222,8 +220,6 @@ class Ledger:
             self.plane.started(rid, now, measured=False)  # (the core's clock only goes forward)
             if answered_at is not None:  # for the TTFT metric and the access line
                 out.first_token_at = min(now, answered_at)
-        line = served.line
+        line = served.ex.line
         self.plane.finish(d, out, served.streaming, line)
-        if self.plane.config.logging.access_log:
-            line["duration_s"] = round(self.clock() - served.began, 4)
-            logs.access(line)
+        self.plane.close_exchange(served.ex, line.get("status"))

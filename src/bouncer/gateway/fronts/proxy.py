@@ -26,7 +26,6 @@ from aiohttp import web
 
 from bouncer.core.journey import Outcome
 from bouncer.core.outcomes import Dispatch, Divert, Layer, Reason, Refusal, Terminal
-from bouncer.gateway import logs
 from bouncer.gateway.control_plane import ControlPlane, serve_http
 from bouncer.gateway.disaggregated import kv_transfer_params, prefill_body
 from bouncer.gateway.errors import error_response
@@ -79,24 +78,15 @@ class Proxy:
         return await self._generate(request, "completion", "/v1/completions")
 
     async def _generate(self, request: web.Request, kind: str, path: str) -> web.StreamResponse:
-        rid = self.plane.request_id()
-        line: dict[str, Any] = {"rid": rid, "path": path, "tenant": "-", "outcome": Terminal.CANCELLED.value}
-        t0 = self.clock()
-        tracer = self.plane.tracer
-        root = tracer.begin(request.headers, kind, path, t0) if tracer is not None else None
+        ex = self.plane.open_exchange(path, headers=request.headers, kind=kind)
         resp: web.StreamResponse | None = None
         try:
-            resp = await self._generate_for(request, kind, path, rid, line, root)
-            if not resp.prepared and line["tenant"] != "-":  # a refusal, to a known tenant
-                resp.headers.update(self.plane.ratelimit_headers(line["tenant"]))
+            resp = await self._generate_for(request, kind, path, ex.rid, ex.line, ex.span)
+            if not resp.prepared and ex.line["tenant"] != "-":  # a refusal, to a known tenant
+                resp.headers.update(self.plane.ratelimit_headers(ex.line["tenant"]))
             return resp
         finally:
-            line["status"] = resp.status if resp is not None else None
-            if self.plane.config.logging.access_log:
-                line["duration_s"] = round(self.clock() - t0, 4)
-                logs.access(line)
-            if root is not None:
-                tracer.end(root, line, t0, self.clock())  # type: ignore[union-attr]
+            self.plane.close_exchange(ex, resp.status if resp is not None else None)
 
     async def _generate_for(self, request: web.Request, kind: str, path: str, rid: str,
                             line: dict[str, Any], root: Span | None) -> web.StreamResponse:
