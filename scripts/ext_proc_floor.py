@@ -118,7 +118,7 @@ import json, sys
 from bouncer.gateway.fronts import envoy_wire_pb2 as pb
 from bouncer.cli import main
 from bouncer.core.outcomes import Refusal, Terminal
-from bouncer.gateway.parsed_request import Outcome
+from bouncer.core.journey import Outcome
 from bouncer.gateway.fronts import picker
 from bouncer.gateway.fronts.ext_proc_wire import header_of, headers_of, refused, request_body, set_header
 
@@ -133,16 +133,16 @@ async def pick(self, first, context):
     raw = await request_body(context, self.plane.config.limits.max_body_bytes)
     if raw is None:
         return
-    rid = self.plane.request_id()
+    ex = self.plane.open_exchange("/v1/chat/completions", front="picker")
+    rid = ex.rid
     if DECIDE:
-        line = {}
         kind = picker.GENERATION.get(header_of(first.request_headers, ":path").partition("?")[0], "chat")
-        decision = await self._admit(rid, kind, raw, headers_of(first.request_headers), line, None)
+        decision = await self._admit(ex, kind, raw, headers_of(first.request_headers), None)
         if isinstance(decision, Refusal):
             await context.write(refused(decision))
             return
         parsed, d = decision
-        url = self.plane.core.view.replica(d.replica).url
+        url = self.plane.replica_url(d.replica)
         streamed = parsed.body.get("stream")
     else:
         url = self.plane.config.models[0].backends[0].url
@@ -159,10 +159,10 @@ async def pick(self, first, context):
             await context.write(pb.ProcessingResponse(response_body=pb.BodyResponse()))
         out = Outcome(Terminal.COMPLETED, None, 16, self.clock())
         if DECIDE:
-            self.plane.core.started(rid, out.first_token_at)
+            self.plane.started(rid, out.first_token_at)
     finally:  # its permit goes back however the stream ends
         if DECIDE:
-            self.plane.finish(d, out, True, line)
+            self.plane.finish(ex, d, out, True)
 
 
 picker.Picker._pick = pick
@@ -245,9 +245,9 @@ def hot_loop(up_port: int, n: int) -> float:
     from multidict import CIMultiDict
 
     from bouncer.bench.overhead import BODY
+    from bouncer.core.journey import Outcome
     from bouncer.core.outcomes import Terminal
     from bouncer.gateway.control_plane import ControlPlane
-    from bouncer.gateway.parsed_request import Outcome
 
     async def run() -> float:
         cfg = json.loads(_gateway_config_for(up_port, str(default_tokenizer_path()), free_port()))
@@ -263,11 +263,11 @@ def hot_loop(up_port: int, n: int) -> float:
                                    "authorization": f"Bearer {BENCH_KEY}", "content-type": "application/json"})
 
             async def one() -> None:
-                rid, line = plane.request_id(), {}
-                d = await plane.admit(plane.parse(rid, "chat", raw, headers, line), line)
+                ex = plane.open_exchange("/v1/chat/completions", front="picker")
+                d = await plane.admit(ex, plane.parse(ex, "chat", raw, headers))
                 now = plane.clock()
-                plane.core.started(rid, now)
-                plane.finish(d, Outcome(Terminal.COMPLETED, None, 16, now), True, line)
+                plane.started(ex.rid, now)
+                plane.finish(ex, d, Outcome(Terminal.COMPLETED, None, 16, now), True)
 
             for _ in range(500):
                 await one()

@@ -19,6 +19,7 @@ from bouncer.bench import goodput, quotas_overflow
 from bouncer.core.journey import Outcome, settlement
 from bouncer.core.outcomes import Dispatch, Reason, Refusal, Terminal
 from bouncer.gateway.control_plane import ControlPlane
+from bouncer.gateway.parsed_request import Exchange
 from bouncer.sim import scenarios
 from bouncer.sim.fleet import Dispatched, Refused
 from bouncer.sim.policies import CorePolicy
@@ -96,6 +97,7 @@ def replay_through_the_control_plane(policy: CorePolicy, tape: Tape) -> list[tup
         plane = ControlPlane(policy.core.config, clock=lambda: clock[0])
         waiting: dict[str, asyncio.Task] = {}
         dispatched: dict[str, Dispatch] = {}
+        exchanges: dict[str, Exchange] = {}
 
         async def served(rid: str, call) -> None:
             result = await call
@@ -111,8 +113,9 @@ def replay_through_the_control_plane(policy: CorePolicy, tape: Tape) -> list[tup
             clock[0] = now
             if kind == "offer":
                 info = copy.copy(args)
+                ex = exchanges[info.request_id] = Exchange(info.request_id, now, {})
                 waiting[info.request_id] = asyncio.create_task(served(info.request_id, plane._served(
-                    info.request_id, lambda info=info, now=now: plane.journey.offer(info, now), {})))
+                    ex, lambda info=info, now=now: plane.journey.offer(info, now))))
             elif kind == "tick":
                 plane.apply(plane.core.tick(now))
             elif kind == "observe":
@@ -126,11 +129,11 @@ def replay_through_the_control_plane(policy: CorePolicy, tape: Tape) -> list[tup
                 rid, completed, tokens = args
                 out = Outcome(Terminal.COMPLETED, None, tokens) if completed \
                     else Outcome(Terminal.CANCELLED, Reason.CLIENT_DISCONNECTED, tokens)
-                plane.finish(dispatched.pop(rid), out, True, {})
+                plane.finish(exchanges[rid], dispatched.pop(rid), out, True)
             elif kind == "cancel":  # its client left while it was held
                 waiting.pop(args).cancel()
             elif kind == "engine_refused":
-                waiting[args] = asyncio.create_task(served(args, plane.requeue(args, None, {})))
+                waiting[args] = asyncio.create_task(served(args, plane.requeue(exchanges[args], None)))
             for _ in range(4):  # each waiting front hears its decision before time moves on
                 await asyncio.sleep(0)
         for task in waiting.values():

@@ -5,9 +5,10 @@ subscribers, outside pressure signals, the shared state of several gateways, the
 recorder, config reloads, the ticker that runs the core's deadlines, and the operator endpoints
 (`/metrics`, `/admin/*`, `/ui`, `/health`, `/ready`) on its HTTP port.
 
-A front hands it a parsed request (`admit`), then what it sees of the answer (`started`,
-`finish`) or the client leaving (cancelling `admit`'s wait, or `finish` with CANCELLED); each
-front says what it cannot see. What follows each of the core's decisions (diverts, claims, the
+A front opens an exchange per request (`open_exchange`: its id, arrival, access line and span),
+hands it the parsed request (`admit`), then what it sees of the answer (`started`, `finish`) or
+the client leaving (cancelling `admit`'s wait, or `finish` with CANCELLED), and closes it
+(`close_exchange`, which writes the access line once); each front says what it cannot see. What follows each of the core's decisions (diverts, claims, the
 quota's settling, lease renewal) is the journey's (`bouncer.core.journey`), which the simulator
 runs too: this plane does its waiting. Every admitted request is finished on every path: the
 front that got its `Dispatch` owns its permit in one `try/finally`, and the journey renews its
@@ -322,16 +323,15 @@ class ControlPlane:
         if ex.span is not None:
             self.tracer.end(ex.span, ex.line, ex.began, now)  # type: ignore[union-attr]
 
-    def unauthenticated(self, rid: str, headers, line: dict[str, Any]) -> Refusal | None:
+    def unauthenticated(self, ex: Exchange, headers) -> Refusal | None:
         """The refusal of a request whose headers name no tenant (and that no default tenant
         takes), before its body is read or parsed: a caller without a key costs the gateway
         no more than its headers."""
         if self.core.view.tenant_of(key_digest_from_headers(headers), fairness_id_from_headers(headers)) is not None:
             return None
-        return self.refuse_early(rid, Refusal(Layer.VALIDATION, Reason.UNAUTHENTICATED, "invalid or missing API key"),
-                                 line)
+        return self.refuse_early(ex, Refusal(Layer.VALIDATION, Reason.UNAUTHENTICATED, "invalid or missing API key"))
 
-    def parse(self, rid: str, kind: str, raw: bytes, headers, line: dict[str, Any]) -> Parsed | Refusal:
+    def parse(self, ex: Exchange, kind: str, raw: bytes, headers) -> Parsed | Refusal:
         """A generation request's body (already within `limits.max_body_bytes`) and headers,
         checked whole but not tokenized; or the refusal its client gets (recorded here)."""
         prepared = self.prepared  # one config for the whole request, even if a reload lands meanwhile
@@ -339,17 +339,17 @@ class ControlPlane:
             body = parse_json_object(raw)
             model = prepared.models.get(body.get("model")) if isinstance(body.get("model"), str) else None
             tokenizer = prepared.tokenizers.get(model.name) if model else None
-            head = request_head(rid, kind, body, headers, tokenizer, model.media_tokens if model else 0)
+            head = request_head(ex.rid, kind, body, headers, tokenizer, model.media_tokens if model else 0)
         except ApiError as err:
             reason = Reason.INVALID_REQUEST if err.code == "invalid_json" else Reason.INVALID_PARAMETER
-            return self.refuse_early(rid, Refusal(Layer.VALIDATION, reason, err.message, param=err.param), line)
+            return self.refuse_early(ex, Refusal(Layer.VALIDATION, reason, err.message, param=err.param))
         # a model no config names is the client's text, of any length: its access line (and its
         # span's name) shows the start of it
         shown = head.model if model is not None or len(head.model) <= SHOWN_MODEL_CHARS else \
             head.model[:SHOWN_MODEL_CHARS] + "..."
-        line.update(model=shown, stream=bool(body.get("stream")))
+        ex.line.update(model=shown, stream=bool(body.get("stream")))
         if head.session_id:  # an agent's step: its decisions can be followed session by session
-            line.update(session=head.session_id, parent_session=head.parent_session_id)
+            ex.line.update(session=head.session_id, parent_session=head.parent_session_id)
         return Parsed(kind, body, head, raw, model, tokenizer)
 
     def models_answer(self, headers) -> tuple[int, bytes]:
@@ -376,10 +376,10 @@ class ControlPlane:
         """The `x-ratelimit-*` headers for an answer to `tenant` (none where it has no rate limit)."""
         return ratelimit_headers(*self.core.view.rate_headroom(tenant, self.clock()))
 
-    def refuse_early(self, rid: str, refusal: Refusal, line: dict[str, Any]) -> Refusal:
+    def refuse_early(self, ex: Exchange, refusal: Refusal) -> Refusal:
         """A refusal made before the core saw the request (body, JSON, parameters)."""
-        self.core.record_refusal(rid, refusal)
-        line.update(outcome=Terminal.REFUSED.value, layer=refusal.layer.value, reason=str(refusal.reason))
+        self.core.record_refusal(ex.rid, refusal)
+        ex.line.update(outcome=Terminal.REFUSED.value, layer=refusal.layer.value, reason=str(refusal.reason))
         return refusal
 
     @staticmethod
@@ -391,7 +391,7 @@ class ControlPlane:
                     reason=str(r.reason))
         return r
 
-    async def admit(self, parsed: Parsed, line: dict[str, Any]) -> Dispatch | Divert | Refusal:
+    async def admit(self, ex: Exchange, parsed: Parsed) -> Dispatch | Divert | Refusal:
         """The core's decision for a parsed request: its dispatch (the front serves it and owns
         its permit from here), its divert to an external overflow endpoint (the front relays it
         and calls `finish_diverted`), or the refusal its client gets. A front cancelled while this
@@ -401,13 +401,13 @@ class ControlPlane:
         # full tenant queue, sheddable traffic while saturated) is never tokenized
         checked = self.core.precheck(head, self.clock())
         if isinstance(checked, Reject):
-            return self.refused(Refuse(checked), line)
+            return self.refused(Refuse(checked), ex.line)
         block_size = parsed.model.block_size if parsed.model else 16
         media_tokens = parsed.model.media_tokens if parsed.model else 0
         args = (head, parsed.kind, parsed.body, parsed.tokenizer, block_size, media_tokens)
         info = await asyncio.to_thread(with_prompt, *args) if len(parsed.raw) > TOKENIZE_IN_THREAD_BYTES \
             else with_prompt(*args)
-        line.update(prompt_tokens=info.prompt_tokens)
+        ex.line.update(prompt_tokens=info.prompt_tokens)
         if self.shared is not None and info.retry_count and (key := retry_key(checked.name, info)) is not None:
             await self.shared.first_attempt(key)  # a retry: when its first attempt came, at any gateway
         if self.shared is not None and (charge := checks.rate_charge(
@@ -418,18 +418,18 @@ class ControlPlane:
             # its expected cost reserved, or its tenant found over (`quota_keeper`); settled by the journey
             info.over_quota = await self.quotas.reserve(rid, checked.name, info.model, info.prompt_tokens,
                                                         self.core.view.predicted_output(checked.name, info))
-        return await self._served(rid, lambda: self.journey.offer(info, self.clock(), checked), line)
+        return await self._served(ex, lambda: self.journey.offer(info, self.clock(), checked))
 
-    async def requeue(self, rid: str, retry_after: float | None, line: dict[str, Any]) -> Dispatch | Refusal:
+    async def requeue(self, ex: Exchange, retry_after: float | None) -> Dispatch | Refusal:
         """The replica refused the dispatched request before its client saw anything: the core
         holds it again until it fits elsewhere, or ends it (its quota's reservation given back)."""
-        result = await self._served(rid, lambda: self.journey.requeue(rid, self.clock(), retry_after), line)
+        result = await self._served(ex, lambda: self.journey.requeue(ex.rid, self.clock(), retry_after))
         assert not isinstance(result, Divert)  # a request diverts only when it is first offered
         return result
 
-    async def _served(self, rid: str, call: Callable[[], list[Step]],
-                      line: dict[str, Any]) -> Dispatch | Divert | Refusal:
-        """Follow the journey's steps for `rid` until it is to be served, relayed or refused."""
+    async def _served(self, ex: Exchange, call: Callable[[], list[Step]]) -> Dispatch | Divert | Refusal:
+        """Follow the journey's steps for the request until it is to be served, relayed or refused."""
+        rid, line = ex.rid, ex.line
         try:
             step = await self.decision(rid, call)
             while isinstance(step, Claim):
@@ -474,11 +474,11 @@ class ControlPlane:
         """Its prefill worker is done: its KV goes to its decode worker."""
         self.deliver(self.journey.handed_over(rid, self.clock()))
 
-    def finish(self, d: Dispatch, out: Outcome, streamed: bool, line: dict[str, Any]) -> None:
+    def finish(self, ex: Exchange, d: Dispatch, out: Outcome, streamed: bool) -> None:
         """An admitted request is over, as its front saw it end: its permit goes back, its quota
         is settled, and what was seen of it is learnt and counted. `out.completion_tokens` None:
         the front did not see the answer's length, and nothing is learnt from it."""
-        now = self.clock()
+        now, line = self.clock(), ex.line
         if out.terminal is Terminal.COMPLETED:
             tokens = out.completion_tokens or 0
             tpot = (now - out.first_token_at) / (tokens - 1) \
@@ -493,12 +493,12 @@ class ControlPlane:
                     layer=Layer.UPSTREAM.value if out.terminal is Terminal.FAILED else None)
         self.deliver(self.journey.finished(d.request_id, now, out))
 
-    def finish_diverted(self, d: Divert, model: str, out: Outcome, line: dict[str, Any]) -> None:
+    def finish_diverted(self, ex: Exchange, d: Divert, model: str, out: Outcome) -> None:
         """A request diverted to an external endpoint is over (the core counted it when it
         diverted it): its quota is settled at the target's price, and how it ended is counted."""
         self.metrics.overflow.labels(model, d.target, out.terminal.value).inc()
-        self._note_usage(out, line)
-        line["overflow_outcome"] = out.terminal.value
+        self._note_usage(out, ex.line)
+        ex.line["overflow_outcome"] = out.terminal.value
         self.journey.relayed(d.request_id, out)
 
     @staticmethod

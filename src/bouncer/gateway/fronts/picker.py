@@ -127,13 +127,13 @@ class Picker:
             await context.write(self._not_generation(headers, path))
             return
         ex = plane.open_exchange(path, front="picker")
-        rid, line = ex.rid, ex.line
+        line = ex.line
         served = False
         try:
-            refusal = plane.unauthenticated(rid, headers, line)  # before its body is sent here
+            refusal = plane.unauthenticated(ex, headers)  # before its body is sent here
             if refusal is None and first.request_headers.end_of_stream:
-                refusal = plane.refuse_early(rid, Refusal(Layer.VALIDATION, Reason.INVALID_REQUEST,
-                                                          "a request body is required"), line)
+                refusal = plane.refuse_early(ex, Refusal(Layer.VALIDATION, Reason.INVALID_REQUEST,
+                                                         "a request body is required"))
             if refusal is not None:
                 line["status"] = refusal.status
                 await context.write(refused(refusal))
@@ -144,12 +144,12 @@ class Picker:
             try:
                 raw = await request_body(context, limit)
             except BodyTooLarge:
-                decision: tuple[Parsed, Dispatch] | Refusal = plane.refuse_early(rid, Refusal(
-                    Layer.VALIDATION, Reason.BODY_TOO_LARGE, f"request body exceeds {limit} bytes"), line)
+                decision: tuple[Parsed, Dispatch] | Refusal = plane.refuse_early(ex, Refusal(
+                    Layer.VALIDATION, Reason.BODY_TOO_LARGE, f"request body exceeds {limit} bytes"))
             else:
                 if raw is None:
                     return  # Envoy gave up on the request (its client left before the body came)
-                decision = await self._admit(rid, kind, raw, headers, line, subset_hint(first))
+                decision = await self._admit(ex, kind, raw, headers, subset_hint(first))
             if isinstance(decision, Refusal):
                 line["status"] = decision.status
                 await context.write(refused(decision, plane.ratelimit_headers(line["tenant"])))
@@ -160,20 +160,20 @@ class Picker:
             if not served:  # a served one's exchange is closed at its end (`Ledger.end`)
                 plane.close_exchange(ex, line.get("status"))
 
-    async def _admit(self, rid: str, kind: str, raw: bytes, headers: CIMultiDict[str], line: dict[str, Any],
+    async def _admit(self, ex: Exchange, kind: str, raw: bytes, headers: CIMultiDict[str],
                      subset: list[str] | None) -> tuple[Parsed, Dispatch] | Refusal:
         plane = self.plane
-        parsed = plane.parse(rid, kind, raw, headers, line)
+        parsed = plane.parse(ex, kind, raw, headers)
         if isinstance(parsed, Refusal):
             return parsed
         if subset is not None:  # the protocol's subset hint: only these endpoints, else 503
             names = await self._replicas_at(parsed.head.model, subset)
             if not names:
-                return plane.refuse_early(rid, Refusal(
+                return plane.refuse_early(ex, Refusal(
                     Layer.QUEUE, Reason.NO_BACKEND, "no replica of this model is among the endpoints the gateway "
-                                                    "allows for this request", 1.0), line)
+                                                    "allows for this request", 1.0))
             parsed = dataclasses.replace(parsed, head=dataclasses.replace(parsed.head, replicas=frozenset(names)))
-        decision = await plane.admit(parsed, line)  # cancelled here: the client left while held
+        decision = await plane.admit(ex, parsed)  # cancelled here: the client left while held
         return decision if isinstance(decision, Refusal) else (parsed, decision)
 
     async def _serve(self, parsed: Parsed, d: Dispatch, context: grpc.aio.ServicerContext, ex: Exchange,

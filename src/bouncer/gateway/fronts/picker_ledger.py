@@ -220,6 +220,5 @@ class Ledger:
             self.plane.started(rid, now, measured=False)  # (the core's clock only goes forward)
             if answered_at is not None:  # for the TTFT metric and the access line
                 out.first_token_at = min(now, answered_at)
-        line = served.ex.line
-        self.plane.finish(d, out, served.streaming, line)
-        self.plane.close_exchange(served.ex, line.get("status"))
+        self.plane.finish(served.ex, d, out, served.streaming)
+        self.plane.close_exchange(served.ex, served.ex.line.get("status"))

@@ -29,6 +29,7 @@ from bouncer.core.outcomes import Dispatch, Divert, Layer, Reason, Refusal, Term
 from bouncer.gateway.control_plane import ControlPlane, serve_http
 from bouncer.gateway.disaggregated import kv_transfer_params, prefill_body
 from bouncer.gateway.errors import error_response
+from bouncer.gateway.parsed_request import Exchange
 from bouncer.gateway.relay import (
     ClientUsage,
     Requeue,
@@ -81,23 +82,22 @@ class Proxy:
         ex = self.plane.open_exchange(path, headers=request.headers, kind=kind)
         resp: web.StreamResponse | None = None
         try:
-            resp = await self._generate_for(request, kind, path, ex.rid, ex.line, ex.span)
+            resp = await self._generate_for(request, kind, path, ex)
             if not resp.prepared and ex.line["tenant"] != "-":  # a refusal, to a known tenant
                 resp.headers.update(self.plane.ratelimit_headers(ex.line["tenant"]))
             return resp
         finally:
             self.plane.close_exchange(ex, resp.status if resp is not None else None)
 
-    async def _generate_for(self, request: web.Request, kind: str, path: str, rid: str,
-                            line: dict[str, Any], root: Span | None) -> web.StreamResponse:
+    async def _generate_for(self, request: web.Request, kind: str, path: str, ex: Exchange) -> web.StreamResponse:
         plane = self.plane
         limits = plane.config.limits
         too_large = Refusal(Layer.VALIDATION, Reason.BODY_TOO_LARGE,
                             f"request body exceeds {limits.max_body_bytes} bytes")
-        if (refusal := plane.unauthenticated(rid, request.headers, line)) is not None:
+        if (refusal := plane.unauthenticated(ex, request.headers)) is not None:
             return error_response(refusal)
         if request.content_length is not None and request.content_length > limits.max_body_bytes:
-            return error_response(plane.refuse_early(rid, too_large, line))
+            return error_response(plane.refuse_early(ex, too_large))
         try:
             if request.content.is_eof():  # the whole body came with the headers: nothing to wait for
                 raw: bytes | None = await request.read()
@@ -107,31 +107,31 @@ class Proxy:
         except web.HTTPRequestEntityTooLarge:  # past the app's client_max_size of limit + 1
             raw = None
         except TimeoutError:
-            return error_response(plane.refuse_early(rid, Refusal(
+            return error_response(plane.refuse_early(ex, Refusal(
                 Layer.VALIDATION, Reason.REQUEST_TIMEOUT,
-                f"the request body did not arrive within {plane.config.listen.body_timeout_s:g} s"), line))
+                f"the request body did not arrive within {plane.config.listen.body_timeout_s:g} s")))
         if raw is None or len(raw) > limits.max_body_bytes:
-            return error_response(plane.refuse_early(rid, too_large, line))
-        parsed = plane.parse(rid, kind, raw, request.headers, line)
+            return error_response(plane.refuse_early(ex, too_large))
+        parsed = plane.parse(ex, kind, raw, request.headers)
         if isinstance(parsed, Refusal):
             return error_response(parsed)
-        decision = await plane.admit(parsed, line)
+        decision = await plane.admit(ex, parsed)
         if isinstance(decision, Divert):
-            return await self._serve_overflow(request, path, parsed.head.model, parsed.body, decision, line)
+            return await self._serve_overflow(request, path, parsed.head.model, parsed.body, decision, ex)
         while True:
             if isinstance(decision, Refusal):
                 return error_response(decision)
-            result = await self._serve_admitted(request, kind, path, parsed.body, decision, line, root)
+            result = await self._serve_admitted(request, kind, path, parsed.body, decision, ex)
             if not isinstance(result, Requeue):
                 return result
-            decision = await plane.requeue(rid, result.retry_after, line)
+            decision = await plane.requeue(ex, result.retry_after)
 
     async def _serve_admitted(self, request: web.Request, kind: str, path: str, body: dict[str, Any], d: Dispatch,
-                              line: dict[str, Any], root: Span | None) -> web.StreamResponse | Requeue:
+                              ex: Exchange) -> web.StreamResponse | Requeue:
         """Send an admitted request upstream and relay the answer. Owns its permit: whatever
         happens here, the control plane hears how it ended (or gets it back to hold again, on
-        `Requeue`). `root`: the request's span, where tracing is on."""
-        plane = self.plane
+        `Requeue`)."""
+        plane, line, root = self.plane, ex.line, ex.span
         rid = d.request_id
         out = Outcome()
         requeued = False
@@ -192,17 +192,17 @@ class Proxy:
             raise
         finally:
             if not requeued:
-                plane.finish(d, out, streaming, line)
+                plane.finish(ex, d, out, streaming)
             if span is not None:
                 plane.tracer.end_upstream(  # type: ignore[union-attr]
                     span, dispatched, first_at[0] if first_at else None, up_status, self.clock())
 
     async def _serve_overflow(self, request: web.Request, path: str, model: str, body: dict[str, Any], d: Divert,
-                              line: dict[str, Any]) -> web.StreamResponse:
+                              ex: Exchange) -> web.StreamResponse:
         """Relay a diverted request to its external overflow endpoint (`OverflowTarget`), with that
         endpoint's key and model name; its usage is settled at its price. Refused there for load
         (429, 503): the client gets the refusal the pool would have given."""
-        plane = self.plane
+        plane, line = self.plane, ex.line
         target = plane.overflow_target(model, d.target)
         out = Outcome()
         streaming = bool(body.get("stream"))
@@ -224,7 +224,7 @@ class Proxy:
                     status, headers, raw = await asyncio.shield(fetch)
                 except asyncio.CancelledError:
                     finished_later = True
-                    plane.background(self._finish_overflow_later(fetch, d, model, out, line))
+                    plane.background(self._finish_overflow_later(fetch, d, model, out, ex))
                     raise
                 if status != 200:
                     raise failure_for_status(status, headers, raw)
@@ -258,7 +258,7 @@ class Proxy:
             raise
         finally:
             if not finished_later:
-                plane.finish_diverted(d, model, out, line)
+                plane.finish_diverted(ex, d, model, out)
 
     async def _fetch_whole(self, url: yarl.URL, body: bytes, auth: str) -> tuple[int, dict[str, str], bytes]:
         up = await self.upstream.post_json(url, body, auth)
@@ -268,7 +268,7 @@ class Proxy:
             up.close()
 
     async def _finish_overflow_later(self, fetch: asyncio.Future, d: Divert, model: str, out: Outcome,
-                                     line: dict[str, Any]) -> None:
+                                     ex: Exchange) -> None:
         """A whole overflow answer its client left: settled at its usage once it came."""
         try:
             status, _, raw = await fetch
@@ -282,7 +282,7 @@ class Proxy:
             fetch.cancel()
             out.completion_tokens = None
         finally:
-            self.plane.finish_diverted(d, model, out, line)
+            self.plane.finish_diverted(ex, d, model, out)
 
     async def _prefill(self, rid: str, url: str, path: str, sent: dict[str, Any], decode: str) -> str:
         """The P/D hop (`bouncer.gateway.disaggregated`): the prompt on the prefill worker at
