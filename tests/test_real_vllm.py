@@ -392,24 +392,28 @@ def test_another_tenants_cached_prompt_is_a_cold_prompt_for_it(vllm_url):
         return ttft, usage.prompt_tokens_details.cached_tokens
 
     try:
-        cold, warm, other = [], [], []
-        for _ in range(5):
+        cold, fresh, other, warm = [], [], [], []
+        for _ in range(9):
             text = prompt()
             ttft, cached = ask("a", text)  # a's first: nothing cached
             assert cached == 0
             cold.append(ttft)
+            ttft, cached = ask("b", prompt())  # b's own new prompt: a cold prompt of b's, to compare with
+            assert cached == 0
+            fresh.append(ttft)
+            ttft, cached = ask("b", text)  # b's of a's prompt: a's cache is not b's
+            assert cached == 0
+            other.append(ttft)
             ttft, cached = ask("a", text)  # a's again: its blocks are cached
             assert cached >= 256
             warm.append(ttft)
-            ttft, cached = ask("b", text)  # b's: a's cache is not b's
-            assert cached == 0
-            other.append(ttft)
-        print(f"TTFT medians: cold {statistics.median(cold):.4f} warm {statistics.median(warm):.4f} "
-              f"other tenant {statistics.median(other):.4f}")
-        # a cold prompt's, within noise. On this tiny model a warm prompt saves only ~10% of the
-        # time to first token (process overheads dominate), so the cached-token counts above are
-        # what tell the caches apart; this timing check catches only a gross difference.
-        assert statistics.median(other) > 0.8 * statistics.median(cold)
+        print(f"TTFT medians: a cold {statistics.median(cold):.4f}, b cold {statistics.median(fresh):.4f}, "
+              f"b on a's prompt {statistics.median(other):.4f}, a warm {statistics.median(warm):.4f}")
+        # b's on a's prompt is a cold prompt's, within noise: each against b's cold prompt just
+        # before it. On this tiny model a warm prompt saves little of ~20 ms, and requests vary by
+        # as much from one to the next, so the cached-token counts above are what tell the caches
+        # apart; this timing check catches only a gross difference
+        assert statistics.median(o / f for o, f in zip(other, fresh, strict=True)) > 0.6
     finally:
         cleanup()
         loop.close()
