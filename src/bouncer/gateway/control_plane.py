@@ -8,9 +8,10 @@ recorder, config reloads, the ticker that runs the core's deadlines, and the ope
 A front opens an exchange per request (`open_exchange`: its id, arrival, access line and span),
 hands it the parsed request (`admit`), then what it sees of the answer (`started`, `finish`) or
 the client leaving (cancelling `admit`'s wait, or `finish` with CANCELLED), and closes it
-(`close_exchange`, which writes the access line once); each front says what it cannot see. What follows each of the core's decisions (diverts, claims, the
-quota's settling, lease renewal) is the journey's (`bouncer.core.journey`), which the simulator
-runs too: this plane does its waiting. Every admitted request is finished on every path: the
+(`close_exchange`, which writes the access line once); each front says what it cannot see.
+What follows each of the core's decisions (diverts, claims, the quota's settling, lease renewal)
+is the journey's (`bouncer.core.journey`), which the simulator runs too: this plane does its
+waiting. Every admitted request is finished on every path: the
 front that got its `Dispatch` owns its permit in one `try/finally`, and the journey renews its
 lease while it is served. A permit that still got lost (a bug) is taken back by the core when its
 lease runs out, counted in `bouncer_permits_reclaimed_total` and logged. Nothing policy-shaped
